@@ -1,0 +1,57 @@
+"""Numeric parity with timm's VisionTransformer on the same (random) weights.
+
+The parameter names follow timm's, so the state dict copies across unchanged.
+"""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from vlm_vit import VisionEncoder
+
+from .conftest import tiny_config
+
+timm_vit = pytest.importorskip("timm.models.vision_transformer")
+
+CASES = {
+    "class-token": dict(),
+    "no-class-token": dict(class_token=False),
+    "clip-shaped": dict(pre_norm=True, act="quick_gelu", norm_eps=1e-5, patch_bias=False),
+    "gelu-tanh": dict(act="gelu_tanh"),
+}
+
+
+def timm_twin(config):
+    model = timm_vit.VisionTransformer(
+        img_size=config.image_size, patch_size=config.patch_size, num_classes=0,
+        global_pool="token" if config.class_token else "avg", embed_dim=config.width,
+        depth=config.depth, num_heads=config.heads, mlp_ratio=config.mlp_width / config.width,
+        qkv_bias=config.qkv_bias, class_token=config.class_token, pre_norm=config.pre_norm,
+        dynamic_img_size=True, act_layer=config.act, fc_norm=False,  # same activation names
+        norm_layer=functools.partial(nn.LayerNorm, eps=config.norm_eps),
+    )
+    if not config.patch_bias:
+        model.patch_embed.proj.bias = None
+    return model.eval()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("size", [(32, 32), (48, 24)])  # native grid, and a resized one
+def test_matches_timm(case, size):
+    torch.manual_seed(0)
+    ours = VisionEncoder(tiny_config(**CASES[case])).eval()
+    theirs = timm_twin(ours.config)
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    x = torch.randn(3, 3, *size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = theirs.forward_features(x)
+        out = ours(x, output_hidden_states=True)
+        expected_blocks = theirs.forward_intermediates(x, norm=False, intermediates_only=True,
+                                                       output_fmt="NLC")
+    torch.testing.assert_close(out.tokens, expected, atol=1e-5, rtol=1e-5)
+    # timm returns each block's patch tokens (prefix dropped) for its intermediates
+    for ours_hidden, timm_hidden in zip(out.hidden_states[1:], expected_blocks):
+        torch.testing.assert_close(ours_hidden[:, out.num_prefix_tokens:], timm_hidden,
+                                   atol=1e-5, rtol=1e-5)

@@ -1,0 +1,51 @@
+"""Multi-head self-attention with a fused qkv projection (paper eq. 2, Appendix A)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention.
+
+    The fast path is `scaled_dot_product_attention`; when the attention maps are asked for,
+    the same weights compute them explicitly (softmax in float32), so a model built for speed
+    can still be inspected without being rebuilt.
+    """
+
+    def __init__(self, width: int, heads: int, qkv_bias: bool = True) -> None:
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} is not divisible by heads {heads}")
+        self.heads = heads
+        self.head_dim = width // heads
+        self.qkv = nn.Linear(width, 3 * width, bias=qkv_bias)
+        self.proj = nn.Linear(width, width)
+
+    def forward(
+        self, x: torch.Tensor, need_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attends every token to every token.
+
+        Args:
+            x: tokens `[B, T, D]`.
+            need_weights: also return the attention maps.
+
+        Returns:
+            The output `[B, T, D]` and the maps `[B, heads, T, T]` (or None).
+        """
+        batch, tokens, width = x.shape
+        # (B, T, 3, heads, head_dim) -> (3, B, heads, T, head_dim)
+        qkv = self.qkv(x).reshape(batch, tokens, 3, self.heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        weights = None
+        if need_weights:
+            scores = (q.float() @ k.float().transpose(-2, -1)) * self.head_dim**-0.5
+            weights = scores.softmax(dim=-1)  # (B, heads, T, T)
+            out = (weights @ v.float()).to(v.dtype)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v)  # (B, heads, T, head_dim)
+        out = out.transpose(1, 2).reshape(batch, tokens, width)
+        return self.proj(out), weights

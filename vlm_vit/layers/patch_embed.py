@@ -1,0 +1,50 @@
+"""Patch embedding (paper eq. 1): a linear map of each flattened P x P patch.
+
+A convolution with kernel = stride = P computes exactly that map, faster.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class PatchEmbed(nn.Module):
+    """Splits an image into non-overlapping patches and embeds each one.
+
+    Args:
+        patch_size: P.
+        in_channels: C.
+        width: D.
+        bias: whether the map has a bias (CLIP's has none).
+    """
+
+    def __init__(self, patch_size: int, in_channels: int, width: int, bias: bool = True) -> None:
+        super().__init__()
+        self.patch_size = patch_size
+        self.in_channels = in_channels
+        self.proj = nn.Conv2d(in_channels, width, patch_size, stride=patch_size, bias=bias)
+
+    def grid(self, height: int, width: int) -> tuple[int, int]:
+        """The patch grid (rows, cols) of an image, or a ValueError naming the bad side."""
+        p = self.patch_size
+        if height % p or width % p or height <= 0 or width <= 0:
+            raise ValueError(
+                f"image size {height}x{width} is not a positive multiple of patch size {p}"
+            )
+        return height // p, width // p
+
+    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        """Embeds the patches of `pixel_values` `[B, C, H, W]`.
+
+        Returns:
+            Patch embeddings `[B, N, D]`, row-major over the grid, and the grid (rows, cols).
+        """
+        if pixel_values.ndim != 4 or pixel_values.shape[1] != self.in_channels:
+            raise ValueError(
+                f"pixel_values must be [B, {self.in_channels}, H, W], "
+                f"got shape {list(pixel_values.shape)}"
+            )
+        grid = self.grid(pixel_values.shape[2], pixel_values.shape[3])
+        x = self.proj(pixel_values.to(self.proj.weight.dtype))  # (B, D, rows, cols)
+        return x.flatten(2).transpose(1, 2), grid

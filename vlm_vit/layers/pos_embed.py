@@ -1,0 +1,79 @@
+"""Position embeddings: resampling a learned table to a new grid (paper section 3.2) and the
+fixed 2D sin-cos table (MAE, big_vision)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def resample_pos_embed(
+    table: torch.Tensor,
+    old_grid: tuple[int, int],
+    new_grid: tuple[int, int],
+    num_prefix_tokens: int = 0,
+    mode: str = "bicubic",
+    antialias: bool = True,
+) -> torch.Tensor:
+    """Resizes a position table to another patch grid by 2D interpolation.
+
+    The prefix entries (the class token's position) are kept as they are. The arithmetic runs
+    in float32 whatever the table's dtype, and the result is cast back. The same grid returns
+    the table itself.
+
+    Args:
+        table: `[1, prefix + rows * cols, D]`.
+        old_grid: (rows, cols) the table was made for.
+        new_grid: (rows, cols) wanted.
+        num_prefix_tokens: entries before the patch entries.
+        mode: "bicubic" or "bilinear" (`align_corners=False`, as timm and open_clip).
+        antialias: low-pass when shrinking (timm, open_clip); Hugging Face does not.
+
+    Returns:
+        `[1, prefix + new_rows * new_cols, D]`.
+    """
+    expected = num_prefix_tokens + old_grid[0] * old_grid[1]
+    if table.ndim != 3 or table.shape[1] != expected:
+        raise ValueError(
+            f"position table of shape {list(table.shape)} does not fit grid {old_grid} "
+            f"with {num_prefix_tokens} prefix tokens (expected [1, {expected}, D])"
+        )
+    if tuple(new_grid) == tuple(old_grid):
+        return table
+    prefix, patches = table[:, :num_prefix_tokens], table[:, num_prefix_tokens:]
+    width = table.shape[-1]
+    # (1, rows * cols, D) -> (1, D, rows, cols), the layout F.interpolate resizes
+    patches = patches.float().reshape(1, old_grid[0], old_grid[1], width).permute(0, 3, 1, 2)
+    patches = F.interpolate(
+        patches, size=tuple(new_grid), mode=mode, align_corners=False, antialias=antialias
+    )
+    patches = patches.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], width)
+    return torch.cat([prefix, patches.to(table.dtype)], dim=1)
+
+
+def sincos_2d_pos_embed(
+    grid: tuple[int, int], width: int, temperature: float = 10000.0
+) -> torch.Tensor:
+    """The fixed 2D sin-cos table of MAE.
+
+    The first half of the channels encodes the column, the second half the row, in MAE's
+    order (its `get_2d_sincos_pos_embed`), so MAE weights keep their meaning.
+
+    Returns:
+        `[rows * cols, D]` in float32, row-major over the grid.
+    """
+    if width % 4:
+        raise ValueError(f"width {width} must be divisible by 4 for a 2D sin-cos table")
+    rows, cols = grid
+    omega = torch.arange(width // 4, dtype=torch.float64) / (width / 4.0)
+    omega = 1.0 / temperature**omega  # (D/4,)
+    y, x = torch.meshgrid(
+        torch.arange(rows, dtype=torch.float64), torch.arange(cols, dtype=torch.float64),
+        indexing="ij",
+    )
+
+    def encode(pos: torch.Tensor) -> torch.Tensor:
+        angles = pos.reshape(-1, 1) * omega.reshape(1, -1)  # (rows * cols, D/4)
+        return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+    return torch.cat([encode(x), encode(y)], dim=1).float()

@@ -1,0 +1,348 @@
+"""The Vision Transformer encoder of Dosovitskiy et al., "An Image is Worth 16x16 Words:
+Transformers for Image Recognition at Scale", ICLR 2021, section 3.1.
+
+    z_0 = [x_class; x_p^1 E; ...; x_p^N E] + E_pos          (eq. 1)
+    z'_l = MSA(LN(z_{l-1})) + z_{l-1},    l = 1..L           (eq. 2)
+    z_l = MLP(LN(z'_l)) + z'_l,           l = 1..L           (eq. 3)
+    y = LN(z_L)                                              (eq. 4, on every token here)
+
+The encoder returns every token; pooling and projection happen outside it (`vlm_vit.poolers`).
+Shapes: B images, N patches on a (rows, cols) grid, D the width, T = prefix + N tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vlm_vit.config import EncoderConfig
+from vlm_vit.files import atomic_write, read_json, read_safetensors, write_safetensors
+from vlm_vit.layers import Attention, Mlp, PatchEmbed, resample_pos_embed
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+MODEL_TYPE = "vlm_vit.encoder"  # marks a native checkpoint in config.json
+
+
+@dataclass
+class EncoderOutput:
+    """What the encoder returns.
+
+    Attributes:
+        tokens: every token after the final norm, `[B, T, D]`; None when `feature_layers`
+            stopped the run before the last block.
+        patch_tokens: `tokens` without the prefix tokens, `[B, N, D]` (or None likewise).
+        cls_token: the class token after the final norm, `[B, D]`; None for models without
+            one (or when the run stopped early).
+        num_prefix_tokens: class token plus register tokens at the front of `tokens`.
+        grid: the patch grid (rows, cols); N = rows * cols, row-major.
+        hidden_states: when asked, depth + 1 raw residual-stream tensors `[B, T, D]`: index 0
+            the embeddings (after the pre-norm where there is one), index i the output of
+            block i, no final norm (the Hugging Face convention).
+        features: the raw tokens `[B, T, D]` of each of `feature_layers`, in the order asked,
+            indexed like `hidden_states`.
+        attentions: when asked, one `[B, heads, T, T]` map per block.
+    """
+
+    tokens: torch.Tensor | None
+    patch_tokens: torch.Tensor | None
+    cls_token: torch.Tensor | None
+    num_prefix_tokens: int
+    grid: tuple[int, int]
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    features: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+class Block(nn.Module):
+    """One pre-norm Transformer block (eqs. 2 and 3)."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.width, eps=config.norm_eps)
+        self.attn = Attention(config.width, config.heads, qkv_bias=config.qkv_bias)
+        self.norm2 = nn.LayerNorm(config.width, eps=config.norm_eps)
+        self.mlp = Mlp(config.width, config.mlp_width, act=config.act)
+
+    def forward(
+        self, x: torch.Tensor, need_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attended, weights = self.attn(self.norm1(x), need_weights=need_weights)
+        x = x + attended
+        x = x + self.mlp(self.norm2(x))
+        return x, weights
+
+
+class VisionEncoder(nn.Module):
+    """The ViT encoder: patches in, every token out.
+
+    Parameter names follow timm (`patch_embed.proj`, `cls_token`, `pos_embed`, `reg_token`,
+    `norm_pre`, `blocks.N.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}`, `norm`).
+
+    Args:
+        config: the architecture.
+    """
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        width = config.width
+        self.patch_embed = PatchEmbed(config.patch_size, config.in_channels, width,
+                                      bias=config.patch_bias)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, width)) if config.class_token else None
+        self.reg_token = (nn.Parameter(torch.zeros(1, config.num_register_tokens, width))
+                          if config.num_register_tokens else None)
+        # E_pos covers the class token (if any) and the patches; registers have no position.
+        rows, cols = config.grid
+        self.pos_embed = nn.Parameter(torch.zeros(1, int(config.class_token) + rows * cols, width))
+        self.norm_pre = nn.LayerNorm(width, eps=config.norm_eps) if config.pre_norm else None
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
+        self.norm = nn.LayerNorm(width, eps=config.norm_eps) if config.final_norm else None
+        self._pos_cache: dict[tuple, torch.Tensor] = {}  # resized tables per grid, not saved
+        self.init_weights()
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return self.config.num_prefix_tokens
+
+    def init_weights(self) -> None:
+        """timm's initialisation: truncated normal 0.02 for tables and Linears, zero biases."""
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        for token in (self.cls_token, self.reg_token):
+            if token is not None:
+                nn.init.normal_(token, std=1e-6)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Conv2d)):
+                nn.init.trunc_normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        self._pos_cache.clear()
+
+    # -- eq. 1: patch embedding, class token, position embedding -----------------------------
+
+    def position_table(self, grid: tuple[int, int]) -> torch.Tensor:
+        """E_pos for a patch grid, `[1, class + rows * cols, D]`, resized if needed.
+
+        A resized table is cached per grid while the table is not being trained; the cache
+        notices in-place updates (an optimizer step) through the parameter's version counter.
+        """
+        table = self.pos_embed
+        if tuple(grid) == self.config.grid:
+            return table
+        resize = dict(num_prefix_tokens=int(self.config.class_token),
+                      mode=self.config.pos_resize_mode,
+                      antialias=self.config.pos_resize_antialias)
+        if torch.is_grad_enabled() and table.requires_grad:
+            return resample_pos_embed(table, self.config.grid, grid, **resize)
+        key = (tuple(grid), table.device, table.dtype, table.data_ptr(), table._version)
+        cached = self._pos_cache.get(key)
+        if cached is None:
+            self._pos_cache = {k: v for k, v in self._pos_cache.items() if k[3:] == key[3:]}
+            with torch.no_grad():
+                cached = resample_pos_embed(table, self.config.grid, grid, **resize)
+            self._pos_cache[key] = cached
+        return cached
+
+    def prepare_tokens(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        """z_0: `[B, C, H, W]` pixels to `[B, T, D]` tokens (before the pre-norm), and the grid."""
+        x, grid = self.patch_embed(pixel_values)  # (B, N, D)
+        table = self.position_table(grid).to(x.dtype)
+        prefix = []
+        if self.cls_token is not None:
+            x = x + table[:, 1:]
+            prefix.append((self.cls_token + table[:, :1]).expand(x.shape[0], -1, -1))
+        else:
+            x = x + table
+        if self.reg_token is not None:
+            prefix.append(self.reg_token.expand(x.shape[0], -1, -1))
+        if prefix:
+            x = torch.cat([*(p.to(x.dtype) for p in prefix), x], dim=1)
+        return x, grid
+
+    # -- eqs. 2 to 4 -------------------------------------------------------------------------
+
+    def _layer_index(self, layer: int) -> int:
+        """A hidden-state index (0 = embeddings, i = block i; negative from the end)."""
+        count = self.config.depth + 1
+        index = operator.index(layer)
+        if not -count <= index < count:
+            raise ValueError(
+                f"feature layer {layer} is out of range for depth {self.config.depth} "
+                f"(valid: {-count} to {count - 1})"
+            )
+        return index % count
+
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        *,
+        feature_layers: list[int] | tuple[int, ...] | int | None = None,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> EncoderOutput:
+        """Encodes images.
+
+        Args:
+            pixel_values: `[B, C, H, W]`, H and W multiples of the patch size.
+            feature_layers: hidden-state indices whose raw tokens to return in `features`
+                (`[-2]` for LLaVA). Alone, they stop the run after the deepest one.
+            output_hidden_states: return every hidden state.
+            output_attentions: return every block's attention maps (computed explicitly).
+
+        Returns:
+            An `EncoderOutput`.
+
+        Raises:
+            ValueError: for a bad shape, a side that is not a multiple of the patch size, or
+                a feature layer out of range.
+        """
+        if isinstance(feature_layers, int):
+            feature_layers = [feature_layers]
+        wanted = [self._layer_index(i) for i in feature_layers] if feature_layers else []
+        depth = self.config.depth
+        run_to = max(wanted) if wanted and not (output_hidden_states or output_attentions) \
+            else depth
+
+        x, grid = self.prepare_tokens(pixel_values)
+        if self.norm_pre is not None:
+            x = self.norm_pre(x)
+        hidden_states = [x] if output_hidden_states else None
+        attentions = [] if output_attentions else None
+        kept = {0: x} if 0 in wanted else {}
+        for index, block in enumerate(self.blocks[:run_to], start=1):
+            x, weights = block(x, need_weights=output_attentions)
+            if hidden_states is not None:
+                hidden_states.append(x)
+            if attentions is not None:
+                attentions.append(weights)
+            if index in wanted:
+                kept[index] = x
+
+        tokens = patch_tokens = cls_token = None
+        if run_to == depth:
+            tokens = self.norm(x) if self.norm is not None else x
+            patch_tokens = tokens[:, self.num_prefix_tokens:]
+            cls_token = tokens[:, 0] if self.cls_token is not None else None
+        return EncoderOutput(
+            tokens=tokens,
+            patch_tokens=patch_tokens,
+            cls_token=cls_token,
+            num_prefix_tokens=self.num_prefix_tokens,
+            grid=grid,
+            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
+            features=tuple(kept[i] for i in wanted) if feature_layers else None,
+            attentions=tuple(attentions) if attentions is not None else None,
+        )
+
+    # -- native format ----------------------------------------------------------------------
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Writes `config.json` and `model.safetensors` into `directory`, each atomically.
+
+        Returns:
+            The directory.
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = {"model_type": MODEL_TYPE, "format_version": 1, "encoder": self.config.to_dict()}
+        with atomic_write(directory / CONFIG_NAME, "w") as handle:
+            json.dump(config, handle, indent=2)
+        write_safetensors(self.state_dict(), directory / WEIGHTS_NAME)
+        return directory
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | Path, *, dtype: torch.dtype | None = None, **overrides
+    ) -> VisionEncoder:
+        """Reads a directory written by `save_pretrained`, bit-exactly.
+
+        Args:
+            directory: holds `config.json` and `model.safetensors`.
+            dtype: cast the weights to this dtype (default: as stored).
+            **overrides: `EncoderConfig` fields to change; a new `image_size` resizes the
+                position table.
+
+        Raises:
+            FileNotFoundError, ValueError: naming the file that is missing or malformed.
+        """
+        directory = Path(directory)
+        config_path = directory / CONFIG_NAME
+        raw = read_json(config_path)
+        if raw.get("model_type") != MODEL_TYPE or "encoder" not in raw:
+            raise ValueError(
+                f"{config_path} is not a vlm-vit encoder config (model_type is "
+                f"{raw.get('model_type')!r}, expected {MODEL_TYPE!r})"
+            )
+        try:
+            config = EncoderConfig.from_dict(raw["encoder"])
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{config_path}: {error}") from error
+        state = read_safetensors(directory / WEIGHTS_NAME)
+        return cls.from_state_dict(state, config, dtype=dtype, source=directory / WEIGHTS_NAME,
+                                   **overrides)
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        state: dict[str, torch.Tensor],
+        config: EncoderConfig,
+        *,
+        dtype: torch.dtype | None = None,
+        source: str | Path = "state dict",
+        **overrides,
+    ) -> VisionEncoder:
+        """Builds an encoder from native-named weights, strictly.
+
+        Every missing, unexpected or mis-shaped key is listed in one error, and nothing is
+        loaded half-way. `overrides` may change `image_size` (the position table is resized)
+        or any field that does not change a weight's shape (`act`, `norm_eps`, ...).
+        """
+        new_size = overrides.pop("image_size", None)
+        config = EncoderConfig.from_dict({**config.to_dict(), **overrides})
+        with torch.device("meta"):
+            model = cls(config)
+        check_state_dict(model, state, source)
+        model.load_state_dict(state, assign=True)
+        if dtype is not None:
+            model.to(dtype)
+        if new_size is not None:
+            model.resize_image(new_size)
+        return model
+
+    def resize_image(self, image_size: int | tuple[int, int]) -> None:
+        """Makes `image_size` the native size, resizing the position table once (paper 3.2)."""
+        new = EncoderConfig.from_dict({**self.config.to_dict(), "image_size": image_size})
+        with torch.no_grad():
+            table = resample_pos_embed(
+                self.pos_embed.data, self.config.grid, new.grid,
+                num_prefix_tokens=int(new.class_token), mode=new.pos_resize_mode,
+                antialias=new.pos_resize_antialias,
+            )
+        self.pos_embed = nn.Parameter(table.clone(), requires_grad=self.pos_embed.requires_grad)
+        self.config = new
+        self._pos_cache.clear()
+
+
+def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: object) -> None:
+    """Raises one ValueError listing every missing, unexpected and mis-shaped key."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    misshaped = sorted(
+        f"{name} (checkpoint {list(state[name].shape)}, model {list(expected[name])})"
+        for name in set(expected) & set(state)
+        if tuple(state[name].shape) != expected[name]
+    )
+    problems = [
+        f"{label}: {', '.join(names)}"
+        for label, names in (("missing", missing), ("unexpected", unexpected),
+                             ("wrong shape", misshaped))
+        if names
+    ]
+    if problems:
+        raise ValueError(f"weights in {source} do not fit the model; " + "; ".join(problems))
