@@ -166,7 +166,7 @@ class VisionEncoder(nn.Module):
 
     # -- eqs. 2 to 4 -------------------------------------------------------------------------
 
-    def _layer_index(self, layer: int) -> int:
+    def layer_index(self, layer: int) -> int:
         """A hidden-state index (0 = embeddings, i = block i; negative from the end)."""
         count = self.config.depth + 1
         index = operator.index(layer)
@@ -203,7 +203,7 @@ class VisionEncoder(nn.Module):
         """
         if isinstance(feature_layers, int):
             feature_layers = [feature_layers]
-        wanted = [self._layer_index(i) for i in feature_layers] if feature_layers else []
+        wanted = [self.layer_index(i) for i in feature_layers] if feature_layers else []
         depth = self.config.depth
         run_to = max(wanted) if wanted and not (output_hidden_states or output_attentions) \
             else depth

@@ -1,0 +1,37 @@
+import json
+
+import pytest
+
+from vlm_vit.cli import main
+from vlm_vit.model import VisionEncoder
+
+from ..conftest import tiny_config
+
+
+def test_info_of_a_variant_reports_paper_counts(capsys):
+    assert main(["info", "vit-b/16", "--json", "--image-size", "224", "--image-size", "384",
+                 "512"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["parameters"] == 85_798_656
+    first, second = report["resolutions"]
+    assert first["tokens"] == 197 and first["grid"] == [14, 14]
+    assert second["image_size"] == [384, 512] and second["tokens"] == 24 * 32 + 1
+    assert first["gflops"] == pytest.approx(35.1, abs=0.1)  # 17.6 G multiply-adds
+
+
+def test_info_of_a_checkpoint_table(tmp_path, capsys):
+    VisionEncoder(tiny_config(num_register_tokens=4)).save_pretrained(tmp_path)
+    assert main(["info", str(tmp_path), "--image-size", "32", "--image-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "registers 4" in out
+    assert " 21 " in out and " 69 " in out  # 16 + 5 and 64 + 5 tokens
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["info", "vit-b/61"], "unknown variant 'vit-b/61'; did you mean vit-b/16"),
+    (["info", "vit-b/16", "--image-size", "225"], "225x225 is not a multiple of patch size 16"),
+])
+def test_info_user_errors_are_one_line(capsys, argv, message):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -1,0 +1,395 @@
+"""Tests for vlm_vit.processor.ImageProcessor."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageFile
+
+from vlm_vit.processor import (
+    NORMALIZATION,
+    PROCESSOR_CONFIG_NAME,
+    ImageLoadError,
+    ImageProcessor,
+    ImageTooLargeError,
+)
+
+RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
+
+
+def expected_pixel(proc: ImageProcessor, rgb) -> torch.Tensor:
+    """The normalised value of a constant colour, ``[3]``."""
+    x = torch.tensor(rgb, dtype=torch.float32) / 255.0
+    return (x - torch.tensor(proc.mean)) / torch.tensor(proc.std)
+
+
+def assert_colour(proc: ImageProcessor, out: torch.Tensor, rgb, levels: float = 1.0) -> None:
+    """Every pixel of ``out`` ``[3, H, W]`` is ``rgb`` within ``levels`` of 0..255."""
+    diff = (out - expected_pixel(proc, rgb)[:, None, None]).abs().amax(dim=(1, 2))
+    tol = levels / 255.0 / torch.tensor(proc.std) + 1e-6
+    assert bool((diff <= tol).all()), f"max diff per channel {diff.tolist()} for {rgb}"
+
+
+def noise_image(height: int, width: int, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+# ---- input types and shapes ---------------------------------------------------------
+
+
+def _inputs(tmp_path):
+    rgb = np.random.default_rng(1).integers(0, 256, (40, 30, 3), dtype=np.uint8)
+    noise_image(40, 30).save(tmp_path / "a.png")
+    return {
+        "pil": Image.fromarray(rgb),
+        "numpy_uint8": rgb,
+        "numpy_float": rgb / 255.0,
+        "numpy_gray": rgb[..., 0],
+        "tensor_uint8": torch.from_numpy(rgb).permute(2, 0, 1),
+        "tensor_float": torch.from_numpy(rgb).permute(2, 0, 1) / 255.0,
+        "tensor_gray": torch.from_numpy(rgb[None, :, :, 1] / 255.0),
+        "path_str": str(tmp_path / "a.png"),
+        "path": tmp_path / "a.png",
+    }
+
+
+@pytest.mark.parametrize("kind", ["pil", "numpy_uint8", "numpy_float", "numpy_gray",
+                                  "tensor_uint8", "tensor_float", "tensor_gray", "path_str",
+                                  "path"])
+def test_single_input_shape_and_dtype(tmp_path, kind):
+    proc = ImageProcessor(size=(16, 24))
+    out = proc(_inputs(tmp_path)[kind])
+    assert out.shape == (1, 3, 16, 24)
+    assert out.dtype == torch.float32 and out.is_contiguous()
+    assert torch.equal(proc.preprocess_one(_inputs(tmp_path)[kind]), out[0])
+
+
+def test_list_mixing_types_and_4d_batch(tmp_path):
+    proc = ImageProcessor(size=16)
+    inp = _inputs(tmp_path)
+    batch = torch.rand(2, 3, 20, 20)
+    items = [inp["pil"], batch, inp["numpy_float"], inp["path"]]
+    out = proc(items)
+    assert out.shape == (5, 3, 16, 16) and out.dtype == torch.float32
+    # Each row equals the image processed on its own: order is kept, the batch expands.
+    singles = [proc(inp["pil"]), proc(batch), proc(inp["numpy_float"]), proc(inp["path"])]
+    assert torch.equal(out, torch.cat(singles))
+    assert proc(batch).shape == (2, 3, 16, 16)
+
+
+def test_uint8_inputs_agree_across_types():
+    rgb = np.random.default_rng(2).integers(0, 256, (33, 47, 3), dtype=np.uint8)
+    proc = ImageProcessor(size=(20, 28))
+    ref = proc(Image.fromarray(rgb))
+    assert torch.equal(proc(rgb), ref)
+    assert torch.equal(proc(torch.from_numpy(rgb).permute(2, 0, 1)), ref)
+
+
+# ---- normalisation and resizing -----------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(NORMALIZATION))
+def test_normalisation_of_constant_colour_is_exact(family):
+    rgb = (10, 128, 250)
+    proc = ImageProcessor.for_family(family, size=12)
+    out = proc(Image.new("RGB", (30, 20), rgb))[0]
+    mean, std = NORMALIZATION[family]
+    want = [(v / 255.0 - m) / s for v, m, s in zip(rgb, mean, std)]
+    for c in range(3):
+        assert torch.allclose(out[c], torch.full((12, 12), want[c]), atol=1e-6, rtol=0)
+    # Float input takes the torch resize path; a constant stays constant there too.
+    out_f = proc(np.full((20, 30, 3), rgb, dtype=np.float32) / 255.0)[0]
+    assert torch.allclose(out_f, out, atol=1e-5, rtol=0)
+
+
+def _three_bands():
+    """100x200 image: red columns 0..40, green 40..160, blue 160..200."""
+    arr = np.zeros((100, 200, 3), dtype=np.uint8)
+    arr[:, :40], arr[:, 40:160], arr[:, 160:] = RED, GREEN, BLUE
+    return arr
+
+
+@pytest.mark.parametrize("as_float", [False, True])
+def test_shortest_edge_keeps_aspect_and_crops_centre(as_float):
+    arr = _three_bands()
+    proc = ImageProcessor(size=20, resize_mode="shortest_edge")
+    # 100x200 -> 20x40, crop columns 10..30 = source columns 50..150: green only.
+    out = proc(arr / 255.0 if as_float else arr)[0]
+    assert_colour(proc, out, GREEN, levels=1.0)
+
+
+@pytest.mark.parametrize("as_float", [False, True])
+def test_squash_keeps_whole_image(as_float):
+    arr = _three_bands()
+    proc = ImageProcessor(size=20, resize_mode="squash")
+    out = proc(arr / 255.0 if as_float else arr)[0]
+    assert_colour(proc, out[:, :, :2], RED, levels=2.0)
+    assert_colour(proc, out[:, :, 8:12], GREEN, levels=2.0)
+    assert_colour(proc, out[:, :, -2:], BLUE, levels=2.0)
+
+
+def test_shortest_edge_with_non_square_target_covers_it():
+    proc = ImageProcessor(size=(16, 32))
+    arr = np.zeros((64, 64, 3), dtype=np.uint8)
+    arr[:16], arr[16:48], arr[48:] = RED, GREEN, BLUE
+    # 64x64 -> 32x32 (cover 16x32), crop rows 8..24 = source rows 16..48: green.
+    out = proc(arr)[0]
+    assert out.shape == (3, 16, 32)
+    assert_colour(proc, out[:, 2:-2], GREEN, levels=1.0)
+
+
+def test_parity_with_reference_pipeline():
+    data = pytest.importorskip("skimage.data")
+    rgb = data.astronaut()[:, :399]  # 512x399: resized to 287x224, crop top = round(31.5)
+    proc = ImageProcessor.for_family("clip", size=224, resample="bicubic")
+    out = proc(rgb)[0].numpy()
+
+    # CLIP: Resize(224, BICUBIC) on PIL (short side 224, long side int()), CenterCrop.
+    img = Image.fromarray(rgb).resize((224, int(224 * 512 / 399)), Image.Resampling.BICUBIC)
+    arr = np.asarray(img).astype(np.float32) / 255.0
+    top = int(round((arr.shape[0] - 224) / 2.0))
+    arr = arr[top:top + 224, :224]
+    mean, std = (np.array(v, dtype=np.float32) for v in NORMALIZATION["clip"])
+    ref = ((arr - mean) / std).transpose(2, 0, 1)
+    assert out.shape == ref.shape
+    assert np.abs(out - ref).max() < 1e-6
+
+
+# ---- PIL modes and EXIF ----------------------------------------------------------------
+
+
+def _palette(index: int, transparent: bool) -> Image.Image:
+    img = Image.new("P", (20, 10), index)
+    img.putpalette([10, 20, 30, 200, 100, 50] + [0] * (256 * 3 - 6))
+    if transparent:
+        img.info["transparency"] = 0  # palette entry 0 is fully transparent
+    return img
+
+
+@pytest.mark.parametrize("make, rgb", [
+    (lambda: Image.new("L", (20, 10), 77), (77, 77, 77)),
+    (lambda: Image.new("1", (20, 10), 1), (255, 255, 255)),
+    (lambda: Image.new("I;16", (20, 10), 257 * 100), (100, 100, 100)),
+    (lambda: Image.new("I", (20, 10), 257 * 60), (60, 60, 60)),
+    (lambda: Image.new("I", (20, 10), 60), (60, 60, 60)),
+    (lambda: Image.new("F", (20, 10), 0.25), (64, 64, 64)),
+    (lambda: Image.new("RGBA", (20, 10), (200, 100, 50, 255)), (200, 100, 50)),
+    (lambda: Image.new("RGBA", (20, 10), (0, 0, 0, 0)), (255, 255, 255)),
+    (lambda: Image.new("RGBA", (20, 10), (0, 0, 0, 51)), (204, 204, 204)),
+    (lambda: Image.new("LA", (20, 10), (90, 255)), (90, 90, 90)),
+    (lambda: Image.new("LA", (20, 10), (90, 0)), (255, 255, 255)),
+    (lambda: _palette(0, transparent=True), (255, 255, 255)),
+    (lambda: _palette(1, transparent=True), (200, 100, 50)),
+    (lambda: _palette(0, transparent=False), (10, 20, 30)),
+    (lambda: Image.new("CMYK", (20, 10), (0, 255, 128, 51)), (204, 0, 102)),
+    (lambda: Image.new("YCbCr", (20, 10), (128, 128, 128)), (128, 128, 128)),
+], ids=["L", "1", "I;16", "I-16bit", "I-8bit", "F", "RGBA-opaque", "RGBA-clear",
+        "RGBA-partial", "LA-opaque", "LA-clear", "P-clear", "P-opaque", "P-no-alpha", "CMYK",
+        "YCbCr"])
+def test_pil_modes_become_rgb(make, rgb):
+    proc = ImageProcessor(size=8, resize_mode="squash")
+    assert_colour(proc, proc(make())[0], rgb, levels=1.0)
+
+
+def test_transparency_uses_background_for_pil_and_numpy():
+    proc = ImageProcessor(size=8, background=(0, 128, 0))
+    clear = np.zeros((10, 10, 4), dtype=np.uint8)
+    assert_colour(proc, proc(Image.fromarray(clear, mode="RGBA"))[0], (0, 128, 0))
+    assert_colour(proc, proc(clear)[0], (0, 128, 0))
+    assert_colour(proc, proc(clear.astype(np.float32))[0], (0, 128, 0))
+
+
+def test_palette_png_with_transparency_from_file(tmp_path):
+    path = tmp_path / "p.png"
+    _palette(0, transparent=False).save(path, transparency=0)
+    with Image.open(path) as img:
+        assert img.mode == "P" and "transparency" in img.info
+    proc = ImageProcessor(size=8)
+    assert_colour(proc, proc(path)[0], (255, 255, 255))
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    arr = np.zeros((24, 48, 3), dtype=np.uint8)  # wide, with a red top-left quadrant
+    arr[:12, :24] = RED
+    path = tmp_path / "rot.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
+    Image.fromarray(arr).save(path, exif=exif, quality=95)
+
+    with Image.open(path) as img:
+        stored = np.asarray(img.convert("RGB"))
+    upright = np.ascontiguousarray(np.rot90(stored, k=-1))  # clockwise: now tall, 48x24
+    proc = ImageProcessor(size=(32, 16), resize_mode="squash")
+    out = proc(path)
+    assert torch.allclose(out, proc(upright), atol=1e-6)
+    assert not torch.allclose(out, proc(stored), atol=0.1)
+    # Red quadrant ends at the top right once rotated clockwise.
+    assert_colour(proc, out[0, :, 2:12, 10:], RED, levels=12.0)
+
+
+# ---- file errors ---------------------------------------------------------------------
+
+
+def _truncated(path, fmt):
+    noise_image(64, 64).save(path, format=fmt)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: (d / "corrupt.png").write_bytes(np.random.default_rng(0).bytes(500))
+    and d / "corrupt.png",
+    lambda d: _truncated(d / "half.png", "PNG"),
+    lambda d: _truncated(d / "half.jpg", "JPEG"),
+    lambda d: d / "missing.png",
+    lambda d: (d / "notes.txt").write_text("not an image\n") and d / "notes.txt",
+    lambda d: d,
+], ids=["corrupt", "truncated-png", "truncated-jpeg", "missing", "text", "directory"])
+def test_bad_files_raise_image_load_error(tmp_path, make):
+    path = make(tmp_path)
+    with pytest.raises(ImageLoadError) as info:
+        ImageProcessor(size=8)(path)
+    assert str(path) in str(info.value)
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is False
+
+
+def test_truncated_message_says_truncated(tmp_path):
+    path = _truncated(tmp_path / "half.jpg", "JPEG")
+    with pytest.raises(ImageLoadError, match="truncated"):
+        ImageProcessor(size=8)(path)
+
+
+def test_too_many_pixels_checked_before_decoding(tmp_path):
+    path = tmp_path / "big.png"
+    noise_image(100, 100).save(path)
+    proc = ImageProcessor(size=8, max_pixels=1000)
+    with pytest.raises(ImageTooLargeError) as info:
+        proc(path)
+    assert str(path) in str(info.value) and "100x100" in str(info.value)
+    assert "1000" in str(info.value)
+
+    # A valid header with the pixel data cut off: decoding would fail with ImageLoadError,
+    # so getting ImageTooLargeError shows the size is checked first.
+    path.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(ImageLoadError):
+        ImageProcessor(size=8)(path)
+    with pytest.raises(ImageTooLargeError):
+        proc(path)
+
+
+def test_too_many_pixels_for_arrays_tensors_and_pil():
+    proc = ImageProcessor(size=8, max_pixels=1000)
+    for image in [np.zeros((40, 30, 3), np.uint8), torch.zeros(2, 3, 40, 30),
+                  Image.new("RGB", (30, 40))]:
+        with pytest.raises(ImageTooLargeError, match="30x40"):
+            proc(image)
+    assert proc(np.zeros((25, 40, 3), np.uint8)).shape == (1, 3, 8, 8)  # exactly the limit
+
+
+def test_pil_decompression_bomb_error_and_warning_are_converted(tmp_path, monkeypatch):
+    path = tmp_path / "big.png"
+    noise_image(100, 100).save(path)
+    proc = ImageProcessor(size=8)  # its own limit is far away: PIL's check fires
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # error above 2x = 2000 pixels
+    with pytest.raises(ImageTooLargeError, match="big.png"):
+        proc(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 6000)  # warning only (6000 < 10000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with pytest.raises(ImageTooLargeError, match="big.png"):
+            proc(path)
+
+
+# ---- bad arrays and tensors ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("image, error, text", [
+    (np.zeros((2, 4, 4, 3), np.uint8), ValueError, r"\(2, 4, 4, 3\)"),
+    (np.zeros((4, 4, 2), np.uint8), ValueError, r"\(4, 4, 2\)"),
+    (np.zeros((3, 8, 8), np.uint8), ValueError, "channels last"),
+    (np.zeros((0, 4, 3), np.uint8), ValueError, "empty"),
+    (np.full((4, 4, 3), 2.5), ValueError, r"\[2.5, 2.5\]"),
+    (np.full((4, 4, 3), -0.5), ValueError, r"\[-0.5, -0.5\]"),
+    (np.full((4, 4, 3), np.nan), ValueError, "nan"),
+    (np.zeros((4, 4, 3), bool), TypeError, "bool"),
+    (np.zeros((4, 4, 3), np.int64), TypeError, "int64"),
+    (torch.zeros(4, 8, 8), ValueError, r"\(4, 8, 8\)"),
+    (torch.zeros(8, 8), ValueError, r"\(8, 8\)"),
+    (torch.zeros(3, 0, 8), ValueError, "empty"),
+    (torch.zeros(3, 8, 8, dtype=torch.complex64), TypeError, "complex64"),
+    (torch.zeros(3, 8, 8, dtype=torch.bool), TypeError, "bool"),
+    (torch.full((3, 8, 8), 1.5), ValueError, r"\[1.5, 1.5\]"),
+    (42, TypeError, "int"),
+    ([], ValueError, "empty"),
+])
+def test_bad_inputs_raise_clear_errors(image, error, text):
+    with pytest.raises(error, match=text):
+        ImageProcessor(size=8)(image)
+
+
+# ---- settings ------------------------------------------------------------------------
+
+
+def test_save_and_load_round_trip(tmp_path):
+    proc = ImageProcessor(size=(384, 256), resize_mode="squash", resample="bilinear",
+                          mean=(0.1, 0.2, 0.3), std=(0.4, 0.5, 0.6), max_pixels=12345,
+                          background=(1, 2, 3))
+    directory = tmp_path / "nested" / "dir"
+    path = proc.save_pretrained(directory)
+    assert path == directory / PROCESSOR_CONFIG_NAME
+    assert sorted(p.name for p in directory.iterdir()) == [PROCESSOR_CONFIG_NAME]  # no temp
+    assert json.loads(path.read_text())["size"] == [384, 256]
+    assert ImageProcessor.from_pretrained(directory) == proc
+    assert ImageProcessor.from_dict(proc.to_dict()) == proc
+
+
+def test_config_errors_name_key_and_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=PROCESSOR_CONFIG_NAME):
+        ImageProcessor.from_pretrained(tmp_path)
+    path = tmp_path / PROCESSOR_CONFIG_NAME
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON") as info:
+        ImageProcessor.from_pretrained(tmp_path)
+    assert str(path) in str(info.value)
+    path.write_text(json.dumps({**ImageProcessor().to_dict(), "crop_pct": 0.9}))
+    with pytest.raises(ValueError, match="crop_pct"):
+        ImageProcessor.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="crop_pct"):
+        ImageProcessor.from_dict({"crop_pct": 0.9})
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    ({"size": 0}, "size"),
+    ({"size": (224,)}, "size"),
+    ({"size": (224.0, 224)}, "size"),
+    ({"resize_mode": "crop"}, "shortest_edge.*squash"),
+    ({"resample": "nearest"}, "bicubic.*bilinear"),
+    ({"std": (0.5, 0.0, 0.5)}, "nonzero"),
+    ({"mean": (0.5, 0.5)}, "3 values"),
+    ({"max_pixels": 0}, "max_pixels"),
+    ({"background": (0, 0, 256)}, "background"),
+])
+def test_invalid_settings(kwargs, text):
+    with pytest.raises(ValueError, match=text):
+        ImageProcessor(**kwargs)
+
+
+def test_int_size_means_square_and_defaults():
+    proc = ImageProcessor(size=160)
+    assert proc.size == (160, 160)
+    assert (proc.mean, proc.std) == NORMALIZATION["imagenet"]
+    assert ImageProcessor().size == (224, 224)
+
+
+def test_for_family():
+    proc = ImageProcessor.for_family("clip", size=336)
+    assert (proc.mean, proc.std) == NORMALIZATION["clip"]
+    assert proc.size == (336, 336)
+    with pytest.raises(ValueError, match="clip.*imagenet.*inception"):
+        ImageProcessor.for_family("dino")

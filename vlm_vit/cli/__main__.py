@@ -1,0 +1,5 @@
+import sys
+
+from vlm_vit.cli import main
+
+sys.exit(main())

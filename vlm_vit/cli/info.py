@@ -1,0 +1,88 @@
+"""`vlm-vit info NAME_OR_PATH`: size, cost and token counts of an encoder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from vlm_vit.config import EncoderConfig
+from vlm_vit.files import read_json
+from vlm_vit.flops import count_macs
+from vlm_vit.model import CONFIG_NAME, MODEL_TYPE, VisionEncoder
+
+COMMON_SIDES = (224, 336, 384, 448, 512)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "info", help="parameters, GFLOPs and token counts of a variant or checkpoint",
+        description="Show the size and cost of a named variant or a checkpoint directory.")
+    parser.add_argument("model", metavar="NAME_OR_PATH",
+                        help="a variant name (see `vlm-vit info --list`) or a checkpoint")
+    parser.add_argument("--image-size", type=int, nargs="+", action="append", default=None,
+                        metavar="SIDE", help="a resolution to report: SIDE or HEIGHT WIDTH "
+                        "(repeatable; default: native plus common sizes)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(run=run)
+
+
+def resolve_config(model: str) -> EncoderConfig:
+    """The config of a variant name or of a native checkpoint directory."""
+    path = Path(model)
+    if path.exists():
+        raw = read_json(path / CONFIG_NAME if path.is_dir() else path)
+        if raw.get("model_type") != MODEL_TYPE:
+            raise ValueError(f"{path} is not a vlm-vit checkpoint (model_type "
+                             f"{raw.get('model_type')!r})")
+        return EncoderConfig.from_dict(raw["encoder"])
+    return EncoderConfig.from_name(model)
+
+
+def _sizes(config: EncoderConfig, requested: list[list[int]] | None) -> list[tuple[int, int]]:
+    if requested:
+        sizes = []
+        for size in requested:
+            if len(size) not in (1, 2):
+                raise ValueError(f"--image-size takes SIDE or HEIGHT WIDTH, got {size}")
+            sizes.append((size[0], size[-1]))
+        return sizes
+    common = [(s, s) for s in COMMON_SIDES if s % config.patch_size == 0]
+    return sorted({config.image_size, *common})
+
+
+def describe(config: EncoderConfig, sizes: list[tuple[int, int]]) -> dict:
+    """Parameters and, per resolution, the grid, token count and GFLOPs of one image."""
+    with torch.device("meta"):  # counts without allocating the weights
+        parameters = sum(p.numel() for p in VisionEncoder(config).parameters())
+    rows = []
+    for height, width in sizes:
+        macs = count_macs(config, (height, width))  # raises for a size off the patch grid
+        grid = (height // config.patch_size, width // config.patch_size)
+        rows.append({"image_size": [height, width], "grid": list(grid),
+                     "tokens": grid[0] * grid[1] + config.num_prefix_tokens,
+                     "patch_tokens": grid[0] * grid[1], "gflops": 2 * macs / 1e9})
+    return {"config": config.to_dict(), "parameters": parameters, "resolutions": rows}
+
+
+def run(args: argparse.Namespace) -> int:
+    config = resolve_config(args.model)
+    report = describe(config, _sizes(config, args.image_size))
+    if args.json:
+        print(json.dumps({"model": args.model, **report}, indent=2))
+        return 0
+    c = config
+    print(f"{args.model}: {report['parameters']:,} parameters")
+    print(f"  width {c.width}, depth {c.depth}, heads {c.heads}, mlp {c.mlp_width}, "
+          f"patch {c.patch_size}, native {c.image_size[0]}x{c.image_size[1]}")
+    print(f"  class token {'yes' if c.class_token else 'no'}, registers "
+          f"{c.num_register_tokens}, pre-norm {'yes' if c.pre_norm else 'no'}, act {c.act}, "
+          f"eps {c.norm_eps:g}, final norm {'yes' if c.final_norm else 'no'}")
+    print(f"  {'resolution':<12}{'grid':<9}{'tokens':>8}{'GFLOPs':>10}   (GFLOPs = 2 x mult-adds)")
+    for row in report["resolutions"]:
+        size = "x".join(map(str, row["image_size"]))
+        grid = "x".join(map(str, row["grid"]))
+        print(f"  {size:<12}{grid:<9}{row['tokens']:>8}{row['gflops']:>10.1f}")
+    return 0

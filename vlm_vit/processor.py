@@ -1,0 +1,392 @@
+"""Image preprocessing: PIL images, arrays, tensors or files to a normalised pixel batch.
+
+The pipeline is: decode (files) -> EXIF orientation -> RGB (alpha composited onto a
+background) -> resize -> centre crop -> [0, 1] -> (x - mean) / std. uint8 inputs are
+resized with PIL so results match the CLIP and Hugging Face processors; float inputs are
+resized with ``torch.nn.functional.interpolate`` (antialiased) to keep their precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+logger = logging.getLogger(__name__)
+
+PROCESSOR_CONFIG_NAME = "processor_config.json"
+
+#: (mean, std) per model family.
+NORMALIZATION: dict[str, tuple[tuple[float, float, float], tuple[float, float, float]]] = {
+    "clip": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+    "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+    "inception": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+}
+RESIZE_MODES = ("shortest_edge", "squash")
+_PIL_RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
+_ALPHA_MODES = frozenset({"LA", "La", "PA", "RGBA", "RGBa"})
+
+ImageInput = Image.Image | np.ndarray | torch.Tensor | str | os.PathLike
+
+
+class ImageLoadError(ValueError):
+    """An image file is missing, unreadable, corrupt, truncated or not an image."""
+
+
+class ImageTooLargeError(ValueError):
+    """An image has more pixels than the processor's ``max_pixels``."""
+
+
+def _composite(rgba: np.ndarray, background: np.ndarray) -> np.ndarray:
+    """Blends ``[H, W, 4]`` colours onto ``background`` (same scale as the colour values)."""
+    alpha = rgba[..., 3:].astype(np.float32) / (255.0 if rgba.dtype == np.uint8 else 1.0)
+    out = rgba[..., :3].astype(np.float32) * alpha + background.astype(np.float32) * (1 - alpha)
+    return np.round(out).astype(np.uint8) if rgba.dtype == np.uint8 else out
+
+
+def _gray_to_uint8(arr: np.ndarray, mode: str, name: str) -> np.ndarray:
+    """Scales a 16-bit, 32-bit int or float grayscale ``[H, W]`` array to 0..255."""
+    values = arr.astype(np.float64)
+    lo, hi = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+    if mode.startswith("I;16") or (mode == "I" and lo >= 0 and hi > 255 and hi <= 65535):
+        values = values / 257.0  # 65535 -> 255 exactly
+    elif mode == "F" and lo >= 0 and hi <= 1:
+        values = values * 255.0
+    elif lo < 0 or hi > 255:  # no known range: stretch what is there
+        logger.warning("%s: %s image has values in [%g, %g]; stretching to 0..255",
+                       name, mode, lo, hi)
+        values = (values - lo) * (255.0 / (hi - lo) if hi > lo else 0.0)
+    return np.clip(np.round(values), 0, 255).astype(np.uint8)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageProcessor:
+    """Turns images into a normalised ``float32`` batch ``[B, 3, H, W]``.
+
+    Attributes:
+        size: Output (height, width); an int means a square.
+        resize_mode: ``"shortest_edge"`` scales the image to cover ``size`` keeping its
+            aspect ratio, then centre crops (CLIP / timm eval); ``"squash"`` resizes
+            straight to ``size`` (Google ViT).
+        resample: ``"bicubic"`` or ``"bilinear"``.
+        mean: Per-channel mean subtracted after scaling to [0, 1].
+        std: Per-channel standard deviation divided by after subtracting ``mean``.
+        max_pixels: Larger images are refused before decoding; None disables the check.
+        background: RGB colour (0..255) that transparent pixels are composited onto.
+    """
+
+    size: tuple[int, int] = (224, 224)
+    resize_mode: str = "shortest_edge"
+    resample: str = "bicubic"
+    mean: tuple[float, float, float] = NORMALIZATION["imagenet"][0]
+    std: tuple[float, float, float] = NORMALIZATION["imagenet"][1]
+    max_pixels: int | None = 89_478_485  # PIL.Image.MAX_IMAGE_PIXELS
+    background: tuple[int, int, int] = (255, 255, 255)
+
+    def __post_init__(self) -> None:
+        size = (self.size, self.size) if isinstance(self.size, int) else tuple(self.size)
+        if len(size) != 2 or not all(_is_int(s) and s > 0 for s in size):
+            raise ValueError(f"size must be a positive int or (height, width), got {self.size!r}")
+        if self.resize_mode not in RESIZE_MODES:
+            raise ValueError(f"resize_mode {self.resize_mode!r} is not one of {RESIZE_MODES}")
+        if self.resample not in _PIL_RESAMPLE:
+            raise ValueError(f"resample {self.resample!r} is not one of {tuple(_PIL_RESAMPLE)}")
+        mean, std = tuple(float(m) for m in self.mean), tuple(float(s) for s in self.std)
+        if len(mean) != 3 or len(std) != 3:
+            raise ValueError(f"mean and std need 3 values, got mean={mean} std={std}")
+        if not all(np.isfinite(mean + std)) or 0.0 in std:
+            raise ValueError(f"mean must be finite and std finite and nonzero, got {mean} {std}")
+        if self.max_pixels is not None and not (_is_int(self.max_pixels) and self.max_pixels > 0):
+            raise ValueError(f"max_pixels must be a positive int or None, got {self.max_pixels!r}")
+        background = tuple(self.background)
+        if len(background) != 3 or not all(_is_int(c) and 0 <= c <= 255 for c in background):
+            raise ValueError(f"background must be 3 ints in 0..255, got {self.background!r}")
+        for name, value in [("size", size), ("mean", mean), ("std", std),
+                            ("background", background)]:
+            object.__setattr__(self, name, value)  # frozen: normalise lists to tuples once
+
+    @classmethod
+    def for_family(cls, name: str, size: int | tuple[int, int] = (224, 224),
+                   **kwargs: Any) -> ImageProcessor:
+        """Builds a processor with the mean/std preset of a model family.
+
+        Args:
+            name: A key of ``NORMALIZATION`` (``"clip"``, ``"imagenet"``, ``"inception"``).
+            size: Output (height, width) or a square side.
+            **kwargs: Other fields, e.g. ``resize_mode``.
+
+        Returns:
+            The processor.
+
+        Raises:
+            ValueError: If ``name`` is not a known family.
+        """
+        if name not in NORMALIZATION:
+            raise ValueError(f"unknown family {name!r}; known: {sorted(NORMALIZATION)}")
+        mean, std = NORMALIZATION[name]
+        return cls(size=size, mean=mean, std=std, **kwargs)
+
+    # ---- configuration I/O ------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the settings as JSON-compatible values (tuples become lists)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ImageProcessor:
+        """Builds a processor from ``to_dict`` output; missing keys take their defaults.
+
+        Args:
+            d: Settings keyed by field name.
+
+        Returns:
+            The processor.
+
+        Raises:
+            TypeError: If ``d`` is not a dict.
+            ValueError: If ``d`` has unknown keys or invalid values.
+        """
+        if not isinstance(d, dict):
+            raise TypeError(f"processor config must be a dict, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(d) - known):
+            raise ValueError(f"unknown processor config keys {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Writes ``directory/processor_config.json`` atomically, creating ``directory``.
+
+        Args:
+            directory: Where to write; created with its parents if missing.
+
+        Returns:
+            The path of the written file.
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / PROCESSOR_CONFIG_NAME
+        # A temp file in the same directory so os.replace is an atomic rename.
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{PROCESSOR_CONFIG_NAME}.")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+                f.write("\n")
+            os.chmod(tmp, 0o644)  # mkstemp creates 0600; a config is meant to be shared
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        logger.info("saved processor config to %s", path)
+        return path
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> ImageProcessor:
+        """Reads a processor saved by ``save_pretrained``.
+
+        Args:
+            directory: The directory holding ``processor_config.json``.
+
+        Returns:
+            The processor.
+
+        Raises:
+            FileNotFoundError: If ``directory/processor_config.json`` does not exist.
+            ValueError: If the file is not valid JSON or holds invalid settings.
+        """
+        path = Path(directory) / PROCESSOR_CONFIG_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"processor config {str(path)!r} does not exist")
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"processor config {str(path)!r} is not valid JSON: {e}") from e
+        try:
+            return cls.from_dict(d)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"invalid processor config {str(path)!r}: {e}") from e
+
+    # ---- preprocessing ----------------------------------------------------------------
+
+    def __call__(self, images: ImageInput | list[ImageInput]) -> torch.Tensor:
+        """Preprocesses one image or a list of images.
+
+        Args:
+            images: A PIL image, numpy array (HxW, HxWx1, HxWx3 or HxWx4; uint8 or float
+                in [0, 1]), tensor ([C, H, W] or a [B, C, H, W] batch, C in 1 or 3),
+                file path, or a list mixing these.
+
+        Returns:
+            ``float32`` contiguous ``pixel_values`` of shape ``[B, 3, height, width]``.
+
+        Raises:
+            ImageLoadError: If a file cannot be read as an image.
+            ImageTooLargeError: If an image has more than ``max_pixels`` pixels.
+            ValueError: If an array or tensor has an unsupported shape or values.
+            TypeError: If an input has an unsupported type or dtype.
+        """
+        items = list(images) if isinstance(images, (list, tuple)) else [images]
+        if not items:
+            raise ValueError("got an empty list of images")
+        out = []
+        for i, item in enumerate(items):
+            name = f"images[{i}]" if isinstance(images, (list, tuple)) else "image"
+            if isinstance(item, torch.Tensor) and item.ndim == 4:
+                out.extend(self._finish(self._from_tensor(t, f"{name}[{b}]"))
+                           for b, t in enumerate(item))
+            else:
+                out.append(self._finish(self._load(item, name)))
+        if not out:
+            raise ValueError("got a tensor batch with 0 images")
+        return torch.stack(out).contiguous()
+
+    def preprocess_one(self, image: ImageInput) -> torch.Tensor:
+        """Preprocesses a single image (not a list or a 4D batch).
+
+        Args:
+            image: Any single input ``__call__`` accepts.
+
+        Returns:
+            ``float32`` ``[3, height, width]``.
+        """
+        return self._finish(self._load(image, "image"))
+
+    def _check_pixels(self, height: int, width: int, name: str) -> None:
+        if self.max_pixels is not None and height * width > self.max_pixels:
+            raise ImageTooLargeError(f"{name} is {width}x{height} = {height * width} pixels, "
+                                     f"more than max_pixels={self.max_pixels}")
+
+    def _load(self, image: Any, name: str) -> Image.Image | torch.Tensor:
+        """Returns an RGB PIL image (uint8 path) or a float ``[3, H, W]`` tensor in [0, 1]."""
+        if isinstance(image, (str, os.PathLike)):
+            return self._pil_to_rgb(self._open(Path(image)), f"file {str(image)!r}")
+        if isinstance(image, Image.Image):
+            self._check_pixels(image.height, image.width, name)  # before a lazy image loads
+            return self._pil_to_rgb(ImageOps.exif_transpose(image), name)
+        if isinstance(image, np.ndarray):
+            return self._from_array(image, f"array {name}")
+        if isinstance(image, torch.Tensor):
+            return self._from_tensor(image, name)
+        raise TypeError(f"{name} has unsupported type {type(image).__name__}; expected a PIL "
+                        "image, numpy array, torch tensor, file path or a list of these")
+
+    def _open(self, path: Path) -> Image.Image:
+        """Opens, size-checks, then decodes a file; errors name the file."""
+        try:
+            with Image.open(path) as img:  # lazy: only the header has been read here
+                self._check_pixels(img.height, img.width, f"image file {str(path)!r}")
+                img.load()
+                return ImageOps.exif_transpose(img)  # a copy, valid after the file closes
+        except ImageTooLargeError:
+            raise
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+            raise ImageTooLargeError(f"image file {str(path)!r} is too large: {e}") from e
+        except FileNotFoundError as e:
+            raise ImageLoadError(f"cannot load image file {str(path)!r}: no such file") from e
+        except UnidentifiedImageError as e:
+            raise ImageLoadError(f"cannot load image file {str(path)!r}: not a recognised "
+                                 "image format or corrupt") from e
+        except (OSError, SyntaxError, EOFError, ValueError) as e:  # truncated, bad data
+            raise ImageLoadError(f"cannot load image file {str(path)!r}: {e}") from e
+
+    def _pil_to_rgb(self, img: Image.Image, name: str) -> Image.Image:
+        mode = img.mode
+        if mode == "RGB":
+            return img
+        if mode == "P":
+            if not img.has_transparency_data:
+                return img.convert("RGB")
+            img, mode = img.convert("RGBA"), "RGBA"
+        if mode in _ALPHA_MODES:
+            rgba = np.asarray(img if mode == "RGBA" else img.convert("RGBA"))
+            return Image.fromarray(_composite(rgba, np.array(self.background)))
+        if mode in ("I", "F") or mode.startswith("I;16"):
+            return Image.fromarray(_gray_to_uint8(np.asarray(img), mode, name)).convert("RGB")
+        try:  # "1", "L", "CMYK", "YCbCr", "RGBX", ... have PIL converters
+            return img.convert("RGB")
+        except (ValueError, OSError) as e:
+            raise ValueError(f"{name} has PIL mode {mode!r}, which cannot be converted to "
+                             f"RGB: {e}") from e
+
+    def _from_tensor(self, t: torch.Tensor, name: str) -> Image.Image | torch.Tensor:
+        if t.ndim != 3 or t.shape[0] not in (1, 3):
+            raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, expected [C, H, W] "
+                             "or [B, C, H, W] with C = 1 or 3")
+        if t.dtype != torch.uint8 and not t.dtype.is_floating_point:
+            raise TypeError(f"tensor {name} has dtype {t.dtype}, expected torch.uint8 "
+                            "(0..255) or a floating dtype (0..1)")
+        if 0 in t.shape[1:]:
+            raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, an empty image")
+        t = t.detach().cpu()
+        t = t if t.dtype == torch.uint8 else t.float()  # bfloat16 has no numpy dtype
+        return self._from_array(t.permute(1, 2, 0).numpy(), f"tensor {name}")
+
+    def _from_array(self, arr: np.ndarray, name: str) -> Image.Image | torch.Tensor:
+        if arr.ndim == 2:
+            arr = arr[:, :, None]
+        if arr.ndim != 3 or arr.shape[2] not in (1, 3, 4):
+            raise ValueError(f"{name} has shape {arr.shape}, expected HxW, HxWx1, HxWx3 or "
+                             "HxWx4 (channels last)")
+        if arr.shape[0] == 0 or arr.shape[1] == 0:
+            raise ValueError(f"{name} has shape {arr.shape}, an empty image")
+        if arr.dtype != np.uint8 and arr.dtype.kind != "f":
+            raise TypeError(f"{name} has dtype {arr.dtype}, expected uint8 (0..255) or float "
+                            "(0..1)")
+        self._check_pixels(arr.shape[0], arr.shape[1], name)
+        if arr.dtype.kind == "f":
+            arr = arr.astype(np.float32, copy=False)
+            lo, hi = float(arr.min()), float(arr.max())
+            if not (lo >= 0.0 and hi <= 1.0):  # also catches NaN
+                raise ValueError(f"{name} is float with values in [{lo:.4g}, {hi:.4g}], "
+                                 "expected [0, 1] (use uint8 for 0..255)")
+        if arr.shape[2] == 4:
+            bg = np.array(self.background, dtype=np.float32)
+            arr = _composite(arr, bg if arr.dtype == np.uint8 else bg / 255.0)
+        elif arr.shape[2] == 1:
+            arr = np.repeat(arr, 3, axis=2)
+        if arr.dtype == np.uint8:  # resized by PIL like the reference processors
+            return Image.fromarray(np.ascontiguousarray(arr))
+        return torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1)  # [3, H, W]
+
+    def _resized_size(self, height: int, width: int) -> tuple[int, int]:
+        th, tw = self.size
+        if self.resize_mode == "squash":
+            return th, tw
+        # Scale to cover the target: for a square target this is torchvision's
+        # Resize(shortest) (long side truncated with int()), as CLIP uses.
+        if th * width >= tw * height:  # th/h >= tw/w: height is the binding side
+            return th, max(tw, int(th * width / height))
+        return max(th, int(tw * height / width)), tw
+
+    def _finish(self, image: Image.Image | torch.Tensor) -> torch.Tensor:
+        """Resizes, centre crops and normalises to ``float32 [3, height, width]``."""
+        if isinstance(image, Image.Image):
+            h, w = self._resized_size(image.height, image.width)
+            image = image.resize((w, h), resample=_PIL_RESAMPLE[self.resample])
+            x = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1)
+        else:
+            h, w = self._resized_size(*image.shape[1:])
+            if (h, w) != tuple(image.shape[1:]):
+                image = F.interpolate(image[None], size=(h, w), mode=self.resample,
+                                      align_corners=False, antialias=True)[0].clamp_(0, 1)
+            x = image
+        th, tw = self.size
+        top, left = int(round((h - th) / 2.0)), int(round((w - tw) / 2.0))  # torchvision
+        x = x[:, top:top + th, left:left + tw]
+        x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
+        mean = torch.tensor(self.mean, dtype=torch.float32)[:, None, None]
+        std = torch.tensor(self.std, dtype=torch.float32)[:, None, None]
+        return ((x - mean) / std).contiguous()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
