@@ -3,38 +3,23 @@
 The parameter names follow timm's, so the state dict copies across unchanged.
 """
 
-import functools
-
 import pytest
 import torch
-from torch import nn
 
 from vlm_vit import VisionEncoder
+from vlm_vit.convert.timm import build_timm_model
 
 from .conftest import tiny_config
 
-timm_vit = pytest.importorskip("timm.models.vision_transformer")
+pytest.importorskip("timm")
 
 CASES = {
     "class-token": dict(),
     "no-class-token": dict(class_token=False),
     "clip-shaped": dict(pre_norm=True, act="quick_gelu", norm_eps=1e-5, patch_bias=False),
     "gelu-tanh": dict(act="gelu_tanh"),
+    "no-final-norm": dict(final_norm=False),
 }
-
-
-def timm_twin(config):
-    model = timm_vit.VisionTransformer(
-        img_size=config.image_size, patch_size=config.patch_size, num_classes=0,
-        global_pool="token" if config.class_token else "avg", embed_dim=config.width,
-        depth=config.depth, num_heads=config.heads, mlp_ratio=config.mlp_width / config.width,
-        qkv_bias=config.qkv_bias, class_token=config.class_token, pre_norm=config.pre_norm,
-        dynamic_img_size=True, act_layer=config.act, fc_norm=False,  # same activation names
-        norm_layer=functools.partial(nn.LayerNorm, eps=config.norm_eps),
-    )
-    if not config.patch_bias:
-        model.patch_embed.proj.bias = None
-    return model.eval()
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -42,7 +27,7 @@ def timm_twin(config):
 def test_matches_timm(case, size):
     torch.manual_seed(0)
     ours = VisionEncoder(tiny_config(**CASES[case])).eval()
-    theirs = timm_twin(ours.config)
+    theirs = build_timm_model(ours.config, dynamic_img_size=True).eval()
     theirs.load_state_dict(ours.state_dict(), strict=True)
     x = torch.randn(3, 3, *size, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

@@ -1,0 +1,28 @@
+"""Every example runs, at a tiny size, so none rots."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+# name -> (arguments for a tiny run, a line its output must contain)
+TINY_ARGS = {
+    "encode_patch_tokens.py": (["--variant", "vit-ti/16", "--image-size", "64"],
+                               "patch tokens     [2, 16, 192]"),
+}
+
+
+def test_every_example_has_tiny_arguments():
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(TINY_ARGS)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_ARGS))
+def test_example_runs(name):
+    pytest.importorskip("skimage")
+    arguments, expected = TINY_ARGS[name]
+    result = subprocess.run([sys.executable, str(EXAMPLES / name), *arguments],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert expected in result.stdout

@@ -1,0 +1,1 @@
+"""Checkpoint converters, one module per source family."""
