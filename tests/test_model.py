@@ -187,3 +187,30 @@ def test_mismatched_weights_are_all_listed(tmp_path, tiny_encoder):
     message = str(error.value)
     assert "missing: norm.weight" in message and "unexpected: extra.weight" in message
     assert "pos_embed (checkpoint [1, 5, 32], model [1, 17, 32])" in message
+
+
+@pytest.mark.parametrize("mode, antialias", [("bilinear", True), ("bicubic", False)])
+def test_resize_method_is_selectable(mode, antialias):
+    model = VisionEncoder(tiny_config(pos_resize_mode=mode, pos_resize_antialias=antialias))
+    with torch.no_grad():
+        table = model.position_table((2, 3))  # shrinking, where antialias matters
+        patches = model.pos_embed[:, 1:].reshape(1, 4, 4, 32).permute(0, 3, 1, 2)
+        expected = F.interpolate(patches, size=(2, 3), mode=mode, antialias=antialias)
+    torch.testing.assert_close(table[:, 1:], expected.permute(0, 2, 3, 1).reshape(1, 6, 32))
+
+
+def test_token_count_follows_the_grid_for_any_size():
+    hypothesis = pytest.importorskip("hypothesis")
+    strategies = hypothesis.strategies
+    model = VisionEncoder(tiny_config(num_register_tokens=1)).eval()
+
+    @hypothesis.given(rows=strategies.integers(1, 7), cols=strategies.integers(1, 7),
+                      batch=strategies.integers(1, 3))
+    @hypothesis.settings(max_examples=25, deadline=None)
+    def check(rows, cols, batch):
+        with torch.no_grad():
+            out = model(torch.zeros(batch, 3, 8 * rows, 8 * cols), feature_layers=[1])
+        assert out.grid == (rows, cols)
+        assert out.features[0].shape == (batch, 2 + rows * cols, 32)
+
+    check()

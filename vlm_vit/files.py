@@ -16,6 +16,12 @@ from typing import IO, Any
 import torch
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO]:
     """Opens a temporary file beside `path` and moves it onto `path` only on success.
@@ -29,6 +35,7 @@ def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO]:
             yield file
             file.flush()
             os.fsync(file.fileno())
+        os.chmod(temp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
         os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

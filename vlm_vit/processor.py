@@ -12,7 +12,6 @@ import dataclasses
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps, UnidentifiedImageError
+
+from vlm_vit.files import atomic_write, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -175,17 +176,9 @@ class ImageProcessor:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / PROCESSOR_CONFIG_NAME
-        # A temp file in the same directory so os.replace is an atomic rename.
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{PROCESSOR_CONFIG_NAME}.")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-                f.write("\n")
-            os.chmod(tmp, 0o644)  # mkstemp creates 0600; a config is meant to be shared
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_write(path, "w") as handle:
+            json.dump(self.to_dict(), handle, indent=2, sort_keys=True)
+            handle.write("\n")
         logger.info("saved processor config to %s", path)
         return path
 
@@ -204,12 +197,7 @@ class ImageProcessor:
             ValueError: If the file is not valid JSON or holds invalid settings.
         """
         path = Path(directory) / PROCESSOR_CONFIG_NAME
-        if not path.is_file():
-            raise FileNotFoundError(f"processor config {str(path)!r} does not exist")
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"processor config {str(path)!r} is not valid JSON: {e}") from e
+        d = read_json(path)
         try:
             return cls.from_dict(d)
         except (TypeError, ValueError) as e:

@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from vlm_vit.config import EncoderConfig
+from vlm_vit.optional import require
 
 
 def timm_model_kwargs(config: EncoderConfig) -> dict[str, Any]:
@@ -33,11 +34,8 @@ def timm_model_kwargs(config: EncoderConfig) -> dict[str, Any]:
 
 def build_timm_model(config: EncoderConfig, **extra: Any) -> nn.Module:
     """timm's `VisionTransformer` for `config` (needs timm), at random initialisation."""
-    try:
-        from timm.models.vision_transformer import VisionTransformer
-    except ImportError as error:
-        raise ImportError("timm is needed here: pip install timm") from error
-    model = VisionTransformer(**{**timm_model_kwargs(config), **extra})
+    vision_transformer = require("timm.models.vision_transformer", "dev", "a timm twin")
+    model = vision_transformer.VisionTransformer(**{**timm_model_kwargs(config), **extra})
     if not config.patch_bias:
         model.patch_embed.proj.bias = None
     return model
