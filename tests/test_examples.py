@@ -11,6 +11,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TINY_ARGS = {
     "encode_patch_tokens.py": (["--variant", "vit-ti/16", "--image-size", "64"],
                                "patch tokens     [2, 16, 192]"),
+    "vision_tower.py": (["--variant", "vit-ti/16", "--image-size", "64", "--llm-width", "48",
+                         "--pooler", "mlp2x_gelu", "--pooler", "pixel_shuffle"],
+                        "pixel_shuffle: image -> [1, 4, 48] (num_image_tokens = 4)"),
 }
 
 

@@ -241,15 +241,21 @@ class VisionEncoder(nn.Module):
 
     # -- native format ----------------------------------------------------------------------
 
-    def save_pretrained(self, directory: str | Path) -> Path:
+    def save_pretrained(self, directory: str | Path, *, extra_config: dict | None = None) -> Path:
         """Writes `config.json` and `model.safetensors` into `directory`, each atomically.
+
+        Args:
+            directory: created if needed.
+            extra_config: further top-level sections for `config.json` (a tower's, say);
+                loading the encoder ignores them.
 
         Returns:
             The directory.
         """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        config = {"model_type": MODEL_TYPE, "format_version": 1, "encoder": self.config.to_dict()}
+        config = {"model_type": MODEL_TYPE, "format_version": 1, "encoder": self.config.to_dict(),
+                  **(extra_config or {})}
         with atomic_write(directory / CONFIG_NAME, "w") as handle:
             json.dump(config, handle, indent=2)
         write_safetensors(self.state_dict(), directory / WEIGHTS_NAME)

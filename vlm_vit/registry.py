@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import logging
+import warnings
 from collections.abc import Callable, Iterable
 from importlib import metadata
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 
 class UnknownNameError(KeyError):
@@ -107,12 +105,12 @@ class Registry:
         self._plugins_loaded = True
         for entry in metadata.entry_points(group=self.entry_point_group):
             dist = getattr(entry.dist, "name", None) or "an unknown distribution"
+            source = f"{entry.value} (plugin from {dist})"
+            # A broken plugin warns and is skipped; the other entries keep working.
             try:
-                obj = entry.load()
-            except Exception as error:  # a broken plugin must not break the others
-                logger.warning(
-                    "could not load %s plugin %r from %s (%s): %s: %s", self.kind, entry.name,
-                    dist, entry.value, type(error).__name__, error,
+                self.add(entry.name, entry.load(), source=source)
+            except Exception as error:
+                warnings.warn(
+                    f"{self.kind} plugin {entry.name!r} from {dist} ({entry.value}) was not "
+                    f"loaded: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=3,
                 )
-                continue
-            self.add(entry.name, obj, source=f"{entry.value} (plugin from {dist})")

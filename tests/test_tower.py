@@ -1,0 +1,105 @@
+import pytest
+import torch
+
+from vlm_vit import VisionEncoder, VisionTower, build_pooler, load_encoder
+
+from .conftest import tiny_config
+
+BUILTINS = ["all", "cls", "mean", "linear", "mlp2x_gelu", "attention_pool", "pixel_shuffle",
+            "perceiver"]
+ENCODERS = {
+    "class-token": dict(),
+    "no-class-token": dict(class_token=False),
+    "class-and-registers": dict(num_register_tokens=3),
+    "registers-only": dict(class_token=False, num_register_tokens=2),
+}
+
+
+def tower_for(name, encoder_options, feature_layer=None):
+    torch.manual_seed(0)
+    encoder = VisionEncoder(tiny_config(**encoder_options)).eval()
+    weightless = name in ("all", "cls", "mean")
+    layers = len(feature_layer) if isinstance(feature_layer, list) else 1
+    pooler = build_pooler(name, in_dim=32 * layers, out_dim=None if weightless else 24)
+    return VisionTower(encoder, pooler, feature_layer=feature_layer,
+                       drop_prefix=name != "cls").eval()
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+@pytest.mark.parametrize("encoder", sorted(ENCODERS))
+@pytest.mark.parametrize("size", [(32, 32), (24, 40)])
+def test_token_count_equals_the_tensor(name, encoder, size):
+    if name == "cls" and not ENCODERS[encoder].get("class_token", True):
+        pytest.skip("no class token: covered by test_cls_needs_a_class_token")
+    tower = tower_for(name, ENCODERS[encoder])
+    with torch.no_grad():
+        out = tower(torch.randn(2, 3, *size))
+    count = tower.num_image_tokens(size)
+    assert out.shape == ((2, out.shape[-1]) if count is None else (2, count, out.shape[-1]))
+
+
+def test_llava_selection_layer_minus_two_without_prefix():
+    tower = tower_for("mlp2x_gelu", dict(num_register_tokens=1), feature_layer=-2)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        hidden = tower.encoder(x, output_hidden_states=True).hidden_states[-2]
+        expected = tower.pooler(hidden[:, 2:], num_prefix_tokens=0, grid=(4, 4))
+        out = tower(x)
+    torch.testing.assert_close(out, expected)
+    assert tower.num_image_tokens() == 16 and out.shape == (2, 16, 24)
+
+
+def test_several_layers_are_concatenated_and_the_run_stops_early():
+    tower = tower_for("all", {}, feature_layer=[1, -2])
+    ran = []
+    for index, block in enumerate(tower.encoder.blocks):
+        block.register_forward_hook(lambda m, i, o, index=index: ran.append(index))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        out = tower(x)
+    assert ran == [0, 1]  # layer -2 of 3 blocks is block 2's input: block 3 never runs
+    hidden = tower.encoder(x, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(out, torch.cat([hidden[1], hidden[2]], dim=-1)[:, 1:])
+    assert tower.feature_dim == 64
+
+
+def test_cls_needs_a_class_token_and_the_prefix():
+    encoder = VisionEncoder(tiny_config(class_token=False))
+    with pytest.raises(ValueError, match="encoder has none"):
+        VisionTower(encoder, build_pooler("cls", in_dim=32), drop_prefix=False)
+    with pytest.raises(ValueError, match="drop_prefix=False"):
+        VisionTower(VisionEncoder(tiny_config()), build_pooler("cls", in_dim=32))
+
+
+def test_width_mismatch_and_bad_layer_are_caught_at_construction():
+    encoder = VisionEncoder(tiny_config())
+    with pytest.raises(ValueError, match="takes width 32, but the tower gives 64"):
+        VisionTower(encoder, build_pooler("mean", in_dim=32), feature_layer=[-1, -2])
+    with pytest.raises(ValueError, match="feature layer 7 is out of range"):
+        VisionTower(encoder, build_pooler("mean", in_dim=32), feature_layer=7)
+
+
+def test_save_load_round_trip_is_bit_exact(tmp_path):
+    tower = tower_for("perceiver", dict(num_register_tokens=1), feature_layer=[-2, -1])
+    tower.save_pretrained(tmp_path)
+    loaded = VisionTower.from_pretrained(tmp_path).eval()
+    for name, tensor in tower.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name
+    x = torch.randn(2, 3, 32, 40)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), tower(x))
+    assert (loaded.feature_layer, loaded.drop_prefix) == ([-2, -1], True)
+    encoder = load_encoder(tmp_path)  # a tower directory still loads as an encoder
+    assert torch.equal(encoder.pos_embed, tower.encoder.pos_embed)
+
+
+def test_saving_needs_a_pooler_built_by_name(tmp_path):
+    tower = VisionTower(VisionEncoder(tiny_config()), torch.nn.Identity())
+    with pytest.raises(ValueError, match="not built by vlm_vit.build_pooler"):
+        tower.save_pretrained(tmp_path)
+
+
+def test_an_encoder_directory_is_not_a_tower(tmp_path):
+    VisionEncoder(tiny_config()).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="has no 'tower' section"):
+        VisionTower.from_pretrained(tmp_path)

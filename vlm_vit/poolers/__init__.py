@@ -1,0 +1,12 @@
+"""Poolers and projectors: encoder tokens to what a pipeline wants (see `base.py`)."""
+
+from vlm_vit.poolers import attention_pool, mlp, perceiver, pixel_shuffle, simple  # noqa: F401
+from vlm_vit.poolers.base import (
+    POOLERS,
+    Pooler,
+    available_poolers,
+    build_pooler,
+    register_pooler,
+)
+
+__all__ = ["POOLERS", "Pooler", "available_poolers", "build_pooler", "register_pooler"]

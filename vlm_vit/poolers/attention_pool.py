@@ -1,0 +1,47 @@
+"""Attention pooling: learned queries attend over the tokens (the MAP head of big_vision,
+used by SigLIP; Lee et al. 2019's pooling by multihead attention)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlm_vit.poolers.base import FeedForward, default_heads, register_pooler, split_tokens
+
+
+@register_pooler("attention_pool")
+class AttentionPool(nn.Module):
+    """Multihead attention pooling (big_vision's `MAPHead`).
+
+    One query returns a vector `[B, out]`; several return `[B, num_queries, out]`.
+
+    Args:
+        in_dim: token width D.
+        out_dim: output width (a final Linear when it differs from D).
+        num_queries: learned queries M.
+        heads: attention heads (default: the largest of up to 16 that divides D).
+        mlp_ratio: hidden width of the MLP after attention, as a multiple of D.
+    """
+
+    def __init__(self, in_dim: int, out_dim: int | None = None, num_queries: int = 1,
+                 heads: int | None = None, mlp_ratio: float = 4.0):
+        super().__init__()
+        if num_queries < 1:
+            raise ValueError(f"num_queries must be >= 1, got {num_queries}")
+        self.in_dim, self.out_dim, self.num_queries = in_dim, out_dim or in_dim, num_queries
+        self.probe = nn.Parameter(torch.empty(1, num_queries, in_dim))
+        nn.init.xavier_uniform_(self.probe)
+        self.attn = nn.MultiheadAttention(in_dim, heads or default_heads(in_dim),
+                                          batch_first=True)
+        self.mlp = FeedForward(in_dim, int(in_dim * mlp_ratio))
+        self.proj = nn.Linear(in_dim, self.out_dim) if self.out_dim != in_dim else nn.Identity()
+
+    def forward(self, tokens, *, num_prefix_tokens: int, grid: tuple[int, int]) -> torch.Tensor:
+        split_tokens(tokens, num_prefix_tokens, grid, self.in_dim)
+        queries = self.probe.expand(tokens.shape[0], -1, -1).to(tokens.dtype)
+        x = self.attn(queries, tokens, tokens, need_weights=False)[0]  # [B, M, D]
+        x = self.proj(x + self.mlp(x))
+        return x[:, 0] if self.num_queries == 1 else x
+
+    def num_output_tokens(self, grid, *, num_prefix_tokens: int = 0) -> int | None:
+        return None if self.num_queries == 1 else self.num_queries

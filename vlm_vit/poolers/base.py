@@ -1,0 +1,118 @@
+"""The pooler interface, its registry, and `build_pooler`.
+
+A pooler (or projector: the same interface) maps the encoder's tokens to what a pipeline
+wants: a fixed number of tokens of the LLM's width, or one vector. It is an `nn.Module`:
+
+    pooler(tokens, *, num_prefix_tokens, grid)   # [B, prefix + N, D] -> [B, M, out] or [B, out]
+    pooler.num_output_tokens(grid, num_prefix_tokens=0)  # M, or None for a vector
+
+Built-ins register with `@register_pooler(name)`; other installed distributions add theirs
+through the entry-point group `vlm_vit.poolers` (the entry's name is the pooler's name, its
+object the class or a factory taking `in_dim`, `out_dim=None` and options).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from vlm_vit.registry import Registry
+
+POOLERS = Registry("pooler", entry_point_group="vlm_vit.poolers")
+_MLP_DEPTH = re.compile(r"mlp(\d+)x_gelu")
+
+
+@runtime_checkable
+class Pooler(Protocol):
+    """What every pooler provides (see the module docstring)."""
+
+    def __call__(
+        self, tokens: torch.Tensor, *, num_prefix_tokens: int, grid: tuple[int, int]
+    ) -> torch.Tensor: ...
+
+    def num_output_tokens(
+        self, grid: tuple[int, int], *, num_prefix_tokens: int = 0
+    ) -> int | None: ...
+
+
+def register_pooler(name: str):
+    """A class decorator: `@register_pooler("name")`. A taken name is a ValueError."""
+    return POOLERS.register(name)
+
+
+def available_poolers() -> list[str]:
+    """Every pooler name, plugins included (`mlp{N}x_gelu` works for any N >= 1)."""
+    return POOLERS.names()
+
+
+def build_pooler(name: str, *, in_dim: int, out_dim: int | None = None, **options: Any):
+    """Builds a pooler by name.
+
+    Args:
+        name: a name from `available_poolers()`, or `mlp{N}x_gelu` for an N-layer MLP.
+        in_dim: the width of the tokens it receives.
+        out_dim: the width it returns; default `in_dim`. Poolers without weights refuse
+            any other value.
+        **options: the pooler's own options (e.g. `num_queries=4`, `scale=2`).
+
+    Returns:
+        The pooler, with `pooler_spec` recording how it was built (for saving).
+
+    Raises:
+        UnknownNameError: for an unknown name, with the close matches.
+        ValueError: for options the pooler does not take, or bad values.
+    """
+    match = _MLP_DEPTH.fullmatch(name)
+    if match and name not in POOLERS:
+        factory, extra = POOLERS.get("mlp2x_gelu"), {"depth": int(match[1])}
+    else:
+        factory, extra = POOLERS.get(name), {}
+    try:
+        pooler = factory(in_dim=in_dim, out_dim=out_dim, **extra, **options)
+    except TypeError as error:
+        raise ValueError(f"cannot build pooler {name!r} with options {options}: {error}") from error
+    pooler.pooler_spec = {"name": name, "in_dim": in_dim, "out_dim": out_dim,
+                          "options": dict(options)}
+    return pooler
+
+
+def no_weights_out_dim(name: str, in_dim: int, out_dim: int | None) -> int:
+    """The output width of a pooler without weights: `in_dim`, and nothing else."""
+    if out_dim is not None and out_dim != in_dim:
+        raise ValueError(
+            f"pooler {name!r} has no weights and returns width {in_dim}; it cannot give "
+            f"out_dim={out_dim} (put a projector such as 'mlp2x_gelu' after it)"
+        )
+    return in_dim
+
+
+def split_tokens(
+    tokens: torch.Tensor, num_prefix_tokens: int, grid: tuple[int, int], in_dim: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks `[B, prefix + rows * cols, D]` tokens and splits them into prefix and patches."""
+    rows, cols = grid
+    expected = num_prefix_tokens + rows * cols
+    if tokens.ndim != 3 or tokens.shape[1] != expected:
+        raise ValueError(
+            f"tokens of shape {list(tokens.shape)} do not fit {num_prefix_tokens} prefix "
+            f"tokens and a {rows}x{cols} grid (expected [B, {expected}, D])"
+        )
+    if in_dim is not None and tokens.shape[-1] != in_dim:
+        raise ValueError(f"tokens have width {tokens.shape[-1]}, the pooler expects {in_dim}")
+    return tokens[:, :num_prefix_tokens], tokens[:, num_prefix_tokens:]
+
+
+def default_heads(width: int, most: int = 16) -> int:
+    """The largest head count up to `most` that divides `width`."""
+    return next(h for h in range(min(most, width), 0, -1) if width % h == 0)
+
+
+class FeedForward(nn.Sequential):
+    """LayerNorm, Linear, GELU, Linear: the MLP inside the attention poolers."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__(nn.LayerNorm(width), nn.Linear(width, hidden), nn.GELU(),
+                         nn.Linear(hidden, width))

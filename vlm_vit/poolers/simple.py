@@ -1,0 +1,63 @@
+"""Poolers without weights: every patch token, the class token, the mean."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlm_vit.poolers.base import no_weights_out_dim, register_pooler, split_tokens
+
+
+@register_pooler("all")
+class AllTokens(nn.Module):
+    """Every patch token unchanged, optionally with the prefix tokens (LLaVA's selection)."""
+
+    def __init__(self, in_dim: int, out_dim: int | None = None, keep_prefix: bool = False):
+        super().__init__()
+        self.in_dim = self.out_dim = no_weights_out_dim("all", in_dim, out_dim)
+        self.keep_prefix = keep_prefix
+
+    def forward(self, tokens, *, num_prefix_tokens: int, grid: tuple[int, int]) -> torch.Tensor:
+        _, patches = split_tokens(tokens, num_prefix_tokens, grid, self.in_dim)
+        return tokens if self.keep_prefix else patches  # [B, (prefix +) N, D]
+
+    def num_output_tokens(self, grid, *, num_prefix_tokens: int = 0) -> int:
+        return grid[0] * grid[1] + (num_prefix_tokens if self.keep_prefix else 0)
+
+
+@register_pooler("cls")
+class ClassToken(nn.Module):
+    """The class token, the paper's image representation (eq. 4)."""
+
+    requires_class_token = True  # a tower checks its encoder has one and keeps the prefix
+
+    def __init__(self, in_dim: int, out_dim: int | None = None):
+        super().__init__()
+        self.in_dim = self.out_dim = no_weights_out_dim("cls", in_dim, out_dim)
+
+    def forward(self, tokens, *, num_prefix_tokens: int, grid: tuple[int, int]) -> torch.Tensor:
+        split_tokens(tokens, num_prefix_tokens, grid, self.in_dim)
+        if num_prefix_tokens < 1:
+            raise ValueError("the 'cls' pooler needs the class token at position 0, but these "
+                             "tokens have no prefix tokens (a model without a class token, or "
+                             "a tower with drop_prefix=True); use 'mean' or 'attention_pool'")
+        return tokens[:, 0]  # [B, D]
+
+    def num_output_tokens(self, grid, *, num_prefix_tokens: int = 0) -> None:
+        return None
+
+
+@register_pooler("mean")
+class MeanPatch(nn.Module):
+    """The mean of the patch tokens (the paper's global-average-pooling ablation, App. D.3)."""
+
+    def __init__(self, in_dim: int, out_dim: int | None = None):
+        super().__init__()
+        self.in_dim = self.out_dim = no_weights_out_dim("mean", in_dim, out_dim)
+
+    def forward(self, tokens, *, num_prefix_tokens: int, grid: tuple[int, int]) -> torch.Tensor:
+        _, patches = split_tokens(tokens, num_prefix_tokens, grid, self.in_dim)
+        return patches.mean(dim=1)  # [B, D]
+
+    def num_output_tokens(self, grid, *, num_prefix_tokens: int = 0) -> None:
+        return None

@@ -1,0 +1,138 @@
+"""`VisionTower`: pixels to the tokens an LLM receives (encoder, layer choice, pooler)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vlm_vit.files import read_json, read_safetensors, write_safetensors
+from vlm_vit.model import CONFIG_NAME, VisionEncoder, check_state_dict
+from vlm_vit.poolers import build_pooler
+
+POOLER_WEIGHTS_NAME = "pooler.safetensors"
+
+
+class VisionTower(nn.Module):
+    """An encoder, the layer(s) to read, and a pooler or projector.
+
+    Args:
+        encoder: the `VisionEncoder`.
+        pooler: a pooler (see `vlm_vit.poolers`), e.g. `build_pooler("mlp2x_gelu", ...)`.
+        feature_layer: None for the final tokens (after the final norm); an int or a list of
+            hidden-state indices for raw block outputs (LLaVA: -2); a list is concatenated
+            on the channel axis. The encoder runs only as deep as the deepest one.
+        drop_prefix: hand the pooler only the patch tokens (class and register tokens
+            dropped), as LLaVA does.
+
+    Raises:
+        ValueError: when the pooler cannot work on what the tower gives it.
+    """
+
+    def __init__(self, encoder: VisionEncoder, pooler: nn.Module,
+                 feature_layer: int | list[int] | None = None, drop_prefix: bool = True):
+        super().__init__()
+        self.encoder = encoder
+        self.pooler = pooler
+        self.feature_layer = list(feature_layer) if isinstance(feature_layer, (list, tuple)) \
+            else feature_layer
+        self.drop_prefix = drop_prefix
+        for layer in self._layers or []:
+            encoder.layer_index(layer)  # a bad index fails here, not at the first batch
+        if getattr(pooler, "requires_class_token", False):
+            if not encoder.config.class_token:
+                raise ValueError("this pooler reads the class token, and the encoder has none; "
+                                 "use 'mean' or 'attention_pool'")
+            if drop_prefix:
+                raise ValueError("this pooler reads the class token, which drop_prefix=True "
+                                 "removes; build the tower with drop_prefix=False")
+        in_dim = getattr(pooler, "in_dim", None)
+        if in_dim is not None and in_dim != self.feature_dim:
+            raise ValueError(f"the pooler takes width {in_dim}, but the tower gives "
+                             f"{self.feature_dim} (feature_layer={feature_layer!r})")
+
+    @property
+    def _layers(self) -> list[int] | None:
+        if self.feature_layer is None:
+            return None
+        return self.feature_layer if isinstance(self.feature_layer, list) else [self.feature_layer]
+
+    @property
+    def feature_dim(self) -> int:
+        """The width of the tokens handed to the pooler."""
+        return self.encoder.config.width * len(self._layers or [None])
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """Prefix tokens handed to the pooler (0 with `drop_prefix`)."""
+        return 0 if self.drop_prefix else self.encoder.num_prefix_tokens
+
+    def select(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        """The tokens handed to the pooler, `[B, prefix? + N, feature_dim]`, and the grid."""
+        out = self.encoder(pixel_values, feature_layers=self._layers)
+        tokens = out.tokens if self._layers is None else torch.cat(out.features, dim=-1)
+        if self.drop_prefix:
+            tokens = tokens[:, out.num_prefix_tokens:]
+        return tokens, out.grid
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Pixels `[B, C, H, W]` to `[B, M, out_dim]` tokens (or `[B, out_dim]` vectors)."""
+        tokens, grid = self.select(pixel_values)
+        return self.pooler(tokens, num_prefix_tokens=self.num_prefix_tokens, grid=grid)
+
+    def num_image_tokens(self, image_size: int | tuple[int, int] | None = None) -> int | None:
+        """Exactly how many tokens `forward` returns per image of this size (None: a vector).
+
+        Raises:
+            ValueError: for a size that is not a multiple of the patch size.
+        """
+        if image_size is None:
+            image_size = self.encoder.config.image_size
+        height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
+        grid = self.encoder.patch_embed.grid(height, width)
+        return self.pooler.num_output_tokens(grid, num_prefix_tokens=self.num_prefix_tokens)
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Writes the encoder (as `VisionEncoder.save_pretrained`, so `load_encoder` still
+        reads it), the selection and pooler spec in `config.json`, and the pooler weights.
+
+        Raises:
+            ValueError: for a pooler not built by `build_pooler` (its spec is unknown).
+        """
+        spec = getattr(self.pooler, "pooler_spec", None)
+        if spec is None:
+            raise ValueError(f"cannot save a {type(self.pooler).__name__} pooler that was not "
+                             "built by vlm_vit.build_pooler: its name and options are unknown")
+        directory = Path(directory)
+        tower = {"feature_layer": self.feature_layer, "drop_prefix": self.drop_prefix,
+                 "pooler": spec}
+        self.encoder.save_pretrained(directory, extra_config={"tower": tower})
+        write_safetensors(self.pooler.state_dict(), directory / POOLER_WEIGHTS_NAME)
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, **encoder_overrides) -> VisionTower:
+        """Reads a tower written by `save_pretrained`, bit-exactly.
+
+        Raises:
+            FileNotFoundError, ValueError: naming the missing or malformed file.
+        """
+        directory = Path(directory)
+        raw = read_json(directory / CONFIG_NAME)
+        tower = raw.get("tower")
+        if not isinstance(tower, dict):
+            raise ValueError(f"{directory / CONFIG_NAME} has no 'tower' section: it holds an "
+                             "encoder only (use load_encoder, or build a VisionTower)")
+        encoder = VisionEncoder.from_pretrained(directory, **encoder_overrides)
+        spec = tower["pooler"]
+        pooler = build_pooler(spec["name"], in_dim=spec["in_dim"], out_dim=spec["out_dim"],
+                              **spec["options"])
+        weights = directory / POOLER_WEIGHTS_NAME
+        state = read_safetensors(weights)
+        check_state_dict(pooler, state, weights)
+        pooler.load_state_dict(state)
+        return cls(encoder, pooler, feature_layer=tower["feature_layer"],
+                   drop_prefix=tower["drop_prefix"])
