@@ -1,43 +1,218 @@
-"""`load_encoder`: the one entry point that reads an encoder from a path.
+"""Reading checkpoints: safe file readers, `load_encoder`, `load_tower`, `load_processor`.
 
-Today it reads the native format; the checkpoint converters register further formats.
+Weights are read without running code: safetensors first, `torch.load(weights_only=True)`
+for PyTorch files, `numpy.load(allow_pickle=False)` for `.npz`. The format is told from the
+content (see `vlm_vit.convert`), never from the file name.
 """
 
 from __future__ import annotations
 
+import logging
+import pickle
+import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from vlm_vit.model import CONFIG_NAME, WEIGHTS_NAME, VisionEncoder
+from vlm_vit.convert import FORMATS, Checkpoint, Converted, detect_format
+from vlm_vit.files import read_json, read_safetensors
+from vlm_vit.model import CONFIG_NAME, VisionEncoder, check_state_dict
+from vlm_vit.processor import ImageProcessor
+
+logger = logging.getLogger(__name__)
+
+# Weight files looked for in a directory, in order (native / Hugging Face, open_clip on the hub).
+WEIGHT_FILES = ("model.safetensors", "open_clip_model.safetensors", "pytorch_model.bin",
+                "open_clip_pytorch_model.bin", "model.npz")
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+def _read_pickled(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise ValueError(
+            f"{path} is a pickle that needs arbitrary code to load, and vlm-vit never runs "
+            f"code from a checkpoint; re-save it as a plain state dict (ideally safetensors) "
+            f"with the library that made it. ({str(error).splitlines()[0]})"
+        ) from error
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
+        raise ValueError(f"{path} is not a readable PyTorch file (truncated or corrupt?): "
+                         f"{error}") from error
+    return _unwrap_state_dict(loaded, path)
+
+
+def _unwrap_state_dict(loaded: Any, path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a loaded object: a state dict, or one under "state_dict" / "model"."""
+    for key in ("state_dict", "model", "module"):
+        if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
+            loaded = loaded[key]
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state dict")
+    tensors = {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+    if not tensors:
+        raise ValueError(f"{path} holds no tensors")
+    # Training checkpoints saved from DistributedDataParallel prefix every name with "module.".
+    if all(k.startswith("module.") for k in tensors):
+        tensors = {k.removeprefix("module."): v for k, v in tensors.items()}
+    return tensors
+
+
+def _read_npz(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return {k: torch.from_numpy(np.array(archive[k])) for k in archive.files}
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as error:
+        raise ValueError(f"{path} is not a readable .npz file (object arrays, truncated or "
+                         f"corrupt?): {error}") from error
+
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one weight file, the container told by its first bytes.
+
+    Raises:
+        FileNotFoundError: when the file is missing.
+        ValueError: for a truncated or corrupt file, a TorchScript archive, or a pickle that
+            would run code; each names the file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist or is not a file")
+    with path.open("rb") as handle:
+        head = handle.read(9)
+    if len(head) == 9 and head[8:9] == b"{":  # safetensors: u64 header size, then JSON
+        return read_safetensors(path)
+    if head.startswith(b"PK"):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except zipfile.BadZipFile as error:
+            raise ValueError(f"{path} is a damaged zip archive: {error}") from error
+        if any(n.endswith("constants.pkl") or "/code/" in n for n in names):
+            raise ValueError(f"{path} is a TorchScript archive (like OpenAI's original CLIP "
+                             "release); loading it means running its code, which vlm-vit "
+                             "refuses. Save its state_dict() as safetensors and load that.")
+        if names and all(n.endswith(".npy") for n in names):
+            return _read_npz(path)
+    return _read_pickled(path)
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """A file or directory as a `Checkpoint`: tensors, config and the JSON files beside them.
+
+    Raises:
+        FileNotFoundError: when nothing is there, or a directory has no weight file.
+        ValueError: for malformed files, naming them.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if path.is_file():
+        return Checkpoint(path=path, tensors=read_tensors(path))
+    files = {p.name: read_json(p) for p in sorted(path.glob("*.json"))
+             if p.name not in (CONFIG_NAME, SHARD_INDEX)}
+    config = read_json(path / CONFIG_NAME) if (path / CONFIG_NAME).is_file() else None
+    if (path / SHARD_INDEX).is_file():
+        index = read_json(path / SHARD_INDEX).get("weight_map", {})
+        tensors = {}
+        for shard in sorted(set(index.values())):
+            tensors.update(read_tensors(path / shard))
+    else:
+        found = next((path / name for name in WEIGHT_FILES if (path / name).is_file()), None)
+        if found is None:
+            raise FileNotFoundError(f"{path} holds none of the weight files "
+                                    f"{', '.join(WEIGHT_FILES)}")
+        tensors = read_tensors(found)
+    return Checkpoint(path=path, tensors=tensors, config=config, files=files)
+
+
+def convert_checkpoint(path: str | Path, format: str | None = None) -> Converted:
+    """Reads a checkpoint and converts it to native terms (no model is built)."""
+    checkpoint = read_checkpoint(path)
+    fmt = FORMATS.get(format) if format else detect_format(checkpoint)
+    converted = fmt.to_native(checkpoint)
+    for rule in converted.rules:
+        logger.info("%s (%s): %s", checkpoint.path, fmt.name, rule)
+    return converted
 
 
 def load_encoder(
     path: str | Path, *, format: str | None = None, dtype: torch.dtype | None = None,
     **overrides: Any,
 ) -> VisionEncoder:
-    """Loads an encoder from a checkpoint.
+    """Loads an encoder from any supported checkpoint.
 
     Args:
-        path: a native checkpoint directory (`config.json` + `model.safetensors`).
-        format: the checkpoint format; None detects it ("native" is the only one so far).
+        path: a file or directory: native, Hugging Face CLIP / SigLIP / ViT, open_clip or
+            OpenAI CLIP, timm, or a Google `.npz` (see `vlm_vit.convert`).
+        format: skip detection and read the checkpoint as this format.
         dtype: cast the weights to this dtype (default: as stored).
-        **overrides: `EncoderConfig` fields to change, e.g. ``image_size=(384, 384)``.
+        **overrides: `EncoderConfig` fields to change, e.g. ``act="quick_gelu"``;
+            ``image_size=(h, w)`` resizes the position table (paper section 3.2).
 
     Raises:
         FileNotFoundError: when `path` does not exist.
-        ValueError: when the format is unknown or the files are malformed, naming the file.
+        ValueError: for an unknown or ambiguous format, or weights that do not fit, with
+            every missing, unexpected and mis-shaped key listed; nothing is loaded half-way.
     """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist")
-    if format is None:
-        format = "native" if (path / CONFIG_NAME).is_file() else None
-    if format != "native":
-        found = "" if format is None else f" {format!r}"
-        raise ValueError(
-            f"cannot load{found} checkpoint {path}: the native format (a directory with "
-            f"{CONFIG_NAME} and {WEIGHTS_NAME}) is the only one supported so far"
-        )
-    return VisionEncoder.from_pretrained(path, dtype=dtype, **overrides)
+    converted = convert_checkpoint(path, format)
+    return VisionEncoder.from_state_dict(converted.state, converted.config, dtype=dtype,
+                                         source=path, **overrides)
+
+
+def load_processor(path: str | Path, *, format: str | None = None) -> ImageProcessor | None:
+    """The preprocessing a checkpoint records (mean, std, size, resize mode), or None."""
+    return convert_checkpoint(path, format).processor
+
+
+def load_tower(path: str | Path, pooler: str | None = None, *, format: str | None = None,
+               feature_layer: int | list[int] | None = None, drop_prefix: bool | None = None,
+               dtype: torch.dtype | None = None, **pooler_options: Any):
+    """Loads a `VisionTower` whose pooler is the checkpoint's own, or one named.
+
+    The checkpoint's own pooling: CLIP's image embedding (class token, final norm,
+    projection), the paper's representation (final-norm class token, through `pre_logits`
+    where there is one), a MAP head where there is one. A tower directory loads as saved.
+
+    Args:
+        path: any checkpoint `load_encoder` reads, or a saved tower.
+        pooler: a pooler name to use instead (built fresh, with `pooler_options`).
+        format: as in `load_encoder`.
+        feature_layer, drop_prefix: as in `VisionTower` (defaults: the final tokens; the
+            prefix kept for poolers that read the class token, dropped otherwise).
+        dtype: cast the weights.
+
+    Raises:
+        ValueError: when no pooler is named and the checkpoint has no pooling head of its own.
+    """
+    from vlm_vit.poolers import build_pooler
+    from vlm_vit.tower import VisionTower
+
+    if pooler is None and Path(path, CONFIG_NAME).is_file() and \
+            "tower" in read_json(Path(path, CONFIG_NAME)):
+        tower = VisionTower.from_pretrained(path)
+        return tower.to(dtype) if dtype is not None else tower
+    converted = convert_checkpoint(path, format)
+    encoder = VisionEncoder.from_state_dict(converted.state, converted.config, source=path)
+    if pooler is not None:
+        head = build_pooler(pooler, in_dim=encoder.config.width, **pooler_options)
+    elif converted.pooler is not None:
+        own = converted.pooler
+        head = build_pooler(own.name, in_dim=own.in_dim, out_dim=own.out_dim, **own.options)
+        source = f"the pooling head of {path}"
+        check_state_dict(head, own.weights, source)
+        head.load_state_dict(own.weights)
+    else:
+        raise ValueError(f"{path} has no pooling head of its own; name one, e.g. "
+                         f"load_tower(path, 'cls') or load_tower(path, 'mlp2x_gelu', "
+                         f"out_dim=4096)")
+    if drop_prefix is None:
+        drop_prefix = not getattr(head, "requires_class_token", False)
+    tower = VisionTower(encoder, head, feature_layer=feature_layer, drop_prefix=drop_prefix)
+    return tower.to(dtype) if dtype is not None else tower
+
+
+__all__ = ["convert_checkpoint", "load_encoder", "load_processor", "load_tower",
+           "read_checkpoint", "read_tensors"]

@@ -1,1 +1,26 @@
-"""Checkpoint converters, one module per source family."""
+"""Checkpoint converters, one module per source family, registered by name on import.
+
+Each is a pure `state_dict -> state_dict` function built from a declarative key map
+(`keymap.py`) plus a few named tensor fix-ups; `detect_format` picks the one whose
+`matches` accepts a checkpoint's content.
+"""
+
+from vlm_vit.convert import (  # noqa: F401  (importing registers the formats)
+    hf_clip,
+    hf_vit,
+    jax_npz,
+    native,
+    open_clip,
+    timm,
+)
+from vlm_vit.convert.base import (
+    FORMATS,
+    Checkpoint,
+    Converted,
+    NativePooler,
+    detect_format,
+    register_format,
+)
+
+__all__ = ["FORMATS", "Checkpoint", "Converted", "NativePooler", "detect_format",
+           "register_format"]

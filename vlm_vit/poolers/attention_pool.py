@@ -21,10 +21,13 @@ class AttentionPool(nn.Module):
         num_queries: learned queries M.
         heads: attention heads (default: the largest of up to 16 that divides D).
         mlp_ratio: hidden width of the MLP after attention, as a multiple of D.
+        act: the MLP's activation (SigLIP's head uses "gelu_tanh").
+        eps: the MLP's LayerNorm epsilon (SigLIP: 1e-6).
     """
 
     def __init__(self, in_dim: int, out_dim: int | None = None, num_queries: int = 1,
-                 heads: int | None = None, mlp_ratio: float = 4.0):
+                 heads: int | None = None, mlp_ratio: float = 4.0, act: str = "gelu",
+                 eps: float = 1e-5):
         super().__init__()
         if num_queries < 1:
             raise ValueError(f"num_queries must be >= 1, got {num_queries}")
@@ -33,7 +36,7 @@ class AttentionPool(nn.Module):
         nn.init.xavier_uniform_(self.probe)
         self.attn = nn.MultiheadAttention(in_dim, heads or default_heads(in_dim),
                                           batch_first=True)
-        self.mlp = FeedForward(in_dim, int(in_dim * mlp_ratio))
+        self.mlp = FeedForward(in_dim, round(in_dim * mlp_ratio), act=act, eps=eps)
         self.proj = nn.Linear(in_dim, self.out_dim) if self.out_dim != in_dim else nn.Identity()
 
     def forward(self, tokens, *, num_prefix_tokens: int, grid: tuple[int, int]) -> torch.Tensor:

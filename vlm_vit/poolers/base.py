@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from vlm_vit.layers import build_activation
 from vlm_vit.registry import Registry
 
 POOLERS = Registry("pooler", entry_point_group="vlm_vit.poolers")
@@ -111,8 +112,8 @@ def default_heads(width: int, most: int = 16) -> int:
 
 
 class FeedForward(nn.Sequential):
-    """LayerNorm, Linear, GELU, Linear: the MLP inside the attention poolers."""
+    """LayerNorm, Linear, activation, Linear: the MLP inside the attention poolers."""
 
-    def __init__(self, width: int, hidden: int) -> None:
-        super().__init__(nn.LayerNorm(width), nn.Linear(width, hidden), nn.GELU(),
-                         nn.Linear(hidden, width))
+    def __init__(self, width: int, hidden: int, act: str = "gelu", eps: float = 1e-5) -> None:
+        super().__init__(nn.LayerNorm(width, eps=eps), nn.Linear(width, hidden),
+                         build_activation(act), nn.Linear(hidden, width))

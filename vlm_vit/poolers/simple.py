@@ -1,4 +1,5 @@
-"""Poolers without weights: every patch token, the class token, the mean."""
+"""Poolers of the class token or all patches: every patch token, the class token, the mean,
+and the class token through a linear map."""
 
 from __future__ import annotations
 
@@ -58,6 +59,33 @@ class MeanPatch(nn.Module):
     def forward(self, tokens, *, num_prefix_tokens: int, grid: tuple[int, int]) -> torch.Tensor:
         _, patches = split_tokens(tokens, num_prefix_tokens, grid, self.in_dim)
         return patches.mean(dim=1)  # [B, D]
+
+    def num_output_tokens(self, grid, *, num_prefix_tokens: int = 0) -> None:
+        return None
+
+
+@register_pooler("cls_linear")
+class ClassTokenLinear(nn.Module):
+    """The class token through a Linear (CLIP's image projection, bias=False) and an optional
+    activation (the paper's pre-logits layer: bias and tanh, Appendix B.1)."""
+
+    requires_class_token = True
+
+    def __init__(self, in_dim: int, out_dim: int | None = None, bias: bool = True,
+                 act: str | None = None):
+        super().__init__()
+        if act not in (None, "tanh"):
+            raise ValueError(f"act must be None or 'tanh', got {act!r}")
+        self.in_dim, self.out_dim = in_dim, out_dim or in_dim
+        self.proj = nn.Linear(in_dim, self.out_dim, bias=bias)
+        self.act = nn.Tanh() if act == "tanh" else nn.Identity()
+
+    def forward(self, tokens, *, num_prefix_tokens: int, grid: tuple[int, int]) -> torch.Tensor:
+        split_tokens(tokens, num_prefix_tokens, grid, self.in_dim)
+        if num_prefix_tokens < 1:
+            raise ValueError("the 'cls_linear' pooler needs the class token at position 0, but "
+                             "these tokens have no prefix tokens")
+        return self.act(self.proj(tokens[:, 0]))  # [B, out]
 
     def num_output_tokens(self, grid, *, num_prefix_tokens: int = 0) -> None:
         return None

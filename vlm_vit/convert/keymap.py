@@ -1,0 +1,94 @@
+"""Declarative key maps and the few named tensor fix-ups converters share.
+
+A key map is a dict from a source name to a native name; `{}` stands for the block index:
+
+    {"encoder.layers.{}.layer_norm1.weight": "blocks.{}.norm1.weight", ...}
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+import torch
+
+
+def expand(key_map: Mapping[str, str], depth: int) -> dict[str, str]:
+    """The exact source -> target names for `depth` blocks."""
+    exact: dict[str, str] = {}
+    for source, target in key_map.items():
+        indices = range(depth) if "{}" in source else [None]
+        for i in indices:
+            exact[source.replace("{}", str(i))] = target.replace("{}", str(i))
+    return exact
+
+
+def invert(key_map: Mapping[str, str]) -> dict[str, str]:
+    """The reverse map (native -> source), for writing a checkpoint back."""
+    return {target: source for source, target in key_map.items()}
+
+
+def rename(
+    tensors: Mapping[str, torch.Tensor],
+    key_map: Mapping[str, str],
+    depth: int,
+    *,
+    ignore: Iterable[str] = (),
+    source: object = "checkpoint",
+) -> dict[str, torch.Tensor]:
+    """Renames tensors by `key_map`; a pure function.
+
+    Args:
+        tensors: the source tensors.
+        key_map: source -> target names, `{}` for the block index.
+        depth: the number of blocks.
+        ignore: regular expressions of source names that are deliberately dropped (a text
+            tower, a classifier head).
+        source: named in the error.
+
+    Raises:
+        ValueError: listing every tensor that is neither mapped nor ignored.
+    """
+    exact = expand(key_map, depth)
+    patterns = [re.compile(p) for p in ignore]
+    renamed, unknown = {}, []
+    for name, tensor in tensors.items():
+        if name in exact:
+            renamed[exact[name]] = tensor
+        elif not any(p.match(name) for p in patterns):
+            unknown.append(name)
+    if unknown:
+        raise ValueError(f"{source} has tensors this converter does not know: "
+                         f"{', '.join(sorted(unknown))}")
+    return renamed
+
+
+def count_blocks(keys: Iterable[str], pattern: str) -> int:
+    """The number of blocks: 1 + the largest index matched by `pattern`'s one group."""
+    compiled = re.compile(pattern)
+    indices = [int(m.group(1)) for key in keys if (m := compiled.match(key))]
+    if not indices:
+        raise ValueError(f"no block matches {pattern!r}")
+    return max(indices) + 1
+
+
+def fuse_qkv(state: dict[str, torch.Tensor], depth: int, part: str = "blocks.{}.attn.{}") -> None:
+    """Concatenates `q`, `k`, `v` weights and biases into the fused `qkv` (in place).
+
+    Expects `blocks.N.attn.q.weight` etc.; writes `blocks.N.attn.qkv.weight`.
+    """
+    for i in range(depth):
+        for kind in ("weight", "bias"):
+            names = [part.format(i, f"{x}.{kind}") for x in "qkv"]
+            if all(n in state for n in names):
+                state[part.format(i, f"qkv.{kind}")] = torch.cat([state.pop(n) for n in names])
+
+
+def split_qkv(state: dict[str, torch.Tensor], depth: int, part: str = "blocks.{}.attn.{}") -> None:
+    """The inverse of `fuse_qkv` (in place)."""
+    for i in range(depth):
+        for kind in ("weight", "bias"):
+            fused = part.format(i, f"qkv.{kind}")
+            if fused in state:
+                for x, chunk in zip("qkv", state.pop(fused).chunk(3, dim=0)):
+                    state[part.format(i, f"{x}.{kind}")] = chunk.clone()
