@@ -4,7 +4,7 @@ Importing this package only defines things: no plugin scanning, no output.
 """
 
 from vlm_vit.config import EncoderConfig, available_variants
-from vlm_vit.loading import load_encoder
+from vlm_vit.loading import load_encoder, load_processor, load_tower
 from vlm_vit.model import EncoderOutput, VisionEncoder
 from vlm_vit.poolers import Pooler, available_poolers, build_pooler, register_pooler
 from vlm_vit.processor import ImageProcessor
@@ -23,5 +23,7 @@ __all__ = [
     "available_variants",
     "build_pooler",
     "load_encoder",
+    "load_processor",
+    "load_tower",
     "register_pooler",
 ]

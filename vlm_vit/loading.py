@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlm_vit.convert import FORMATS, Checkpoint, Converted, detect_format
+from vlm_vit.convert import FORMATS, Checkpoint, Converted, NativePooler, detect_format
 from vlm_vit.files import read_json, read_safetensors
 from vlm_vit.model import CONFIG_NAME, VisionEncoder, check_state_dict
 from vlm_vit.processor import ImageProcessor
@@ -167,6 +167,16 @@ def load_processor(path: str | Path, *, format: str | None = None) -> ImageProce
     return convert_checkpoint(path, format).processor
 
 
+def build_native_pooler(own: NativePooler, source: object = "checkpoint"):
+    """The pooler a checkpoint describes, with its weights loaded strictly."""
+    from vlm_vit.poolers import build_pooler
+
+    head = build_pooler(own.name, in_dim=own.in_dim, out_dim=own.out_dim, **own.options)
+    check_state_dict(head, own.weights, f"the pooling head of {source}")
+    head.load_state_dict(own.weights)
+    return head
+
+
 def load_tower(path: str | Path, pooler: str | None = None, *, format: str | None = None,
                feature_layer: int | list[int] | None = None, drop_prefix: bool | None = None,
                dtype: torch.dtype | None = None, **pooler_options: Any):
@@ -199,11 +209,7 @@ def load_tower(path: str | Path, pooler: str | None = None, *, format: str | Non
     if pooler is not None:
         head = build_pooler(pooler, in_dim=encoder.config.width, **pooler_options)
     elif converted.pooler is not None:
-        own = converted.pooler
-        head = build_pooler(own.name, in_dim=own.in_dim, out_dim=own.out_dim, **own.options)
-        source = f"the pooling head of {path}"
-        check_state_dict(head, own.weights, source)
-        head.load_state_dict(own.weights)
+        head = build_native_pooler(converted.pooler, source=path)
     else:
         raise ValueError(f"{path} has no pooling head of its own; name one, e.g. "
                          f"load_tower(path, 'cls') or load_tower(path, 'mlp2x_gelu', "
@@ -214,5 +220,3 @@ def load_tower(path: str | Path, pooler: str | None = None, *, format: str | Non
     return tower.to(dtype) if dtype is not None else tower
 
 
-__all__ = ["convert_checkpoint", "load_encoder", "load_processor", "load_tower",
-           "read_checkpoint", "read_tensors"]

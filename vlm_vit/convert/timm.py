@@ -1,41 +1,187 @@
-"""timm's `VisionTransformer`: our parameter names are timm's, so weights copy across as they
-are; what differs is how the architecture is spelled."""
+"""timm's `VisionTransformer` state dicts.
+
+Our parameter names are timm's, so the key map is the identity; what needs care is the
+architecture, which a timm state dict only partly records:
+
+- sizes, class token, registers, pre-norm, final norm and biases come from the tensors;
+- heads cannot be read from shapes: `config.json`'s `model_args.num_heads` when present
+  (timm's hub layout), else the variant table's entry for that width and depth, else the
+  rule heads = width // 64 (every ViT in the paper but ViT-H/14, which the table covers);
+- act is exact GELU (timm's default) and eps 1e-6, unless overridden by keyword;
+- `no_embed_class` tables (no position for the class token) get a zero class position, and
+  tables with entries for register tokens have them folded into the register tokens
+  (a constant added to a constant), since our registers carry no position.
+"""
 
 from __future__ import annotations
 
 import functools
+import json
+import math
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-from vlm_vit.config import EncoderConfig
+from vlm_vit.config import VARIANTS, EncoderConfig
+from vlm_vit.convert.base import Checkpoint, Converted, NativePooler, register_format
+from vlm_vit.convert.keymap import count_blocks
+from vlm_vit.files import atomic_write, write_safetensors
+from vlm_vit.model import MODEL_TYPE
 from vlm_vit.optional import require
+from vlm_vit.processor import ImageProcessor
+
+# Dropped on purpose: a classifier head (not part of the encoder) and its pooled norm.
+IGNORED = ("head.", "fc_norm.")
 
 
 def timm_model_kwargs(config: EncoderConfig) -> dict[str, Any]:
     """Keyword arguments for `timm.models.vision_transformer.VisionTransformer` that build
     the same architecture without a head (`forward_features` gives our `tokens`).
 
-    Register tokens are left out: timm gives them position entries, which ours lack.
+    Register tokens get entries in timm's position table (zeros on export, see `write`).
     """
-    if config.num_register_tokens:
-        raise ValueError("timm places register tokens inside the position table; "
-                         f"a config with {config.num_register_tokens} registers has no twin")
     return dict(
         img_size=config.image_size, patch_size=config.patch_size, in_chans=config.in_channels,
         num_classes=0, global_pool="token" if config.class_token else "avg", fc_norm=False,
         embed_dim=config.width, depth=config.depth, num_heads=config.heads,
         mlp_ratio=config.mlp_width / config.width, qkv_bias=config.qkv_bias,
-        class_token=config.class_token, pre_norm=config.pre_norm,
-        final_norm=config.final_norm, act_layer=config.act,  # timm knows the same names
+        class_token=config.class_token, reg_tokens=config.num_register_tokens,
+        pre_norm=config.pre_norm, final_norm=config.final_norm,
+        act_layer=config.act,  # timm knows the same names
         norm_layer=functools.partial(nn.LayerNorm, eps=config.norm_eps),
     )
 
 
 def build_timm_model(config: EncoderConfig, **extra: Any) -> nn.Module:
-    """timm's `VisionTransformer` for `config` (needs timm), at random initialisation."""
+    """timm's `VisionTransformer` for `config` (needs timm), at random initialisation.
+
+    With registers, load weights exported by `to_timm_state_dict`, which gives them
+    position entries.
+    """
     vision_transformer = require("timm.models.vision_transformer", "dev", "a timm twin")
     model = vision_transformer.VisionTransformer(**{**timm_model_kwargs(config), **extra})
+    proj = model.patch_embed.proj  # timm ties the patch bias to pre_norm; ours is separate
     if not config.patch_bias:
-        model.patch_embed.proj.bias = None
+        proj.bias = None
+    elif proj.bias is None:
+        proj.bias = nn.Parameter(torch.zeros(config.width))
     return model
+
+
+def to_timm_state_dict(state: dict[str, torch.Tensor], config: EncoderConfig) -> dict:
+    """Native weights as timm's: identical, but registers get zero position entries."""
+    state = dict(state)
+    if config.num_register_tokens:
+        table = state["pos_embed"]
+        cls = int(config.class_token)
+        zeros = table.new_zeros(1, config.num_register_tokens, table.shape[-1])
+        state["pos_embed"] = torch.cat([table[:, :cls], zeros, table[:, cls:]], dim=1)
+    return state
+
+
+def _heads(width: int, depth: int, model_args: dict[str, Any], rules: list[str]) -> int:
+    if "num_heads" in model_args:
+        return int(model_args["num_heads"])
+    for variant, sizes in VARIANTS.items():
+        if (sizes["width"], sizes["depth"]) == (width, depth):
+            rules.append(f"heads {sizes['heads']} from the variant table ({variant} sizes)")
+            return sizes["heads"]
+    rules.append(f"heads = width // 64 = {max(1, width // 64)}: a state dict does not record "
+                 "heads; pass heads= to override")
+    return max(1, width // 64)
+
+
+def _fold_positions(state: dict[str, torch.Tensor], grid_tokens: int, rules: list[str]) -> None:
+    """Moves timm's layout of the position table onto ours (in place)."""
+    table = state["pos_embed"]
+    in_table = table.shape[1] - grid_tokens  # prefix entries in timm's table
+    registers = state["reg_token"].shape[1] if "reg_token" in state else 0
+    has_cls = "cls_token" in state
+    if in_table == 0 and has_cls:  # no_embed_class: the class token has no position
+        state["pos_embed"] = torch.cat([table.new_zeros(1, 1, table.shape[-1]), table], dim=1)
+        rules.append("no position for the class token (no_embed_class): a zero entry added")
+    elif in_table == int(has_cls) + registers and registers:
+        cls = int(has_cls)
+        state["reg_token"] = state["reg_token"] + table[:, cls:cls + registers]
+        state["pos_embed"] = torch.cat([table[:, :cls], table[:, cls + registers:]], dim=1)
+        rules.append("register position entries folded into the register tokens")
+
+
+class TimmFormat:
+    name = "timm"
+
+    def matches(self, checkpoint: Checkpoint) -> bool:
+        native = bool(checkpoint.config) and checkpoint.config.get("model_type") == MODEL_TYPE
+        return not native and {"patch_embed.proj.weight", "pos_embed",
+                                "blocks.0.attn.qkv.weight"} <= set(checkpoint.tensors)
+
+    def to_native(self, checkpoint: Checkpoint) -> Converted:
+        tensors = checkpoint.tensors
+        state = {k: v for k, v in tensors.items() if not k.startswith(IGNORED)}
+        dropped = sorted(k for k in tensors if k not in state)
+        rules = [f"ignored the classifier tensors {', '.join(dropped)}"] if dropped else []
+        model_args = (checkpoint.config or {}).get("model_args", {})
+        patch = state["patch_embed.proj.weight"]  # [D, C, P, P]
+        width, channels, patch_size = patch.shape[0], patch.shape[1], patch.shape[2]
+        depth = count_blocks(state, r"blocks\.(\d+)\.")
+        registers = state["reg_token"].shape[1] if "reg_token" in state else 0
+        grid_tokens = _grid_tokens(state["pos_embed"].shape[1], int("cls_token" in state),
+                                   registers)
+        _fold_positions(state, grid_tokens, rules)
+        image_size = model_args.get("img_size")
+        if image_size is None:
+            side = math.isqrt(grid_tokens) * patch_size
+            image_size = (side, side)
+            rules.append(f"square grid assumed: image size {side}")
+        config = EncoderConfig(
+            image_size=image_size, patch_size=patch_size, width=width, depth=depth,
+            heads=_heads(width, depth, model_args, rules),
+            mlp_width=state["blocks.0.mlp.fc1.weight"].shape[0], in_channels=channels,
+            class_token="cls_token" in state, num_register_tokens=registers,
+            pre_norm="norm_pre.weight" in state, final_norm="norm.weight" in state,
+            qkv_bias="blocks.0.attn.qkv.bias" in state,
+            patch_bias="patch_embed.proj.bias" in state,
+            act=model_args.get("act_layer", "gelu"),
+            norm_eps=(checkpoint.config or {}).get("norm_eps", 1e-6),
+        )
+        pooler = NativePooler("cls" if config.class_token else "mean", width, None, {}, {})
+        return Converted(config=config, state=state, pooler=pooler,
+                         processor=_processor(checkpoint.config, config), rules=rules)
+
+    def write(self, encoder, destination: str | Path, *, pooler=None, processor=None) -> None:
+        """Writes `model.safetensors` and a timm-style `config.json` into `destination`."""
+        destination = Path(destination)
+        destination.mkdir(parents=True, exist_ok=True)
+        config = encoder.config
+        args = {k: v for k, v in timm_model_kwargs(config).items() if k != "norm_layer"}
+        args["img_size"] = list(config.image_size)
+        meta = {"architecture": "vit_custom", "num_classes": 0, "model_args": args,
+                "norm_eps": config.norm_eps}
+        if processor is not None:
+            meta["pretrained_cfg"] = {"mean": list(processor.mean), "std": list(processor.std),
+                                      "input_size": [3, *processor.size]}
+        with atomic_write(destination / "config.json", "w") as handle:
+            json.dump(meta, handle, indent=2)
+        write_safetensors(to_timm_state_dict(encoder.state_dict(), config),
+                          destination / "model.safetensors")
+
+
+def _grid_tokens(table_length: int, cls: int, registers: int) -> int:
+    """Patch entries in a timm table, whichever prefix layout it has."""
+    for prefix in (cls + registers, cls, 0):
+        if math.isqrt(table_length - prefix) ** 2 == table_length - prefix:
+            return table_length - prefix
+    return table_length - cls - registers  # a non-square grid: the config must say
+
+
+def _processor(config: dict | None, encoder_config: EncoderConfig) -> ImageProcessor | None:
+    cfg = (config or {}).get("pretrained_cfg")
+    if not cfg:
+        return None
+    return ImageProcessor(size=tuple(cfg.get("input_size", [3, *encoder_config.image_size])[1:]),
+                          mean=tuple(cfg["mean"]), std=tuple(cfg["std"]))
+
+
+register_format(TimmFormat())

@@ -1,0 +1,51 @@
+import pytest
+import torch
+
+from vlm_vit import ImageProcessor, VisionEncoder, load_encoder
+from vlm_vit.cli import main
+from vlm_vit.cli.convert import writable_formats
+
+from ..conftest import tiny_config
+
+
+@pytest.fixture
+def native(tmp_path):
+    torch.manual_seed(0)
+    VisionEncoder(tiny_config(pre_norm=True)).save_pretrained(tmp_path / "native")
+    ImageProcessor.for_family("clip", size=32).save_pretrained(tmp_path / "native")
+    return tmp_path / "native"
+
+
+def same_weights(a, b):
+    return all(torch.equal(t, b.state_dict()[n]) for n, t in a.state_dict().items())
+
+
+def test_native_to_timm_and_back_is_bit_exact(tmp_path, native, capsys):
+    assert main(["convert", str(native), str(tmp_path / "timm"), "--to", "timm"]) == 0
+    assert main(["convert", str(tmp_path / "timm"), str(tmp_path / "back"), "--to",
+                 "native"]) == 0
+    original, back = load_encoder(native), load_encoder(tmp_path / "back")
+    assert back.config == original.config and same_weights(original, back)
+    assert ImageProcessor.from_pretrained(tmp_path / "back").mean == ImageProcessor.for_family(
+        "clip").mean  # the preprocessing travelled with the weights
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_resize_on_the_way(tmp_path, native):
+    assert main(["convert", str(native), str(tmp_path / "big"), "--to", "native",
+                 "--image-size", "48", "64"]) == 0
+    assert load_encoder(tmp_path / "big").config.image_size == (48, 64)
+
+
+def test_every_listed_family_can_be_written():
+    assert {"native", "timm"} <= set(writable_formats())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--to", "onnx"], "cannot write format 'onnx'"),
+    (["--to", "timm", "--from", "tim"], "unknown checkpoint format 'tim'"),
+])
+def test_user_errors_are_one_line(tmp_path, native, capsys, argv, message):
+    assert main(["convert", str(native), str(tmp_path / "out"), *argv]) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

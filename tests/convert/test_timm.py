@@ -1,0 +1,105 @@
+"""timm state dicts load to the same function as timm's own VisionTransformer."""
+
+import json
+
+import pytest
+import torch
+
+from vlm_vit import load_encoder, load_tower
+from vlm_vit.convert.timm import TimmFormat
+from vlm_vit.files import write_safetensors
+
+vision_transformer = pytest.importorskip("timm.models.vision_transformer")
+
+# width 128 with 2 heads: the documented rule heads = width // 64 recovers it.
+BASE = dict(img_size=32, patch_size=8, embed_dim=128, depth=2, num_heads=2, num_classes=0)
+CASES = {
+    "class-token": dict(),
+    "avg-no-class-token": dict(class_token=False, global_pool="avg", fc_norm=False),
+    "registers-in-table": dict(reg_tokens=2),
+    "no-embed-class-registers": dict(reg_tokens=3, no_embed_class=True),
+    "pre-norm-no-final-norm": dict(pre_norm=True, final_norm=False),
+    "classifier-head": dict(num_classes=10),
+}
+
+
+def timm_model(**options):
+    torch.manual_seed(0)
+    return vision_transformer.VisionTransformer(**{**BASE, **options}).eval()
+
+
+def compare(ours, theirs, size=(32, 32)):
+    x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = ours(x, output_hidden_states=True)
+        blocks = theirs.forward_intermediates(x, norm=False, intermediates_only=True,
+                                              output_fmt="NLC")
+        expected = theirs.forward_features(x)
+    torch.testing.assert_close(out.tokens, expected, atol=1e-4, rtol=1e-4)
+    for hidden, block in zip(out.hidden_states[1:], blocks):
+        torch.testing.assert_close(hidden[:, out.num_prefix_tokens:], block, atol=1e-4,
+                                   rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_timm_state_dict_parity(tmp_path, case):
+    theirs = timm_model(**CASES[case])
+    path = tmp_path / "weights.safetensors"
+    write_safetensors(theirs.state_dict(), path)
+    ours = load_encoder(path).eval()
+    assert ours.config.heads == 2 and ours.config.depth == 2
+    compare(ours, theirs)
+
+
+def test_pth_file_and_classifier_head_ignored(tmp_path):
+    theirs = timm_model(num_classes=10)
+    torch.save({"state_dict": theirs.state_dict()}, tmp_path / "checkpoint.pth")
+    compare(load_encoder(tmp_path / "checkpoint.pth").eval(), theirs)
+
+
+def test_non_square_matches_dynamic_img_size(tmp_path):
+    theirs = timm_model(dynamic_img_size=True)
+    write_safetensors(theirs.state_dict(), tmp_path / "w.safetensors")
+    compare(load_encoder(tmp_path / "w.safetensors").eval(), theirs, size=(24, 48))
+
+
+def test_heads_from_timm_config_json(tmp_path):
+    theirs = timm_model(embed_dim=64, num_heads=4)  # the width // 64 rule would say 1
+    write_safetensors(theirs.state_dict(), tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architecture": "vit_custom", "model_args": {"num_heads": 4, "img_size": [32, 32]}}))
+    ours = load_encoder(tmp_path).eval()
+    assert ours.config.heads == 4
+    compare(ours, theirs)
+
+
+def test_native_pooler_is_the_class_token(tmp_path):
+    theirs = timm_model()
+    write_safetensors(theirs.state_dict(), tmp_path / "w.safetensors")
+    tower = load_tower(tmp_path / "w.safetensors").eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(tower(x), theirs(x), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("registers", [0, 2])
+def test_round_trip_native_timm_native_is_bit_exact(tmp_path, registers):
+    from vlm_vit import VisionEncoder
+
+    from ..conftest import tiny_config
+
+    torch.manual_seed(0)
+    encoder = VisionEncoder(tiny_config(num_register_tokens=registers, pre_norm=True)).eval()
+    TimmFormat().write(encoder, tmp_path / "timm")
+    back = load_encoder(tmp_path / "timm")
+    assert back.config == encoder.config
+    for name, tensor in encoder.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+    # and timm itself computes the same function from the written file
+    from safetensors.torch import load_file
+
+    from vlm_vit.convert.timm import build_timm_model
+
+    theirs = build_timm_model(encoder.config).eval()
+    theirs.load_state_dict(load_file(tmp_path / "timm" / "model.safetensors"))
+    compare(encoder, theirs)

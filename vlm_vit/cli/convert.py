@@ -1,0 +1,62 @@
+"""`vlm-vit convert SRC DST --to FORMAT`: between native, Hugging Face CLIP, timm, open_clip."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from vlm_vit.convert import FORMATS
+from vlm_vit.loading import build_native_pooler, convert_checkpoint
+from vlm_vit.model import VisionEncoder
+
+
+def writable_formats() -> list[str]:
+    """Formats that can be written: native and those whose converter has `write`."""
+    return ["native", *(n for n in FORMATS.names() if hasattr(FORMATS.get(n), "write"))]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "convert", help="convert a checkpoint to another family's format",
+        description="Read any supported checkpoint and write it in another format, which "
+        "loads in that family's own library.")
+    parser.add_argument("source", metavar="SRC")
+    parser.add_argument("destination", metavar="DST", type=Path,
+                        help="a directory (native, hf_clip, timm) or a .safetensors file "
+                        "(open_clip)")
+    parser.add_argument("--to", required=True, metavar="FORMAT",
+                        help="native, hf-clip, timm or open_clip (dashes or underscores)")
+    parser.add_argument("--from", dest="source_format", metavar="FORMAT",
+                        help="read SRC as this format instead of detecting it")
+    parser.add_argument("--image-size", type=int, nargs="+", metavar="SIDE",
+                        help="resize the position table to SIDE or HEIGHT WIDTH on the way")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    target = args.to.replace("-", "_")
+    if target not in writable_formats():
+        raise ValueError(f"cannot write format {args.to!r}; writable: "
+                         f"{', '.join(writable_formats())}")
+    if args.destination.exists() and Path(args.source).resolve() == args.destination.resolve():
+        raise ValueError("SRC and DST are the same path; write to a new place")
+    converted = convert_checkpoint(args.source, args.source_format)
+    overrides = {}
+    if args.image_size:
+        if len(args.image_size) not in (1, 2):
+            raise ValueError(f"--image-size takes SIDE or HEIGHT WIDTH, got {args.image_size}")
+        overrides["image_size"] = (args.image_size[0], args.image_size[-1])
+    encoder = VisionEncoder.from_state_dict(converted.state, converted.config,
+                                            source=args.source, **overrides)
+    pooler = (build_native_pooler(converted.pooler, args.source)
+              if converted.pooler is not None else None)
+    processor = converted.processor
+    if target == "native":
+        encoder.save_pretrained(args.destination)
+        if processor is not None:
+            processor.save_pretrained(args.destination)
+    else:
+        FORMATS.get(target).write(encoder, args.destination, pooler=pooler, processor=processor)
+    print(f"wrote {args.destination} ({target}, {sum(p.numel() for p in encoder.parameters()):,}"
+          f" parameters)")
+    return 0
