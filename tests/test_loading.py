@@ -104,5 +104,6 @@ def test_load_tower_needs_a_pooler_when_the_source_has_none(tmp_path):
     VisionEncoder(tiny_config()).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="no pooling head of its own"):
         load_tower(tmp_path)
-    tower = load_tower(tmp_path, "mlp2x_gelu", out_dim=16)
+    tower = load_tower(tmp_path, "mlp2x_gelu", out_dim=16, act="quick_gelu")
+    assert tower.encoder.config.act == "quick_gelu"
     assert tower(torch.randn(1, 3, 32, 32)).shape == (1, 16, 16)

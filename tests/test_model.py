@@ -166,7 +166,7 @@ def test_loading_errors_name_the_file(tmp_path, tiny_encoder):
         load_encoder(tmp_path / "nowhere")
     tiny_encoder.save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 10)
-    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors"):
+    with pytest.raises(ValueError, match="model.safetensors is not a readable"):
         load_encoder(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json is not valid JSON"):

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 from vlm_vit.convert import FORMATS, Checkpoint, Converted, NativePooler, detect_format
 from vlm_vit.files import read_json, read_safetensors
@@ -38,8 +39,10 @@ def _read_pickled(path: Path) -> dict[str, torch.Tensor]:
             f"code from a checkpoint; re-save it as a plain state dict (ideally safetensors) "
             f"with the library that made it. ({str(error).splitlines()[0]})"
         ) from error
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
-        raise ValueError(f"{path} is not a readable PyTorch file (truncated or corrupt?): "
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile,
+            SafetensorError) as error:  # torch.load hands *.safetensors names to safetensors
+        raise ValueError(f"{path} is not a readable weight file (safetensors, PyTorch or "
+                         f"npz; truncated or corrupt?): "
                          f"{error}") from error
     return _unwrap_state_dict(loaded, path)
 
@@ -177,9 +180,10 @@ def build_native_pooler(own: NativePooler, source: object = "checkpoint"):
     return head
 
 
-def load_tower(path: str | Path, pooler: str | None = None, *, format: str | None = None,
+def load_tower(path: str | Path, pooler: str | None = None, *, out_dim: int | None = None,
+               pooler_options: dict[str, Any] | None = None, format: str | None = None,
                feature_layer: int | list[int] | None = None, drop_prefix: bool | None = None,
-               dtype: torch.dtype | None = None, **pooler_options: Any):
+               dtype: torch.dtype | None = None, **overrides: Any):
     """Loads a `VisionTower` whose pooler is the checkpoint's own, or one named.
 
     The checkpoint's own pooling: CLIP's image embedding (class token, final norm,
@@ -188,11 +192,13 @@ def load_tower(path: str | Path, pooler: str | None = None, *, format: str | Non
 
     Args:
         path: any checkpoint `load_encoder` reads, or a saved tower.
-        pooler: a pooler name to use instead (built fresh, with `pooler_options`).
+        pooler: a pooler name to use instead, built fresh with `out_dim` and
+            `pooler_options`.
         format: as in `load_encoder`.
         feature_layer, drop_prefix: as in `VisionTower` (defaults: the final tokens; the
             prefix kept for poolers that read the class token, dropped otherwise).
         dtype: cast the weights.
+        **overrides: `EncoderConfig` fields, as in `load_encoder`.
 
     Raises:
         ValueError: when no pooler is named and the checkpoint has no pooling head of its own.
@@ -202,12 +208,14 @@ def load_tower(path: str | Path, pooler: str | None = None, *, format: str | Non
 
     if pooler is None and Path(path, CONFIG_NAME).is_file() and \
             "tower" in read_json(Path(path, CONFIG_NAME)):
-        tower = VisionTower.from_pretrained(path)
+        tower = VisionTower.from_pretrained(path, **overrides)
         return tower.to(dtype) if dtype is not None else tower
     converted = convert_checkpoint(path, format)
-    encoder = VisionEncoder.from_state_dict(converted.state, converted.config, source=path)
+    encoder = VisionEncoder.from_state_dict(converted.state, converted.config, source=path,
+                                            **overrides)
     if pooler is not None:
-        head = build_pooler(pooler, in_dim=encoder.config.width, **pooler_options)
+        head = build_pooler(pooler, in_dim=encoder.config.width, out_dim=out_dim,
+                            **(pooler_options or {}))
     elif converted.pooler is not None:
         head = build_native_pooler(converted.pooler, source=path)
     else:

@@ -314,6 +314,9 @@ class VisionEncoder(nn.Module):
             model = cls(config)
         check_state_dict(model, state, source)
         model.load_state_dict(state, assign=True)
+        floats = {t.dtype for t in state.values() if t.is_floating_point()}
+        if dtype is None and len(floats) > 1:  # e.g. OpenAI's float16 weights, float32 norms
+            dtype = max(floats, key=lambda d: torch.finfo(d).bits)
         if dtype is not None:
             model.to(dtype)
         if new_size is not None:
