@@ -2,8 +2,9 @@
 
 A format is an object with a `name`, a `matches(checkpoint)` test on the checkpoint's content
 (keys and config, never the file name) and `to_native(checkpoint)`; formats that can be
-written back also have `from_native(encoder, pooler)`. The weight renaming inside is a pure
-`state_dict -> state_dict` function built from a declarative key map (`keymap.py`).
+written back also have `write(encoder, destination, *, pooler=None, processor=None)`, which
+`vlm-vit convert` calls. The weight renaming inside is a pure `state_dict -> state_dict`
+function built from a declarative key map (`keymap.py`), in both directions.
 """
 
 from __future__ import annotations
