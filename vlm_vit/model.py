@@ -104,7 +104,8 @@ class VisionEncoder(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
         self.norm = nn.LayerNorm(width, eps=config.norm_eps) if config.final_norm else None
         self._pos_cache: dict[tuple, torch.Tensor] = {}  # resized tables per grid, not saved
-        self.init_weights()
+        if not self.pos_embed.is_meta:  # a meta model is a shell for loaded weights
+            self.init_weights()
 
     @property
     def num_prefix_tokens(self) -> int:
