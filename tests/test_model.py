@@ -214,3 +214,26 @@ def test_token_count_follows_the_grid_for_any_size():
         assert out.features[0].shape == (batch, 2 + rows * cols, 32)
 
     check()
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_encoder):
+    x = images()
+    tiny_encoder.train()
+    tiny_encoder(x).tokens.square().sum().backward()
+    plain = {n: p.grad.clone() for n, p in tiny_encoder.named_parameters()}
+    tiny_encoder.zero_grad()
+    tiny_encoder.gradient_checkpointing = True
+    tiny_encoder(x).tokens.square().sum().backward()
+    for name, param in tiny_encoder.named_parameters():
+        torch.testing.assert_close(param.grad, plain[name], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(mask=torch.zeros(2, 15, dtype=torch.bool)), r"mask must be a bool tensor \[2, 16\]"),
+    (dict(mask=torch.zeros(2, 16, dtype=torch.bool)), "needs a mask_token of width 32"),
+    (dict(keep=torch.tensor([[0, 16], [1, 2]])), r"keep values must lie in \[0, 16\)"),
+    (dict(source_index=torch.zeros(2, 16)), "source_index must be an integer tensor"),
+])
+def test_masking_arguments_are_checked(tiny_encoder, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_encoder(images(), **kwargs)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from vlm_vit.config import EncoderConfig
 from vlm_vit.files import atomic_write, read_json, read_safetensors, write_safetensors
@@ -104,6 +105,7 @@ class VisionEncoder(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
         self.norm = nn.LayerNorm(width, eps=config.norm_eps) if config.final_norm else None
         self._pos_cache: dict[tuple, torch.Tensor] = {}  # resized tables per grid, not saved
+        self.gradient_checkpointing = False  # set by the trainer to trade compute for memory
         if not self.pos_embed.is_meta:  # a meta model is a shell for loaded weights
             self.init_weights()
 
@@ -149,18 +151,54 @@ class VisionEncoder(nn.Module):
             self._pos_cache[key] = cached
         return cached
 
-    def prepare_tokens(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
-        """z_0: `[B, C, H, W]` pixels to `[B, T, D]` tokens (before the pre-norm), and the grid."""
+    def prepare_tokens(
+        self,
+        pixel_values: torch.Tensor,
+        *,
+        mask: torch.Tensor | None = None,
+        mask_token: torch.Tensor | None = None,
+        source_index: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[int, int]]:
+        """z_0: pixels to tokens (before the pre-norm), with the masking of pretraining.
+
+        Args:
+            pixel_values: `[B, C, H, W]`.
+            mask: `[B, N]` bool, patches whose embedding becomes `mask_token` (the paper's
+                masked patch prediction, BEiT).
+            mask_token: `[D]`, the learned [mask] embedding (owned by the objective).
+            source_index: `[B, N]` indices into the batch's B * N patch embeddings: patch
+                (b, n) takes embedding `source_index[b, n]` (the paper's "random other
+                patch"; the identity leaves everything in place).
+            keep: `[B, K]` indices of the patches to keep, after the position embedding
+                (MAE: the encoder sees the visible patches only).
+
+        Returns:
+            Tokens `[B, prefix + N (or K), D]` and the full patch grid.
+        """
         x, grid = self.patch_embed(pixel_values)  # (B, N, D)
+        batch, patches, width = x.shape
+        if source_index is not None:
+            _check_indices(source_index, (batch, patches), batch * patches, "source_index")
+            x = x.reshape(batch * patches, width)[source_index.reshape(-1)].reshape(x.shape)
+        if mask is not None:
+            if mask.shape != (batch, patches) or mask.dtype != torch.bool:
+                raise ValueError(f"mask must be a bool tensor [{batch}, {patches}], got "
+                                 f"{mask.dtype} {list(mask.shape)}")
+            if mask_token is None or mask_token.shape[-1] != width:
+                raise ValueError(f"a mask needs a mask_token of width {width}")
+            x = torch.where(mask[..., None], mask_token.to(x.dtype).reshape(1, 1, width), x)
         table = self.position_table(grid).to(x.dtype)
+        cls_entries = int(self.cls_token is not None)
+        x = x + table[:, cls_entries:]
+        if keep is not None:
+            _check_indices(keep, (batch, keep.shape[-1]), patches, "keep")
+            x = torch.gather(x, 1, keep[..., None].expand(-1, -1, width))  # (B, K, D)
         prefix = []
         if self.cls_token is not None:
-            x = x + table[:, 1:]
-            prefix.append((self.cls_token + table[:, :1]).expand(x.shape[0], -1, -1))
-        else:
-            x = x + table
+            prefix.append((self.cls_token + table[:, :1]).expand(batch, -1, -1))
         if self.reg_token is not None:
-            prefix.append(self.reg_token.expand(x.shape[0], -1, -1))
+            prefix.append(self.reg_token.expand(batch, -1, -1))
         if prefix:
             x = torch.cat([*(p.to(x.dtype) for p in prefix), x], dim=1)
         return x, grid
@@ -185,6 +223,10 @@ class VisionEncoder(nn.Module):
         feature_layers: list[int] | tuple[int, ...] | int | None = None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
+        mask: torch.Tensor | None = None,
+        mask_token: torch.Tensor | None = None,
+        source_index: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
     ) -> EncoderOutput:
         """Encodes images.
 
@@ -194,6 +236,9 @@ class VisionEncoder(nn.Module):
                 (`[-2]` for LLaVA). Alone, they stop the run after the deepest one.
             output_hidden_states: return every hidden state.
             output_attentions: return every block's attention maps (computed explicitly).
+            mask, mask_token, source_index, keep: pretraining's masking, applied in
+                `prepare_tokens` (see there). With `keep`, `patch_tokens` holds the K kept
+                patches, in `keep`'s order.
 
         Returns:
             An `EncoderOutput`.
@@ -209,14 +254,19 @@ class VisionEncoder(nn.Module):
         run_to = max(wanted) if wanted and not (output_hidden_states or output_attentions) \
             else depth
 
-        x, grid = self.prepare_tokens(pixel_values)
+        x, grid = self.prepare_tokens(pixel_values, mask=mask, mask_token=mask_token,
+                                      source_index=source_index, keep=keep)
         if self.norm_pre is not None:
             x = self.norm_pre(x)
         hidden_states = [x] if output_hidden_states else None
         attentions = [] if output_attentions else None
         kept = {0: x} if 0 in wanted else {}
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for index, block in enumerate(self.blocks[:run_to], start=1):
-            x, weights = block(x, need_weights=output_attentions)
+            if checkpointing:  # recompute activations in backward; non-reentrant, so LoRA works
+                x, weights = checkpoint(block, x, output_attentions, use_reentrant=False)
+            else:
+                x, weights = block(x, need_weights=output_attentions)
             if hidden_states is not None:
                 hidden_states.append(x)
             if attentions is not None:
@@ -336,6 +386,15 @@ class VisionEncoder(nn.Module):
         self.pos_embed = nn.Parameter(table.clone(), requires_grad=self.pos_embed.requires_grad)
         self.config = new
         self._pos_cache.clear()
+
+
+def _check_indices(index: torch.Tensor, shape: tuple[int, int], limit: int, name: str) -> None:
+    if index.dtype not in (torch.int64, torch.int32) or tuple(index.shape) != shape:
+        raise ValueError(f"{name} must be an integer tensor {list(shape)}, got {index.dtype} "
+                         f"{list(index.shape)}")
+    if index.numel() and (index.min() < 0 or index.max() >= limit):
+        raise ValueError(f"{name} values must lie in [0, {limit}), got "
+                         f"[{index.min().item()}, {index.max().item()}]")
 
 
 def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: object) -> None:
