@@ -14,10 +14,14 @@ from vlm_vit.config import EncoderConfig
 from vlm_vit.files import write_safetensors
 from vlm_vit.loading import load_encoder
 from vlm_vit.model import VisionEncoder
-from vlm_vit.processor import NORMALIZATION, PROCESSOR_CONFIG_NAME, ImageProcessor
+from vlm_vit.processor import (
+    IMAGE_SUFFIXES,
+    NORMALIZATION,
+    PROCESSOR_CONFIG_NAME,
+    ImageProcessor,
+)
 
 logger = logging.getLogger(__name__)
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

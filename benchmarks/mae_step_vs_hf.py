@@ -1,0 +1,145 @@
+"""One MAE pretraining step against Hugging Face's `ViTMAEForPreTraining`, same sizes.
+
+    python benchmarks/mae_step_vs_hf.py                    # vit-b/16 at 224, batch 8, CPU
+    python benchmarks/mae_step_vs_hf.py --device cuda --dtype bfloat16 --batch-size 64
+
+A step is forward, backward and an AdamW update, with the same mask ratio (0.75), decoder
+(512 wide, 8 blocks, 16 heads) and norm_pix_loss. The two alternate in one process after a
+warm-up; medians are reported with their ratio. Peak memory is measured per library in a
+child process (the CUDA allocator's peak on a GPU; on a CPU the growth of the resident set's
+high-water mark, reset through /proc/self/clear_refs, so Linux only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from vlm_vit import EncoderConfig, VisionEncoder  # noqa: E402
+from vlm_vit.pretrain.mae import MaskedAutoencoder  # noqa: E402
+
+
+def build(library: str, variant: str, image_size: int):
+    c = EncoderConfig.from_name(variant, image_size=image_size)
+    torch.manual_seed(0)
+    if library == "vlm-vit":
+        return MaskedAutoencoder(VisionEncoder(c), mask_ratio=0.75)
+    from transformers import ViTMAEConfig, ViTMAEForPreTraining
+
+    return ViTMAEForPreTraining(ViTMAEConfig(
+        hidden_size=c.width, num_hidden_layers=c.depth, num_attention_heads=c.heads,
+        intermediate_size=c.mlp_width, image_size=image_size, patch_size=c.patch_size,
+        decoder_hidden_size=512, decoder_num_hidden_layers=8, decoder_num_attention_heads=16,
+        decoder_intermediate_size=2048, mask_ratio=0.75, norm_pix_loss=True,
+        layer_norm_eps=c.norm_eps))
+
+
+def step_function(library: str, model, pixels: torch.Tensor, dtype: torch.dtype):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    device_type = pixels.device.type
+
+    def step() -> float:
+        with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
+            out = model(pixels) if library == "vlm-vit" else model(pixel_values=pixels)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        optimizer.step()
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        return out.loss.item()
+
+    return step
+
+
+def peak_memory(args: argparse.Namespace, library: str) -> float:
+    """Peak memory in MiB of two steps, measured in a fresh child process."""
+    command = [sys.executable, __file__, "--child", library, "--variant", args.variant,
+               "--image-size", str(args.image_size), "--batch-size", str(args.batch_size),
+               "--device", args.device, "--dtype", args.dtype]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    return float(result.stdout.strip().splitlines()[-1])
+
+
+def child(args: argparse.Namespace, dtype: torch.dtype) -> None:
+    model = build(args.child, args.variant, args.image_size).to(args.device)
+    pixels = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=args.device)
+    step = step_function(args.child, model, pixels, dtype)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step(), step()
+        print((torch.cuda.max_memory_allocated() - base) / 2**20)
+    else:  # Linux: reset the resident-set high-water mark, then read it after the steps
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        base = _status_kib("VmRSS")
+        step(), step()
+        print((_status_kib("VmHWM") - base) / 1024)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        line = next(line for line in handle if line.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", default="vit-b/16")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    if args.child:
+        child(args, dtype)
+        return
+
+    pixels = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=args.device)
+    steps = {name: step_function(name, build(name, args.variant, args.image_size)
+                                 .to(args.device), pixels, dtype)
+             for name in ("vlm-vit", "transformers")}
+    for step in steps.values():  # warm-up
+        step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    result = {"variant": args.variant, "image_size": args.image_size,
+              "batch_size": args.batch_size, "device": args.device, "dtype": args.dtype,
+              "step_seconds": medians,
+              "time_ratio_vlm_vit_over_transformers": medians["vlm-vit"] / medians["transformers"]}
+    if not args.no_memory:
+        result["peak_memory_mib"] = {name: peak_memory(args, name) for name in steps}
+    print(f"MAE step, {args.variant} at {args.image_size}, batch {args.batch_size}, "
+          f"{args.device} {args.dtype}, median of {args.repeats}")
+    for name, seconds in medians.items():
+        memory = result.get("peak_memory_mib", {}).get(name)
+        extra = f", peak memory {memory:8.0f} MiB" if memory is not None else ""
+        print(f"  {name:<13} {seconds:7.3f} s/step{extra}")
+    print(f"  time ratio vlm-vit / transformers: "
+          f"{result['time_ratio_vlm_vit_over_transformers']:.3f} (below 1: faster)")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
