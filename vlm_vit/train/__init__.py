@@ -1,0 +1,44 @@
+"""Training: the loop (`Trainer`), image folders, checkpoints and data-parallel support.
+
+A library, not a recipe: scripts that build an objective and call `Trainer.fit` live
+outside the package. Importing it loads no optional dependency (torchvision, tqdm and
+tensorboard are imported where used).
+"""
+
+from vlm_vit.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from vlm_vit.train.data import (
+    ImageBatch,
+    ImageFolder,
+    LabelledImageFolder,
+    UndecodableImage,
+    collate_images,
+)
+from vlm_vit.train.distributed import GlobalBatchSampler
+from vlm_vit.train.trainer import (
+    NonFiniteLossError,
+    TrainConfig,
+    Trainer,
+    TrainResult,
+    build_scheduler,
+    learning_rate,
+    parameter_groups,
+)
+
+__all__ = [
+    "GlobalBatchSampler",
+    "ImageBatch",
+    "ImageFolder",
+    "LabelledImageFolder",
+    "NonFiniteLossError",
+    "TrainConfig",
+    "TrainResult",
+    "Trainer",
+    "UndecodableImage",
+    "build_scheduler",
+    "collate_images",
+    "latest_checkpoint",
+    "learning_rate",
+    "load_checkpoint",
+    "parameter_groups",
+    "save_checkpoint",
+]

@@ -1,0 +1,177 @@
+"""Training checkpoints: written atomically, read without unpickling code.
+
+A checkpoint is one `torch.save` file of tensors and plain containers (dicts, lists, ints,
+floats, strings), so `torch.load(weights_only=True)` reads it. Files are written to a
+temporary name in the same directory and renamed, so a kill at any moment leaves every
+`step_*.pt` whole; the newest is the one to resume from.
+
+    run_dir/checkpoints/step_00000004.pt
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import random
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlm_vit.files import atomic_write
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+FORMAT_VERSION = 1  # bump when the layout of the saved dict changes
+_NAME = re.compile(r"^step_(\d+)\.pt$")
+
+
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint taken after `step` optimizer steps lives."""
+    return Path(run_dir) / CHECKPOINT_DIR / f"step_{step:08d}.pt"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Every complete checkpoint in `run_dir` as (step, path), oldest first."""
+    directory = Path(run_dir) / CHECKPOINT_DIR
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.iterdir():
+        match = _NAME.match(path.name)  # temporaries start with "." and end in ".tmp"
+        if match and path.is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint in `run_dir`, or None when there is none."""
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
+    """Writes `state` to `path` through a temporary file and a rename.
+
+    Args:
+        state: tensors and plain containers only (see the module docstring).
+        path: the final name; its directory is created if needed.
+
+    Returns:
+        The path.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path, "wb") as handle:
+        torch.save({"format_version": FORMAT_VERSION, **state}, handle)
+    return path
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Reads a checkpoint written by `save_checkpoint`, onto the CPU.
+
+    Raises:
+        FileNotFoundError: when `path` is missing.
+        ValueError: naming the file when it is corrupt, holds code to unpickle, or has
+            another format version.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist or is not a file")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise ValueError(f"checkpoint {path} holds objects other than tensors and plain "
+                         f"containers: {str(error).splitlines()[0]}") from error
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as error:
+        raise ValueError(f"checkpoint {path} is truncated or corrupt: {error}") from error
+    version = state.get("format_version") if isinstance(state, dict) else None
+    if version != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {path} has format_version {version!r}, expected "
+                         f"{FORMAT_VERSION}")
+    return state
+
+
+def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
+    """Deletes all but the newest `keep` checkpoints (none when `keep` is 0).
+
+    Returns:
+        The deleted paths.
+    """
+    found = list_checkpoints(run_dir)
+    doomed = [path for _, path in found[:-keep]] if keep > 0 else []
+    for path in doomed:
+        path.unlink(missing_ok=True)
+    return doomed
+
+
+def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
+    """Deletes temporaries a killed process left (a kill -9 skips `atomic_write`'s cleanup).
+
+    Returns:
+        The deleted paths.
+    """
+    directory = Path(run_dir) / CHECKPOINT_DIR
+    stale = sorted(directory.glob(".step_*.tmp")) if directory.is_dir() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    if stale:
+        logger.info("removed %d unfinished checkpoint file(s) in %s", len(stale), directory)
+    return stale
+
+
+# -- random number generators ---------------------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random number generator's state, as tensors and plain values.
+
+    Covers Python's `random`, numpy's global generator, torch's CPU generator and, when
+    CUDA is initialised, every CUDA device's generator.
+    """
+    version, keys, gauss = random.getstate()
+    name, np_keys, position, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": {"version": version, "keys": torch.tensor(keys, dtype=torch.int64),
+                   "gauss": gauss},
+        "numpy": {"name": name, "keys": torch.from_numpy(np_keys.astype(np.int64)),
+                  "position": int(position), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restores what `rng_state` returned.
+
+    A CUDA state is restored when the device count matches; otherwise it is skipped with a
+    warning (the run continues, but not bit-exactly).
+    """
+    python = state["python"]
+    random.setstate((python["version"], tuple(int(k) for k in python["keys"].tolist()),
+                     python["gauss"]))
+    numpy = state["numpy"]
+    np.random.set_state((numpy["name"], numpy["keys"].numpy().astype(np.uint32),
+                         numpy["position"], numpy["has_gauss"], numpy["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            logger.warning("checkpoint has CUDA RNG states for %d devices, this machine has "
+                           "%d; not restoring them", len(cuda), torch.cuda.device_count())
+
+
+def seed_everything(seed: int) -> None:
+    """Seeds Python's `random`, numpy's global generator and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

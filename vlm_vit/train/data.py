@@ -1,0 +1,256 @@
+"""Image folders for training and evaluation, and the collate function that drops bad files.
+
+Training augmentation (random-resized crop, horizontal flip) draws its randomness from a
+generator seeded by (seed, epoch, index), never from the process-wide RNG, so the batches
+are the same whatever the number of workers and after a resume in the middle of an epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from vlm_vit.optional import require
+from vlm_vit.processor import ImageProcessor
+
+logger = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif",
+                              ".tiff", ".ppm", ".pgm", ".pbm"})
+
+
+class UndecodableImage(NamedTuple):
+    """What a dataset returns in place of an image it cannot read.
+
+    A bare None would lose the file name on its way out of a worker process; this marker
+    carries it to `collate_images`, which drops it and reports the path.
+
+    Attributes:
+        path: the file.
+        reason: the decoder's error message.
+    """
+
+    path: str
+    reason: str
+
+
+@dataclass
+class ImageBatch:
+    """A collated batch of training images.
+
+    Attributes:
+        pixel_values: `[B, 3, H, W]` float32, B the images that decoded.
+        undecodable: the dropped files (path "<unknown>" for a bare None from the dataset).
+    """
+
+    pixel_values: torch.Tensor
+    undecodable: list[UndecodableImage] = field(default_factory=list)
+
+
+def collate_images(items: Sequence[torch.Tensor | UndecodableImage | None]) -> ImageBatch:
+    """Stacks the images of a batch, dropping files that did not decode.
+
+    Args:
+        items: `[3, H, W]` tensors, `UndecodableImage` markers, or None.
+
+    Returns:
+        The batch; `pixel_values` has 0 rows when nothing decoded.
+
+    Raises:
+        TypeError: for an item of any other type.
+    """
+    images, bad = [], []
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            images.append(item)
+        elif isinstance(item, UndecodableImage):
+            bad.append(item)
+        elif item is None:
+            bad.append(UndecodableImage("<unknown>", "the dataset returned None"))
+        else:
+            raise TypeError(f"collate_images got a {type(item).__name__}; expected a [3, H, W] "
+                            "tensor, an UndecodableImage or None")
+    pixel_values = torch.stack(images) if images else torch.empty(0)
+    return ImageBatch(pixel_values, bad)
+
+
+def find_images(root: str | Path) -> list[Path]:
+    """Every image file under `root`, recursively, sorted by path relative to `root`.
+
+    Raises:
+        FileNotFoundError: when `root` is not a directory or holds no image file.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"image folder {root} does not exist or is not a directory")
+    files = sorted((p for p in root.rglob("*")
+                    if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()),
+                   key=lambda p: p.relative_to(root).as_posix())
+    if not files:
+        raise FileNotFoundError(f"no image files under {root} (extensions: "
+                                f"{', '.join(sorted(IMAGE_EXTENSIONS))})")
+    return files
+
+
+def mixed_seed(*values: int) -> int:
+    """A well-mixed 63-bit seed from non-negative integers, e.g. (seed, epoch, index).
+
+    Neighbouring inputs give unrelated seeds, unlike `seed + index`, whose streams overlap
+    across epochs.
+    """
+    state = np.random.SeedSequence(values).generate_state(2, dtype=np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
+class ImageFolder(torch.utils.data.Dataset):
+    """Unlabelled images for self-supervised pretraining, augmented as in MAE / DINO.
+
+    Files are decoded like `vlm_vit.processor` does (EXIF orientation, alpha composited onto
+    white, 16-bit grey scaled), then random-resized-cropped, maybe flipped, and normalised.
+
+    Args:
+        root: searched recursively for image files (see `IMAGE_EXTENSIONS`).
+        image_size: output side, or (height, width).
+        mean: per-channel mean, e.g. `NORMALIZATION["imagenet"][0]`.
+        std: per-channel standard deviation.
+        scale: range of the crop's area as a fraction of the image (MAE uses (0.2, 1.0)).
+        flip: flip horizontally with probability 0.5.
+        seed: with the epoch and the index, fixes each item's augmentation.
+
+    Raises:
+        FileNotFoundError: when `root` holds no image.
+        ValueError: for a negative seed.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        image_size: int | tuple[int, int],
+        *,
+        mean: Sequence[float],
+        std: Sequence[float],
+        scale: tuple[float, float] = (0.2, 1.0),
+        flip: bool = True,
+        seed: int = 0,
+    ) -> None:
+        transforms = require("torchvision.transforms.v2", "train", "ImageFolder's augmentation")
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        self.root = Path(root)
+        self.files = find_images(self.root)
+        size = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+        # The processor only decodes here; its size and resizing are unused.
+        self._decoder = ImageProcessor(size=size, mean=tuple(mean), std=tuple(std))
+        self.image_size = size
+        self.seed = seed
+        self.epoch = 0
+        steps = [transforms.ToImage(),
+                 transforms.RandomResizedCrop(size, scale=scale, antialias=True)]
+        if flip:
+            steps.append(transforms.RandomHorizontalFlip())
+        steps += [transforms.ToDtype(torch.float32, scale=True),
+                  transforms.Normalize(list(self._decoder.mean), list(self._decoder.std))]
+        self.transform = transforms.Compose(steps)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Chooses the epoch whose augmentation `__getitem__` draws (the trainer calls this)."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> torch.Tensor | UndecodableImage:
+        """The augmented image `[3, H, W]`, or an `UndecodableImage` for a file that fails."""
+        path = self.files[index]
+        try:
+            image = self._decoder._load(path, "image")  # RGB PIL image, like inference
+        except ValueError as error:  # ImageLoadError, ImageTooLargeError, odd PIL modes
+            return UndecodableImage(str(path), str(error))
+        # torchvision's v2 transforms draw from the global torch RNG; fork it so this item's
+        # draws depend on (seed, epoch, index) only and the caller's RNG is left untouched.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(mixed_seed(self.seed, self.epoch, index))
+            return self.transform(image)
+
+
+class LabelledImageFolder(torch.utils.data.Dataset):
+    """Labelled images for evaluation (linear probes, k-NN): one sub-folder per class.
+
+    Each image goes through the inference `ImageProcessor` (shortest side resized to the
+    output size, centre crop, normalisation), so results do not depend on any RNG. A file
+    that fails to decode raises rather than being skipped: a silently smaller evaluation
+    set would change the reported accuracy.
+
+    Args:
+        root: holds one directory per class; sub-directories within a class count for it.
+        image_size: output side, or (height, width).
+        mean: per-channel mean.
+        std: per-channel standard deviation.
+        resample: "bicubic" or "bilinear".
+
+    Attributes:
+        classes: the class names (directory names), sorted; a label indexes this list.
+        samples: (path, label) per image.
+
+    Raises:
+        FileNotFoundError: when `root` has no class directory, or a class has no image.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        image_size: int | tuple[int, int],
+        *,
+        mean: Sequence[float],
+        std: Sequence[float],
+        resample: str = "bicubic",
+    ) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"image folder {self.root} does not exist or is not a "
+                                    "directory")
+        self.classes = sorted(p.name for p in self.root.iterdir() if p.is_dir())
+        if not self.classes:
+            raise FileNotFoundError(f"{self.root} has no class sub-directories")
+        self.samples = [(path, label) for label, name in enumerate(self.classes)
+                        for path in find_images(self.root / name)]
+        self.processor = ImageProcessor(size=image_size, mean=tuple(mean), std=tuple(std),
+                                        resample=resample)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        """The preprocessed image `[3, H, W]` and its label.
+
+        Raises:
+            ImageLoadError: naming the file that cannot be decoded.
+        """
+        path, label = self.samples[index]
+        return self.processor.preprocess_one(path), label
+
+
+def describe_dataset(dataset: Any) -> dict[str, Any]:
+    """A JSON-ready description of a dataset for the run configuration."""
+    info: dict[str, Any] = {"type": type(dataset).__name__}
+    with contextlib.suppress(TypeError):  # datasets without a length
+        info["length"] = len(dataset)
+    for name in ("root", "image_size", "seed"):
+        value = getattr(dataset, name, None)
+        if value is not None:
+            info[name] = str(value) if isinstance(value, Path) else (
+                list(value) if isinstance(value, tuple) else value)
+    if isinstance(dataset, ImageFolder):
+        info["transform"] = repr(dataset.transform)
+    return info
+
+
+__all__ = ["IMAGE_EXTENSIONS", "ImageBatch", "ImageFolder", "LabelledImageFolder",
+           "UndecodableImage", "collate_images", "find_images", "mixed_seed"]

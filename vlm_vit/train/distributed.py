@@ -1,0 +1,284 @@
+"""Data-parallel training with `torchrun`: process setup, DDP wrapping and sharded batches.
+
+    torchrun --nproc_per_node 8 -m your_recipe ...
+
+Each process reads `RANK`, `WORLD_SIZE` and `LOCAL_RANK` from the environment torchrun sets,
+joins a process group (NCCL on CUDA, gloo on CPU) and trains a DDP-wrapped copy of the
+objective. Every global batch is one slice of a permutation seeded by (seed, epoch); rank r
+takes the r-th of its `world_size` equal parts, so the images a step sees do not depend on
+the number of processes.
+
+Rank 0 alone logs, writes metrics and checkpoints; every rank reads the checkpoint to resume,
+so the run directory must be on a file system all processes share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlm_vit.train.data import mixed_seed
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process stands.
+
+    Attributes:
+        rank: this process's index, 0 to world_size - 1.
+        world_size: the number of processes.
+        local_rank: the index on this machine (the CUDA device it uses).
+        device: the device this process trains on.
+        owns_group: whether `setup` created the process group (and `teardown` destroys it).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    owns_group: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 logs, writes metrics and checkpoints."""
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """A device from a config string; "auto" is CUDA when available, else CPU.
+
+    Under torchrun, a bare "cuda" means this process's device, `cuda:LOCAL_RANK`.
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but CUDA is not available")
+        if resolved.index is None:
+            resolved = torch.device("cuda", local_rank)
+    return resolved
+
+
+def setup(device: str = "auto") -> DistributedContext:
+    """Joins the process group torchrun describes, or returns a single-process context.
+
+    Args:
+        device: "auto", "cpu", "cuda", "cuda:N", ...
+
+    Returns:
+        The context; `owns_group` is False when the group already existed (the caller set
+        it up) or there is a single process.
+
+    Raises:
+        ValueError: for malformed torchrun variables or a rank outside the world.
+    """
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} does not fit WORLD_SIZE={world_size}")
+    resolved = resolve_device(device, local_rank)
+    if world_size == 1:
+        return DistributedContext(device=resolved)
+
+    import torch.distributed as dist
+
+    if resolved.type == "cuda":
+        torch.cuda.set_device(resolved)  # NCCL and all_gather_object use the current device
+    owns = False
+    if not dist.is_initialized():
+        backend = "nccl" if resolved.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, init_method="env://", rank=rank,
+                                world_size=world_size)
+        owns = True
+    if dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise ValueError(f"the process group has rank {dist.get_rank()} of "
+                         f"{dist.get_world_size()}, the environment says {rank} of {world_size}")
+    if rank == 0:
+        logger.info("data parallel on %d processes (%s backend)", world_size, dist.get_backend())
+    return DistributedContext(rank, world_size, local_rank, resolved, owns)
+
+
+def teardown(context: DistributedContext) -> None:
+    """Destroys the process group if `setup` created it."""
+    if context.owns_group:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def wrap(module: nn.Module, context: DistributedContext) -> nn.Module:
+    """The module in DistributedDataParallel when there are several processes, else itself.
+
+    DDP copies rank 0's parameters and buffers to every rank here, so all ranks start (and,
+    since gradients are averaged, stay) identical.
+    """
+    if not context.is_distributed:
+        return module
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [context.device.index] if context.device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=device_ids)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module inside a DDP wrapper (or the module itself)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def no_sync(module: nn.Module) -> contextlib.AbstractContextManager:
+    """DDP's `no_sync` (skip the gradient all-reduce of an accumulation micro-batch), or a no-op."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        return module.no_sync()
+    return contextlib.nullcontext()
+
+
+def barrier(context: DistributedContext) -> None:
+    """Waits for every process (no-op for one)."""
+    if context.is_distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def all_reduce(values: torch.Tensor, context: DistributedContext, op: str = "sum") -> torch.Tensor:
+    """Sums (or takes the min / max of) a tensor over processes, returning it on the CPU.
+
+    Args:
+        values: any shape; float64 keeps counts and loss sums exact.
+        op: "sum", "min" or "max".
+    """
+    if not context.is_distributed:
+        return values
+    import torch.distributed as dist
+
+    reduce_op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+    # NCCL reduces device tensors only; gloo CPU ones.
+    moved = values.to(context.device)
+    dist.all_reduce(moved, op=reduce_op)
+    return moved.cpu()
+
+
+def all_gather_objects(value: Any, context: DistributedContext) -> list[Any]:
+    """Every process's `value` (picklable), in rank order."""
+    if not context.is_distributed:
+        return [value]
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * context.world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def split_batch(batch_size: int, world_size: int, grad_accumulation: int) -> tuple[int, int]:
+    """Images per process per step, and per micro-batch.
+
+    Raises:
+        ValueError: when `batch_size` is not a multiple of world_size x grad_accumulation.
+    """
+    parts = world_size * grad_accumulation
+    if batch_size % parts:
+        raise ValueError(
+            f"batch_size {batch_size} must be divisible by world_size {world_size} x "
+            f"grad_accumulation {grad_accumulation} = {parts}"
+        )
+    return batch_size // world_size, batch_size // parts
+
+
+class GlobalBatchSampler(torch.utils.data.Sampler):
+    """Yields this rank's slice of each global batch, resuming at any batch of any epoch.
+
+    The order is a permutation of the dataset seeded by (seed, epoch); batch b is items
+    `[b * B, (b + 1) * B)` of it, and rank r gets the r-th of `world_size` equal parts. The
+    last incomplete batch is dropped, so every step sees exactly B images (before
+    undecodable ones are removed) and no index is repeated to pad, unlike
+    `DistributedSampler`.
+
+    Args:
+        num_samples: the dataset's length.
+        global_batch_size: B, over all processes.
+        seed: the run's seed.
+        epoch: whose permutation to use.
+        start_batch: the first batch to yield (to resume in the middle of an epoch).
+        rank: this process.
+        world_size: the number of processes; must divide B.
+
+    Raises:
+        ValueError: when the dataset holds fewer than B items, B does not divide by
+            `world_size`, or `start_batch` is past the epoch.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch_size: int,
+        *,
+        seed: int,
+        epoch: int = 0,
+        start_batch: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if global_batch_size % world_size:
+            raise ValueError(f"global batch size {global_batch_size} is not divisible by "
+                             f"world_size {world_size}")
+        self.num_batches = batches_per_epoch(num_samples, global_batch_size)
+        if not 0 <= start_batch <= self.num_batches:
+            raise ValueError(f"start_batch {start_batch} is outside the epoch's "
+                             f"{self.num_batches} batches")
+        self.num_samples = num_samples
+        self.global_batch_size = global_batch_size
+        self.seed, self.epoch, self.start_batch = seed, epoch, start_batch
+        self.rank, self.world_size = rank, world_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        generator = torch.Generator().manual_seed(mixed_seed(self.seed, self.epoch))
+        order = torch.randperm(self.num_samples, generator=generator)
+        per_rank = self.global_batch_size // self.world_size
+        for batch in range(self.start_batch, self.num_batches):
+            start = batch * self.global_batch_size + self.rank * per_rank
+            yield order[start:start + per_rank].tolist()
+
+    def __len__(self) -> int:
+        return self.num_batches - self.start_batch
+
+
+def batches_per_epoch(num_samples: int, global_batch_size: int) -> int:
+    """Complete global batches in one pass over the data.
+
+    Raises:
+        ValueError: when the dataset is smaller than one batch.
+    """
+    if num_samples < global_batch_size:
+        raise ValueError(f"the dataset has {num_samples} items, fewer than one batch of "
+                         f"{global_batch_size}")
+    return num_samples // global_batch_size

@@ -1,0 +1,694 @@
+"""The training loop: an objective, a dataset and a config in; checkpoints and an encoder out.
+
+    trainer = Trainer(objective, ImageFolder(...), TrainConfig(steps=10_000, ...), "runs/a")
+    result = trainer.fit(resume=True)      # continues from runs/a's newest checkpoint, if any
+
+The objective (`vlm_vit.pretrain.base.Objective`) owns the loss and its randomness; the
+trainer owns optimisation (AdamW, warmup then cosine, clipping, accumulation, mixed
+precision), data order, checkpoints and processes (`vlm_vit.train.distributed`).
+
+A run directory ends up holding:
+
+    run_config.json    the merged configuration and the command that ran it
+    metrics.csv        one row per step
+    checkpoints/       step_XXXXXXXX.pt, the newest `keep_checkpoints`
+    objective.pt       the objective's final state dict
+    encoder/           the final encoder in the native format (`vlm_vit.load_encoder`)
+
+Resuming is exact: a run stopped after any checkpoint and resumed takes the same steps, on
+the same batches with the same random draws, as one that never stopped (on the same
+hardware and number of processes). Checkpoints carry every process's RNG states, and the
+data order and augmentation are functions of (seed, epoch, index), not of the RNG.
+
+A step whose loss or gradient norm is not finite makes no update but still counts: it
+consumes its batch and advances the LR schedule, so the LR stays a function of the step
+number. `max_bad_steps` such steps in a row abort the run (fp16 loss-scale overflows,
+which the scaler handles, are skipped without counting towards that).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlm_vit.files import atomic_write
+from vlm_vit.train import checkpoint as ckpt
+from vlm_vit.train import distributed
+from vlm_vit.train.data import (
+    ImageBatch,
+    UndecodableImage,
+    collate_images,
+    describe_dataset,
+    mixed_seed,
+)
+from vlm_vit.train.distributed import DistributedContext
+
+logger = logging.getLogger(__name__)
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+# Parameters that are not weight-decayed besides every one with ndim <= 1 (norms, biases):
+# learned tables and tokens, following MAE, DINOv2 and timm's `no_weight_decay`.
+NO_DECAY_NAMES = ("pos_embed", "cls_token", "reg_token", "mask_token")
+RUN_CONFIG_NAME = "run_config.json"
+METRICS_NAME = "metrics.csv"
+OBJECTIVE_NAME = "objective.pt"
+ENCODER_DIR = "encoder"
+# Config fields that may change between a checkpoint and its resume without a warning.
+_HARMLESS_CHANGES = frozenset({"log_every", "checkpoint_every", "keep_checkpoints",
+                               "num_workers", "device", "compile", "max_bad_steps"})
+
+
+@dataclass
+class TrainConfig:
+    """How to train. The defaults follow MAE's pretraining recipe where it has one."""
+
+    steps: int = 1000  # optimizer steps in the whole run (a resumed run counts from 0 too)
+    batch_size: int = 256  # global: images per optimizer step, over processes and micro-batches
+    grad_accumulation: int = 1  # micro-batches per step, to fit a large batch in memory
+    lr: float = 1.5e-4  # the peak, reached at the end of warmup
+    min_lr: float = 0.0  # where the cosine decay ends
+    weight_decay: float = 0.05  # not applied to norms, biases, tables and tokens
+    betas: tuple[float, float] = (0.9, 0.95)  # MAE's beta2; 0.999 reacts slowly to spikes
+    warmup_steps: int = 0  # LR rises linearly to `lr` over these steps
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    precision: str = "fp32"  # "bf16" autocasts; "fp16" autocasts and scales the loss
+    grad_checkpointing: bool = False  # recompute block activations in backward: less memory
+    compile: bool = False  # torch.compile the objective's forward (slow first step)
+    checkpoint_every: int = 1000  # steps between checkpoints; 0: only the one at the end
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk; 0 keeps every one
+    log_every: int = 10  # steps between log lines; metrics.csv gets every step
+    seed: int = 0  # data order, augmentation and the objective's RNG (plus the rank)
+    num_workers: int = 4  # DataLoader worker processes per training process
+    max_bad_steps: int = 10  # consecutive non-finite losses or gradients before aborting
+    device: str = "auto"  # "auto" is CUDA when available, else CPU
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(float(b) for b in self.betas)
+        positive = ("steps", "batch_size", "grad_accumulation", "log_every", "max_bad_steps")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("warmup_steps", "checkpoint_every", "keep_checkpoints", "num_workers",
+                     "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.batch_size % self.grad_accumulation:
+            raise ValueError(f"batch_size {self.batch_size} is not divisible by "
+                             f"grad_accumulation {self.grad_accumulation}")
+        if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr} "
+                             f"min_lr={self.min_lr}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError(f"weight_decay and grad_clip must be >= 0, got "
+                             f"{self.weight_decay} and {self.grad_clip}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r} is not one of {PRECISIONS}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON-ready values."""
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclass
+class TrainResult:
+    """What a run did.
+
+    Attributes:
+        step: optimizer steps taken in total, including those before a resume.
+        losses: the loss of every step from the first (NaN where it was not finite or the
+            batch was empty); its length is `step`.
+        skipped_steps: steps without an update (non-finite loss or gradient, fp16 overflow,
+            or no decodable image).
+        undecodable_images: how many times an image failed to decode (a file counts once
+            per epoch it is drawn in).
+        undecodable_paths: the distinct files that failed, sorted.
+        run_dir: where everything was written.
+    """
+
+    step: int
+    losses: list[float]
+    skipped_steps: int
+    undecodable_images: int
+    undecodable_paths: list[str]
+    run_dir: Path
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced `max_bad_steps` non-finite losses or gradients in a row."""
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: weight-decayed matrices, and everything else without decay.
+
+    No decay for parameters with ndim <= 1 (norm scales and shifts, biases) and those whose
+    names contain one of `NO_DECAY_NAMES` (position tables and learned tokens): shrinking
+    them towards zero has no regularising meaning.
+
+    Args:
+        model: its trainable parameters are grouped; frozen ones are left out.
+        weight_decay: for the decayed group.
+
+    Returns:
+        Two groups, each with "params", "weight_decay" and "names" (for inspection).
+    """
+    decay: tuple[list, list] = ([], [])
+    no_decay: tuple[list, list] = ([], [])
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        exempt = parameter.ndim <= 1 or any(part in name for part in NO_DECAY_NAMES)
+        group = no_decay if exempt else decay
+        group[0].append(parameter)
+        group[1].append(name)
+    return [
+        {"params": decay[0], "weight_decay": weight_decay, "names": decay[1]},
+        {"params": no_decay[0], "weight_decay": 0.0, "names": no_decay[1]},
+    ]
+
+
+def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int,
+                  total_steps: int) -> float:
+    """The learning rate of optimizer step `step` (0-based).
+
+    Linear warmup, `lr * (step + 1) / warmup_steps`, reaches `lr` at step warmup_steps - 1;
+    then a half cosine from `lr` at step `warmup_steps` towards `min_lr`, which it would
+    reach at step `total_steps` (one past the last, so the last step still learns).
+    """
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer,
+                    config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR following `learning_rate`; the optimizer's groups must start at config.lr."""
+    def factor(step: int) -> float:
+        return learning_rate(step, lr=config.lr, min_lr=config.min_lr,
+                             warmup_steps=config.warmup_steps,
+                             total_steps=config.steps) / config.lr
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class _Silent:
+    """Stands in for the logger on ranks other than 0."""
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+@dataclass
+class _Progress:
+    """Everything about the run's position that a checkpoint carries besides the modules."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_index: int = 0  # the next batch to draw within `epoch`
+    losses: list[float] = field(default_factory=list)
+    skipped_steps: int = 0
+    bad_streak: int = 0  # consecutive non-finite steps, for max_bad_steps
+    undecodable_images: int = 0
+    undecodable_paths: list[str] = field(default_factory=list)
+
+
+class _MetricsLog:
+    """metrics.csv (and TensorBoard when installed), written by rank 0.
+
+    On a resume, rows after the checkpoint's step (written before the interruption) are
+    dropped so every step appears once.
+    """
+
+    def __init__(self, run_dir: Path, resumed_step: int | None) -> None:
+        self.path = run_dir / METRICS_NAME
+        self.columns: list[str] | None = None
+        self._file = None
+        self._writer = None
+        if resumed_step is not None and self.path.is_file():
+            with self.path.open(newline="") as handle:
+                reader = csv.DictReader(handle)
+                self.columns = list(reader.fieldnames or []) or None
+                kept = [row for row in reader if int(row["step"]) <= resumed_step]
+            if self.columns:
+                with atomic_write(self.path, "w") as handle:
+                    writer = csv.DictWriter(handle, self.columns)
+                    writer.writeheader()
+                    writer.writerows(kept)
+                self._open()
+        elif self.path.exists():
+            self.path.unlink()
+        self.tensorboard = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # tensorboard is optional
+            pass
+        else:
+            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def _open(self) -> None:
+        self._file = self.path.open("a", newline="")
+        self._writer = csv.DictWriter(self._file, self.columns, extrasaction="ignore")
+
+    def write(self, row: dict[str, float]) -> None:
+        if self._writer is None:
+            self.columns = list(row)
+            self._open()
+            self._writer.writeheader()
+        self._writer.writerow(row)
+        self._file.flush()
+        if self.tensorboard is not None:
+            for name, value in row.items():
+                if name != "step":
+                    self.tensorboard.add_scalar(f"train/{name}", value, row["step"])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+class Trainer:
+    """Trains an objective on a dataset, on one process or under torchrun.
+
+    Args:
+        objective: an `Objective`: a module returning `ObjectiveOutput(loss, metrics)` for
+            `[B, 3, H, W]` pixels, with the encoder it trains as `objective.encoder`. It is
+            moved to the device, and compiled in place when `config.compile` is set.
+        dataset: a map-style dataset. With the default collate its items are `[3, H, W]`
+            tensors or `UndecodableImage` markers (see `ImageFolder`). If it has
+            `set_epoch(epoch)`, that is called before each epoch's loader starts. For exact
+            resumes its randomness must depend only on (epoch, index), as ImageFolder's does.
+        config: the training settings.
+        run_dir: where checkpoints, metrics and the final encoder go; created if needed.
+        collate: turns a list of items into an `ImageBatch`, a pixel tensor, or a tuple
+            whose first element is the pixel tensor (default: `collate_images`).
+        command: the command line that reproduces the run, for run_config.json (default:
+            this process's `sys.argv`).
+    """
+
+    def __init__(
+        self,
+        objective: nn.Module,
+        dataset: torch.utils.data.Dataset,
+        config: TrainConfig,
+        run_dir: str | Path,
+        *,
+        collate: Callable[[list], Any] | None = None,
+        command: str | None = None,
+    ) -> None:
+        if not isinstance(getattr(objective, "encoder", None), nn.Module):
+            raise TypeError(f"{type(objective).__name__} has no `encoder` module; the trainer "
+                            "saves objective.encoder at the end")
+        self.objective = objective
+        self.dataset = dataset
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.collate = collate or collate_images
+        self.command = command if command is not None else " ".join(sys.argv)
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def fit(self, resume: bool = False) -> TrainResult:
+        """Trains for `config.steps` steps in total.
+
+        Args:
+            resume: continue from the newest checkpoint in `run_dir`; starts fresh (and logs
+                so) when there is none.
+
+        Returns:
+            A `TrainResult`.
+
+        Raises:
+            FileExistsError: when `resume` is False and `run_dir` already has checkpoints.
+            NonFiniteLossError: after `config.max_bad_steps` non-finite steps in a row.
+            ValueError: when the batch does not split over processes and micro-batches, or
+                the dataset is smaller than one batch.
+        """
+        context = distributed.setup(self.config.device)
+        try:
+            return self._fit(context, resume)
+        finally:
+            distributed.teardown(context)
+
+    def _fit(self, context: DistributedContext, resume: bool) -> TrainResult:
+        config, objective = self.config, self.objective
+        log = logger if context.is_main else _Silent()
+        distributed.split_batch(config.batch_size, context.world_size, config.grad_accumulation)
+        steps_per_epoch = distributed.batches_per_epoch(len(self.dataset), config.batch_size)
+
+        found = ckpt.latest_checkpoint(self.run_dir)
+        if found is not None and not resume:
+            raise FileExistsError(f"{self.run_dir} already holds checkpoints (newest {found}); "
+                                  "pass resume=True to continue that run, or use another "
+                                  "run directory")
+        if context.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            ckpt.remove_stale_temporaries(self.run_dir)
+        distributed.barrier(context)  # the directory exists and no rank sees stale temporaries
+
+        objective.to(context.device).train()
+        self._set_grad_checkpointing(log)
+        optimizer = torch.optim.AdamW(parameter_groups(objective, config.weight_decay),
+                                      lr=config.lr, betas=config.betas)
+        scheduler = build_scheduler(optimizer, config)
+        scaler = torch.amp.GradScaler(context.device.type, enabled=config.precision == "fp16")
+        progress = _Progress()
+        rng_states = None
+        if found is not None:
+            state = ckpt.load_checkpoint(found)
+            self._check_resumed_config(state["config"], log)
+            objective.load_state_dict(state["objective"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            scaler.load_state_dict(state["scaler"])
+            progress = _Progress(**state["progress"])
+            rng_states = state["rng"]
+            log.info("resuming from %s at step %d", found, progress.step)
+        elif resume:
+            log.info("no checkpoint in %s; starting a fresh run", self.run_dir)
+        if context.is_main:
+            self._write_run_config(context, resumed_from=found)
+
+        model = objective
+        if config.compile:
+            model.compile()  # in place: parameter names (and checkpoints) stay unchanged
+        model = distributed.wrap(model, context)
+
+        # The RNGs are set last, so nothing above (model building, DDP) shifts them.
+        if rng_states is not None and len(rng_states) == context.world_size:
+            ckpt.set_rng_state(rng_states[context.rank])
+        else:
+            if rng_states is not None:
+                log.warning("checkpoint has RNG states for %d processes, this run has %d; "
+                            "reseeding (the run continues, not bit-exactly)",
+                            len(rng_states), context.world_size)
+            ckpt.seed_everything(config.seed + context.rank if rng_states is None
+                                 else mixed_seed(config.seed, context.rank, progress.step))
+
+        metrics = _MetricsLog(self.run_dir, progress.step if found else None) \
+            if context.is_main else None
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.steps, initial=progress.step, disable=not context.is_main,
+                   desc="train", dynamic_ncols=True)
+        try:
+            while progress.step < config.steps:
+                for batch in self._loader(progress.epoch, progress.batch_index, context):
+                    row = self._step(model, batch, optimizer, scheduler, scaler, context,
+                                     progress, log)
+                    progress.batch_index += 1
+                    if progress.batch_index == steps_per_epoch:
+                        progress.epoch, progress.batch_index = progress.epoch + 1, 0
+                    if metrics is not None:
+                        metrics.write(row)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{row['loss']:.4g}", lr=f"{row['lr']:.3g}",
+                                    img_s=f"{row['images_per_s']:.1f}", refresh=False)
+                    if progress.step % config.log_every == 0:
+                        log.info("step %d/%d  loss %.4f  lr %.3g  grad norm %.3g  %.1f img/s",
+                                 progress.step, config.steps, row["loss"], row["lr"],
+                                 row["grad_norm"], row["images_per_s"])
+                    if (config.checkpoint_every and progress.step % config.checkpoint_every == 0
+                            or progress.step == config.steps):
+                        self._save(optimizer, scheduler, scaler, progress, context, log)
+                    if progress.step >= config.steps:
+                        break
+        finally:
+            bar.close()
+            if metrics is not None:
+                metrics.close()
+
+        if context.is_main:
+            self._export(log)
+        distributed.barrier(context)
+        return TrainResult(progress.step, list(progress.losses), progress.skipped_steps,
+                           progress.undecodable_images, sorted(progress.undecodable_paths),
+                           self.run_dir)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def _step(
+        self,
+        model: nn.Module,
+        batch: Any,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        scaler: torch.amp.GradScaler,
+        context: DistributedContext,
+        progress: _Progress,
+        log: Any,
+    ) -> dict[str, float]:
+        """Forward, backward, clip and update on one global batch; returns the metrics row.
+
+        `model` is the objective as called (DDP-wrapped under torchrun); `progress` is
+        advanced by one step.
+        """
+        config = self.config
+        started = time.perf_counter()
+        images, undecodable = _unpack(batch)
+        lr = optimizer.param_groups[0]["lr"]  # the LR this step uses
+        count = images.shape[0]
+        # A rank without a single image cannot join the gradient all-reduce, so such a step
+        # is skipped on every rank.
+        fewest = int(distributed.all_reduce(torch.tensor([count], dtype=torch.float64),
+                                            context, "min").item())
+        rank_loss = torch.zeros((), dtype=torch.float64)
+        objective_metrics: dict[str, float] = {}
+        if fewest > 0:
+            images = images.to(context.device, non_blocking=True)
+            # Micro-batches hold ~equal shares; each loss is weighted by its share, so the
+            # accumulated gradient is that of the mean loss over the whole batch.
+            pieces = images.tensor_split(min(config.grad_accumulation, count))
+            amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
+            for index, piece in enumerate(pieces):
+                last = index == len(pieces) - 1
+                autocast = (torch.autocast(context.device.type, dtype=amp_dtype) if amp_dtype
+                            else contextlib.nullcontext())
+                with contextlib.nullcontext() if last else distributed.no_sync(model):
+                    with autocast:
+                        output = model(piece)
+                    loss = _scalar_loss(output)
+                    weight = piece.shape[0] / count
+                    scaler.scale(loss * weight).backward()
+                rank_loss += loss.detach().double().cpu() * weight
+                for name, value in output.metrics.items():
+                    objective_metrics[name] = objective_metrics.get(name, 0.0) \
+                        + float(value) * weight
+
+        # (loss summed over ranks, images, undecodable) in one all-reduce.
+        totals = distributed.all_reduce(
+            torch.stack([rank_loss, torch.tensor(float(count), dtype=torch.float64),
+                         torch.tensor(float(len(undecodable)), dtype=torch.float64)]),
+            context)
+        loss_value = totals[0].item() / context.world_size
+        if totals[2] > 0:
+            self._record_undecodable(undecodable, context, progress, log)
+
+        grad_norm, updated = math.nan, False
+        if fewest > 0:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            parameters = [p for p in self.objective.parameters() if p.grad is not None]
+            max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm).item()
+            finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+            if finite:
+                scaler.step(optimizer)
+                progress.bad_streak, updated = 0, True
+            else:
+                self._record_bad_step(loss_value, grad_norm, progress, log)
+            scaler.update()
+        else:
+            loss_value = math.nan
+            progress.skipped_steps += 1
+            log.warning("step %d: no decodable image in a batch; skipping the update",
+                        progress.step + 1)
+        # The schedule advances on skipped steps too: the LR stays a function of the step
+        # number and the step count still matches the batches drawn.
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        progress.step += 1
+        progress.losses.append(loss_value)
+
+        if progress.bad_streak >= config.max_bad_steps:
+            raise NonFiniteLossError(
+                f"{progress.bad_streak} consecutive steps (up to step {progress.step}) had a "
+                f"non-finite loss or gradient norm (last: loss {loss_value}, grad norm "
+                f"{grad_norm}); giving up. The newest checkpoint is "
+                f"{ckpt.latest_checkpoint(self.run_dir)}. Lower the lr, add warmup, use bf16 "
+                "instead of fp16, or check the data."
+            )
+        seconds = time.perf_counter() - started
+        row = {"step": progress.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+               "images_per_s": totals[1].item() / max(seconds, 1e-9), "skipped": int(not updated)}
+        for name, value in objective_metrics.items():  # rank 0's; never over the trainer's
+            row.setdefault(name, value)
+        return row
+
+    def _record_bad_step(self, loss: float, grad_norm: float, progress: _Progress,
+                         log: Any) -> None:
+        progress.skipped_steps += 1
+        if self.config.precision == "fp16" and math.isfinite(loss):
+            # An overflow in the scaled fp16 gradients is routine: the scaler lowers its
+            # scale and the next step usually succeeds. It does not count towards aborting.
+            log.info("step %d: fp16 gradient overflow; skipping the update and lowering the "
+                     "loss scale", progress.step + 1)
+            return
+        progress.bad_streak += 1
+        log.warning("step %d: loss %s, gradient norm %s is not finite; skipping the update "
+                    "(%d in a row, abort at %d)", progress.step + 1, loss, grad_norm,
+                    progress.bad_streak, self.config.max_bad_steps)
+
+    def _record_undecodable(self, undecodable: list[UndecodableImage],
+                            context: DistributedContext, progress: _Progress, log: Any) -> None:
+        everyone = [bad for rank in distributed.all_gather_objects(undecodable, context)
+                    for bad in rank]
+        progress.undecodable_images += len(everyone)
+        known = set(progress.undecodable_paths)
+        for bad in everyone:
+            if bad.path not in known:
+                known.add(bad.path)
+                progress.undecodable_paths.append(bad.path)
+                log.warning("skipping undecodable image %s (%s)", bad.path, bad.reason)
+            else:
+                log.debug("skipping undecodable image %s again", bad.path)
+
+    # -- pieces -----------------------------------------------------------------------------
+
+    def _loader(self, epoch: int, start_batch: int,
+                context: DistributedContext) -> torch.utils.data.DataLoader:
+        """This rank's batches of `epoch` from `start_batch` on."""
+        config = self.config
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)  # workers start afresh per loader and copy this
+        sampler = distributed.GlobalBatchSampler(
+            len(self.dataset), config.batch_size, seed=config.seed, epoch=epoch,
+            start_batch=start_batch, rank=context.rank, world_size=context.world_size)
+        # The loader draws its workers' base seed from this generator; without one it would
+        # draw from the global RNG, which the objective's draws must not depend on.
+        generator = torch.Generator().manual_seed(mixed_seed(config.seed, epoch, context.rank))
+        return torch.utils.data.DataLoader(
+            self.dataset, batch_sampler=sampler, collate_fn=self.collate,
+            num_workers=config.num_workers, pin_memory=context.device.type == "cuda",
+            generator=generator)
+
+    def _set_grad_checkpointing(self, log: Any) -> None:
+        modules = [m for m in self.objective.modules() if hasattr(m, "gradient_checkpointing")]
+        for module in modules:
+            module.gradient_checkpointing = self.config.grad_checkpointing
+        if self.config.grad_checkpointing and not modules:
+            log.warning("grad_checkpointing is set, but no module of %s has a "
+                        "`gradient_checkpointing` attribute; training without it",
+                        type(self.objective).__name__)
+
+    def _save(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        scaler: torch.amp.GradScaler,
+        progress: _Progress,
+        context: DistributedContext,
+        log: Any,
+    ) -> None:
+        """Writes a checkpoint from rank 0, with every rank's RNG state; all ranks wait."""
+        rng_states = distributed.all_gather_objects(ckpt.rng_state(), context)
+        if context.is_main:
+            path = ckpt.save_checkpoint({
+                "step": progress.step,
+                "progress": dataclasses.asdict(progress),
+                "objective": self.objective.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict(),
+                "rng": rng_states,
+                "config": self.config.to_dict(),
+                "world_size": context.world_size,
+            }, ckpt.checkpoint_path(self.run_dir, progress.step))
+            removed = ckpt.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
+            log.info("saved %s%s", path, f" (removed {len(removed)} older)" if removed else "")
+        distributed.barrier(context)  # nobody resumes or exits before the file is whole
+
+    def _check_resumed_config(self, saved: dict[str, Any], log: Any) -> None:
+        current = self.config.to_dict()
+        changed = {name: (saved.get(name), value) for name, value in current.items()
+                   if saved.get(name) != value and name not in _HARMLESS_CHANGES}
+        if changed:
+            log.warning("resuming with a changed config (checkpoint -> now): %s; the run "
+                        "will differ from an uninterrupted one",
+                        ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+
+    def _write_run_config(self, context: DistributedContext, resumed_from: Path | None) -> None:
+        from vlm_vit import __version__
+
+        encoder = self.objective.encoder
+        encoder_config = getattr(encoder, "config", None)
+        objective_config = getattr(self.objective, "config", None)
+        run_config = {
+            "command": self.command,
+            "train": self.config.to_dict(),
+            "objective": {
+                "type": f"{type(self.objective).__module__}.{type(self.objective).__qualname__}",
+                **({"config": dataclasses.asdict(objective_config)}
+                   if dataclasses.is_dataclass(objective_config) else {}),
+            },
+            "encoder": encoder_config.to_dict() if hasattr(encoder_config, "to_dict") else None,
+            "dataset": describe_dataset(self.dataset),
+            "world_size": context.world_size,
+            "device": str(context.device),
+            "resumed_from": str(resumed_from) if resumed_from else None,
+            "versions": {"vlm_vit": __version__, "torch": torch.__version__},
+        }
+        with atomic_write(self.run_dir / RUN_CONFIG_NAME, "w") as handle:
+            json.dump(run_config, handle, indent=2, default=str)
+            handle.write("\n")
+
+    def _export(self, log: Any) -> None:
+        """The final objective state dict and the encoder in the native format."""
+        with atomic_write(self.run_dir / OBJECTIVE_NAME, "wb") as handle:
+            torch.save(self.objective.state_dict(), handle)
+        encoder = self.objective.encoder
+        if hasattr(encoder, "save_pretrained"):
+            encoder.save_pretrained(self.run_dir / ENCODER_DIR)
+            log.info("saved the encoder to %s", self.run_dir / ENCODER_DIR)
+        else:
+            log.warning("%s has no save_pretrained; only %s was written",
+                        type(encoder).__name__, self.run_dir / OBJECTIVE_NAME)
+
+
+def _unpack(batch: Any) -> tuple[torch.Tensor, list[UndecodableImage]]:
+    """Pixels `[B, 3, H, W]` and dropped files from whatever the collate function returned."""
+    if isinstance(batch, ImageBatch):
+        return batch.pixel_values, batch.undecodable
+    if isinstance(batch, torch.Tensor):
+        return batch, []
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
+        return batch[0], []  # (pixels, labels, ...)
+    raise TypeError(f"the collate function returned a {type(batch).__name__}; expected an "
+                    "ImageBatch, a pixel tensor, or a tuple starting with one")
+
+
+def _scalar_loss(output: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"the objective must return an ObjectiveOutput with a scalar loss, "
+                         f"got {shape}")
+    return loss.reshape(()).float()  # float32 even under autocast
