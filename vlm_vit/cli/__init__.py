@@ -12,7 +12,7 @@ import logging
 import sys
 from importlib import metadata
 
-from vlm_vit.cli import convert, encode, info, probe
+from vlm_vit.cli import convert, demo, encode, info, pretrain, probe
 from vlm_vit.processor import ImageLoadError, ImageTooLargeError
 from vlm_vit.registry import UnknownNameError
 
@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_parser(subparsers)
     convert.add_parser(subparsers)
     probe.add_parser(subparsers)
+    pretrain.add_parser(subparsers)
+    demo.add_parser(subparsers)
     for entry in metadata.entry_points(group=COMMAND_GROUP):
         try:
             entry.load()(subparsers)

@@ -1,0 +1,48 @@
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vlm_vit import VisionEncoder, load_encoder
+from vlm_vit.cli import main
+
+from ..conftest import tiny_config
+
+pytest.importorskip("torchvision")
+
+
+@pytest.fixture
+def setup(tmp_path):
+    rng = np.random.default_rng(0)
+    (tmp_path / "images" / "nested").mkdir(parents=True)
+    for index in range(12):
+        folder = tmp_path / "images" / ("nested" if index % 2 else "")
+        Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(
+            folder / f"{index}.png")
+    (tmp_path / "images" / "broken.jpg").write_text("not an image")
+    torch.manual_seed(0)
+    VisionEncoder(tiny_config()).save_pretrained(tmp_path / "start")
+    return tmp_path
+
+
+@pytest.mark.parametrize("objective", ["mpp", "mae"])
+def test_pretrain_leaves_a_loadable_encoder_and_resumes(setup, objective, capsys):
+    run = setup / f"run-{objective}"
+    argv = ["pretrain", "--objective", objective, "--model", str(setup / "start"), "--data",
+            str(setup / "images"), "--out", str(run), "--batch-size", "4", "--num-workers", "0",
+            "--checkpoint-every", "2", "--decoder-width", "32", "--decoder-depth", "1"]
+    assert main([*argv, "--steps", "2"]) == 0
+    assert "1 undecodable images skipped" in capsys.readouterr().out
+    assert main([*argv, "--steps", "4", "--resume"]) == 0
+    encoder = load_encoder(run / "encoder")
+    start = load_encoder(setup / "start")
+    assert encoder.config == start.config
+    assert not torch.equal(encoder.blocks[0].attn.qkv.weight, start.blocks[0].attn.qkv.weight)
+    assert (run / "run_config.json").read_text().count("pretrain") >= 1
+
+
+def test_pretrain_user_errors(setup, capsys):
+    assert main(["pretrain", "--objective", "mpp", "--model", "vit-ti/16", "--data",
+                 str(setup / "nowhere"), "--out", str(setup / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "nowhere is not a folder" in err and len(err.strip().splitlines()) == 1

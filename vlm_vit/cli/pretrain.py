@@ -1,0 +1,108 @@
+"""`vlm-vit pretrain`: masked-patch self-supervised pretraining on a folder of images."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from vlm_vit.config import EncoderConfig
+from vlm_vit.model import VisionEncoder
+from vlm_vit.processor import NORMALIZATION
+
+OBJECTIVES = ("mpp", "mae")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "pretrain", help="self-supervised pretraining: the paper's mpp, or mae",
+        description="Pretrain an encoder on a folder of unlabelled images (searched "
+        "recursively). Leaves RUN_DIR/encoder (native format) at the end; --resume continues "
+        "from the last complete checkpoint in RUN_DIR. Runs data-parallel under torchrun.")
+    parser.add_argument("--objective", choices=OBJECTIVES, required=True)
+    parser.add_argument("--model", required=True, metavar="NAME_OR_PATH",
+                        help="a variant name (random init) or a checkpoint to start from")
+    parser.add_argument("--data", required=True, type=Path, metavar="DIR")
+    parser.add_argument("--out", required=True, type=Path, metavar="RUN_DIR")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch per step")
+    parser.add_argument("--grad-accumulation", type=int, default=1)
+    parser.add_argument("--image-size", type=int, default=None, help="default: the model's")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="peak learning rate (default: 1.5e-4 x batch / 256, as MAE)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="default: steps / 20")
+    parser.add_argument("--weight-decay", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-every", type=int, default=500)
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+                        help="default: bf16 on a GPU, fp32 on a CPU")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--grad-checkpointing", action="store_true")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--normalize", choices=sorted(NORMALIZATION), default="inception")
+    parser.add_argument("--mask-ratio", type=float, default=0.75, help="mae only")
+    parser.add_argument("--decoder-width", type=int, default=512, help="mae only")
+    parser.add_argument("--decoder-depth", type=int, default=8, help="mae only")
+    parser.add_argument("--resume", action="store_true")
+    parser.set_defaults(run=run)
+
+
+def build_objective(name: str, encoder: VisionEncoder, *, mean, std, mask_ratio: float = 0.75,
+                    decoder_width: int = 512, decoder_depth: int = 8):
+    """The objective module named `name` around `encoder`."""
+    if name == "mpp":
+        from vlm_vit.pretrain.mpp import MaskedPatchPrediction
+
+        return MaskedPatchPrediction(encoder, mean=mean, std=std)
+    from vlm_vit.pretrain.mae import MaskedAutoencoder
+
+    heads = max(h for h in (16, 8, 4, 2, 1) if decoder_width % h == 0)
+    return MaskedAutoencoder(encoder, mask_ratio=mask_ratio, decoder_width=decoder_width,
+                             decoder_depth=decoder_depth, decoder_heads=heads)
+
+
+def build_encoder(model: str, image_size: int | None) -> VisionEncoder:
+    """A variant at random initialisation, or a checkpoint's encoder, at `image_size`."""
+    overrides = {"image_size": image_size} if image_size else {}
+    if Path(model).exists():
+        from vlm_vit.loading import load_encoder
+
+        return load_encoder(model, **overrides)
+    return VisionEncoder(EncoderConfig.from_name(model, **overrides))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from vlm_vit.train import TrainConfig, Trainer
+    from vlm_vit.train.data import ImageFolder
+
+    if not args.data.is_dir():
+        raise FileNotFoundError(f"--data {args.data} is not a folder")
+    torch.manual_seed(args.seed)  # the same initial weights on every process
+    encoder = build_encoder(args.model, args.image_size)
+    mean, std = NORMALIZATION[args.normalize]
+    objective = build_objective(args.objective, encoder, mean=mean, std=std,
+                                mask_ratio=args.mask_ratio, decoder_width=args.decoder_width,
+                                decoder_depth=args.decoder_depth)
+    dataset = ImageFolder(args.data, encoder.config.image_size, mean=mean, std=std,
+                          seed=args.seed)
+    cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
+    config = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, grad_accumulation=args.grad_accumulation,
+        lr=args.lr or 1.5e-4 * args.batch_size / 256,
+        warmup_steps=args.steps // 20 if args.warmup_steps is None else args.warmup_steps,
+        weight_decay=args.weight_decay, precision=args.precision or ("bf16" if cuda else "fp32"),
+        grad_checkpointing=args.grad_checkpointing, compile=args.compile,
+        checkpoint_every=args.checkpoint_every, seed=args.seed, num_workers=args.num_workers,
+        device=args.device)
+    command = shlex.join(["vlm-vit", *sys.argv[1:]]) if sys.argv[1:2] == ["pretrain"] else None
+    result = Trainer(objective, dataset, config, args.out, command=command).fit(
+        resume=args.resume)
+    print(f"trained {result.step} steps, final loss {result.losses[-1]:.4f}; encoder in "
+          f"{args.out / 'encoder'}"
+          + (f"; {len(result.undecodable_paths)} undecodable images skipped"
+             if result.undecodable_paths else ""))
+    return 0
