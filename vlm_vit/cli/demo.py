@@ -141,9 +141,9 @@ def run(args: argparse.Namespace) -> int:
     if args.quiet:
         logging.getLogger("vlm_vit.train").setLevel(logging.WARNING)
     result = Trainer(objective, dataset, train_config, out / "run",
-                     command=f"vlm-vit demo --out {out}").fit()
-    encoder = result_encoder = objective.encoder.eval()
-    result_encoder.save_pretrained(out / "encoder")
+                     command=f"vlm-vit demo --out {out}", progress_bar=not args.quiet).fit()
+    encoder = objective.encoder.eval()
+    encoder.save_pretrained(out / "encoder")
     processor.save_pretrained(out / "encoder")
 
     report = {"classes": len(classes), "train_images": len(train), "test_images": len(test),

@@ -303,6 +303,7 @@ class Trainer:
             whose first element is the pixel tensor (default: `collate_images`).
         command: the command line that reproduces the run, for run_config.json (default:
             this process's `sys.argv`).
+        progress_bar: show the progress bar (on rank 0).
     """
 
     def __init__(
@@ -314,6 +315,7 @@ class Trainer:
         *,
         collate: Callable[[list], Any] | None = None,
         command: str | None = None,
+        progress_bar: bool = True,
     ) -> None:
         if not isinstance(getattr(objective, "encoder", None), nn.Module):
             raise TypeError(f"{type(objective).__name__} has no `encoder` module; the trainer "
@@ -324,6 +326,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.collate = collate or collate_images
         self.command = command if command is not None else " ".join(sys.argv)
+        self.progress_bar = progress_bar
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -408,7 +411,8 @@ class Trainer:
             if context.is_main else None
         from tqdm import tqdm
 
-        bar = tqdm(total=config.steps, initial=progress.step, disable=not context.is_main,
+        bar = tqdm(total=config.steps, initial=progress.step,
+                   disable=not (context.is_main and self.progress_bar),
                    desc="train", dynamic_ncols=True)
         try:
             while progress.step < config.steps:
