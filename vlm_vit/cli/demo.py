@@ -27,7 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "demo", help="pretrain, evaluate and encode on bundled data (no downloads)",
         description=__doc__.splitlines()[0] + " " + " ".join(__doc__.splitlines()[2:6]))
     parser.add_argument("--out", type=Path, default=Path("vlm-vit-demo"), metavar="DIR")
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--width", type=int, default=96)
     parser.add_argument("--depth", type=int, default=4)
