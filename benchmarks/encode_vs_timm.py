@@ -10,27 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
+from timing import alternate
 
 from vlm_vit import EncoderConfig, VisionEncoder
 from vlm_vit.convert.timm import build_timm_model
-
-
-def measure(calls: dict, repeats: int, warmup: int) -> dict[str, list[float]]:
-    """Seconds per call for each named callable, alternating between them."""
-    for _ in range(warmup):
-        for call in calls.values():
-            call()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def main() -> None:
@@ -53,11 +38,10 @@ def main() -> None:
     pixels = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
     with torch.inference_mode():
         difference = (ours(pixels).tokens - theirs.forward_features(pixels)).abs().max().item()
-        times = measure({"vlm-vit": lambda: ours(pixels),
-                         "timm": lambda: theirs.forward_features(pixels)},
-                        args.repeats, args.warmup)
+        medians = alternate({"vlm-vit": lambda: ours(pixels),
+                             "timm": lambda: theirs.forward_features(pixels)},
+                            args.repeats, args.warmup)
 
-    medians = {name: statistics.median(t) for name, t in times.items()}
     rates = {name: args.batch_size / m for name, m in medians.items()}
     result = {
         "variant": args.variant, "image_size": args.image_size, "batch_size": args.batch_size,

@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from timing import alternate  # noqa: E402
 
 from vlm_vit import EncoderConfig, load_encoder  # noqa: E402
 
@@ -44,16 +43,7 @@ def main() -> None:
         size_mb = os.path.getsize(os.path.join(directory, "model.safetensors")) / 2**20
         calls = {"vlm-vit": lambda: load_encoder(directory),
                  "transformers": lambda: CLIPVisionModel.from_pretrained(directory)}
-        for call in calls.values():  # warm-up: page cache, imports, lazy registries
-            call()
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        for _ in range(args.repeats):
-            for name, call in calls.items():
-                start = time.perf_counter()
-                model = call()
-                times[name].append(time.perf_counter() - start)
-                del model
-    medians = {name: statistics.median(t) for name, t in times.items()}
+        medians = alternate(calls, args.repeats)  # warm-up: page cache, imports
     result = {"variant": args.variant, "file_mb": round(size_mb, 1), "seconds": medians,
               "ratio_vlm_vit_over_transformers": medians["vlm-vit"] / medians["transformers"]}
     print(f"{args.variant} ({size_mb:.0f} MB safetensors), median of {args.repeats}")

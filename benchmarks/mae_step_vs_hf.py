@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from timing import alternate  # noqa: E402
 
 from vlm_vit import EncoderConfig, VisionEncoder  # noqa: E402
 from vlm_vit.pretrain.mae import MaskedAutoencoder  # noqa: E402
@@ -113,15 +112,7 @@ def main() -> None:
     steps = {name: step_function(name, build(name, args.variant, args.image_size)
                                  .to(args.device), pixels, dtype)
              for name in ("vlm-vit", "transformers")}
-    for step in steps.values():  # warm-up
-        step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.repeats):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(t) for name, t in times.items()}
+    medians = alternate(steps, args.repeats)
     result = {"variant": args.variant, "image_size": args.image_size,
               "batch_size": args.batch_size, "device": args.device, "dtype": args.dtype,
               "step_seconds": medians,

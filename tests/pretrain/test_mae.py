@@ -9,7 +9,7 @@ from vlm_vit.layers import sincos_2d_pos_embed
 from vlm_vit.pretrain.mae import MaskedAutoencoder, patchify, unpatchify
 from vlm_vit.pretrain.masking import random_masking
 
-from .conftest_data import photo_batch
+from .conftest_data import photo_batch, train_briefly
 
 SIZES = dict(image_size=32, patch_size=8, width=32, depth=2, heads=4, mlp_width=64)
 
@@ -73,16 +73,7 @@ def test_mask_ratio_zero_encodes_every_patch_in_order():
 
 def test_loss_falls_on_real_images():
     mae = tiny_mae()
-    pixels = photo_batch()
-    optimizer = torch.optim.AdamW(mae.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(40):
-        loss = mae(pixels, generator=generator).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train_briefly(mae, photo_batch())
     assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5])
 
 

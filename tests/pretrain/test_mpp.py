@@ -6,7 +6,7 @@ from vlm_vit import EncoderConfig, VisionEncoder
 from vlm_vit.pretrain.masking import split_counts
 from vlm_vit.pretrain.mpp import MaskedPatchPrediction, color_targets
 
-from .conftest_data import photo_batch
+from .conftest_data import photo_batch, train_briefly
 
 
 def tiny(**overrides):
@@ -85,14 +85,5 @@ def test_color_target_of_pure_colours_and_known_patches():
 
 def test_loss_falls_on_real_images():
     objective = MaskedPatchPrediction(tiny())
-    pixels = photo_batch()
-    optimizer = torch.optim.AdamW(objective.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(40):
-        loss = objective(pixels, generator=generator).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train_briefly(objective, photo_batch())
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])

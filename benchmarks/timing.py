@@ -1,0 +1,23 @@
+"""Alternating timing shared by the benchmarks: every figure is a ratio of medians measured
+in one process, the candidates taking turns so machine noise hits them alike."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def alternate(calls: dict[str, Callable[[], object]], repeats: int,
+              warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each named callable, after `warmup` rounds, taking turns."""
+    for _ in range(warmup):
+        for call in calls.values():
+            call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
