@@ -165,6 +165,25 @@ def load_encoder(
                                          source=path, **overrides)
 
 
+def load_with_processor(
+    path: str | Path, *, format: str | None = None, dtype: torch.dtype | None = None,
+    **overrides: Any,
+) -> tuple[VisionEncoder, ImageProcessor]:
+    """The encoder and the preprocessing its checkpoint records, reading the weights once.
+
+    A checkpoint that records none gets ImageNet normalisation at the encoder's image size
+    (logged). Arguments as in `load_encoder`.
+    """
+    converted = convert_checkpoint(path, format)
+    encoder = VisionEncoder.from_state_dict(converted.state, converted.config, dtype=dtype,
+                                            source=path, **overrides)
+    processor = converted.processor
+    if processor is None:
+        logger.info("%s records no preprocessing: imagenet normalisation", path)
+        processor = ImageProcessor.for_family("imagenet", size=encoder.config.image_size)
+    return encoder, processor
+
+
 def load_processor(path: str | Path, *, format: str | None = None) -> ImageProcessor | None:
     """The preprocessing a checkpoint records (mean, std, size, resize mode), or None."""
     return convert_checkpoint(path, format).processor

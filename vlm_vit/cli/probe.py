@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 from pathlib import Path
 
 from vlm_vit.evaluate import POOLINGS, evaluate_folder
 from vlm_vit.files import atomic_write
-from vlm_vit.loading import convert_checkpoint
-from vlm_vit.model import VisionEncoder
-from vlm_vit.processor import ImageProcessor
-
-logger = logging.getLogger(__name__)
+from vlm_vit.loading import load_with_processor
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -41,20 +36,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def _encoder_and_processor(path: str) -> tuple[VisionEncoder, ImageProcessor]:
-    """The encoder and its recorded preprocessing, reading the checkpoint once (the same as
-    `load_encoder` and `load_processor`, without reading the weights twice)."""
-    if not Path(path).exists():
-        raise FileNotFoundError(f"encoder checkpoint {path} does not exist")
-    converted = convert_checkpoint(path)
-    encoder = VisionEncoder.from_state_dict(converted.state, converted.config, source=path)
-    processor = converted.processor
-    if processor is None:
-        logger.info("%s records no preprocessing: imagenet normalisation", path)
-        processor = ImageProcessor.for_family("imagenet", size=encoder.config.image_size)
-    return encoder, processor
-
-
 def format_table(result: dict) -> str:
     """The results as a small text table, accuracies in percent."""
     rows = [(f"few-shot {shots}", accuracy) for shots, accuracy in result["few_shot"].items()]
@@ -72,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     if not args.data.is_dir():  # before the checkpoint is read
         raise FileNotFoundError(f"--data {args.data} does not exist or is not a folder")
-    encoder, processor = _encoder_and_processor(args.encoder)
+    encoder, processor = load_with_processor(args.encoder)
     result = evaluate_folder(
         encoder, args.data, processor=processor, shots=args.shots,
         test_fraction=args.test_fraction, seed=args.seed, pooling=args.pooling,
