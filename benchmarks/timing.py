@@ -10,13 +10,19 @@ from collections.abc import Callable
 
 def alternate(calls: dict[str, Callable[[], object]], repeats: int,
               warmup: int = 1) -> dict[str, float]:
-    """Median seconds per call of each named callable, after `warmup` rounds, taking turns."""
+    """Median seconds per call of each named callable, after `warmup` rounds, taking turns.
+
+    The order flips every round (A B, B A, ...), so neither candidate always runs straight
+    after the other's allocations and cache traffic.
+    """
     for _ in range(warmup):
         for call in calls.values():
             call()
     times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
+    names = list(calls)
+    for round_index in range(repeats):
+        for name in names if round_index % 2 == 0 else names[::-1]:
+            call = calls[name]
             start = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - start)
