@@ -7,8 +7,10 @@ A key map is a dict from a source name to a native name; `{}` stands for the blo
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -75,13 +77,19 @@ def count_blocks(keys: Iterable[str], pattern: str) -> int:
 def fuse_qkv(state: dict[str, torch.Tensor], depth: int, part: str = "blocks.{}.attn.{}") -> None:
     """Concatenates `q`, `k`, `v` weights and biases into the fused `qkv` (in place).
 
-    Expects `blocks.N.attn.q.weight` etc.; writes `blocks.N.attn.qkv.weight`.
+    Expects `blocks.N.attn.q.weight` etc.; writes `blocks.N.attn.qkv.weight`. The copies run
+    on a few threads: from a memory-mapped file they are page-fault bound, and they are the
+    one part of loading a Hugging Face checkpoint that copies weights.
     """
+    groups = {}
     for i in range(depth):
         for kind in ("weight", "bias"):
             names = [part.format(i, f"{x}.{kind}") for x in "qkv"]
             if all(n in state for n in names):
-                state[part.format(i, f"qkv.{kind}")] = torch.cat([state.pop(n) for n in names])
+                groups[part.format(i, f"qkv.{kind}")] = [state.pop(n) for n in names]
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        fused = pool.map(torch.cat, groups.values())
+        state.update(zip(groups, fused))
 
 
 def split_qkv(state: dict[str, torch.Tensor], depth: int, part: str = "blocks.{}.attn.{}") -> None:
