@@ -1,17 +1,13 @@
-import argparse
 import json
 
 import pytest
 import torch
 from PIL import Image
 
-import vlm_vit.cli
-from vlm_vit.cli import analyze as analyze_command
 from vlm_vit.cli import main
 from vlm_vit.config import EncoderConfig
 from vlm_vit.model import VisionEncoder
 
-BUILD_PARSER = vlm_vit.cli.build_parser  # as shipped, before any patching below
 # figure -> PNG (width, height): figsize in inches x 100 dpi (vlm_vit.analysis.figures)
 FIGURES = {
     "mean_attention_distance.png": (600, 450),
@@ -20,34 +16,6 @@ FIGURES = {
 }
 ROLLOUT_SIZE = (600, 300)
 PHOTOS = ("astronaut", "coffee", "chelsea")
-
-
-def _registered() -> bool:
-    parser = BUILD_PARSER()
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return "analyze" in subparsers.choices
-
-
-@pytest.fixture(autouse=True)
-def with_analyze(monkeypatch):
-    """Until the integrator registers `analyze` in `vlm_vit.cli`, add it to the real parser so
-    these tests still go through `main` (its one-line error handling included)."""
-    if _registered():
-        return
-    def build_with_analyze():
-        parser = BUILD_PARSER()
-        subparsers = next(a for a in parser._actions
-                          if isinstance(a, argparse._SubParsersAction))
-        analyze_command.add_parser(subparsers)
-        return parser
-
-    monkeypatch.setattr(vlm_vit.cli, "build_parser", build_with_analyze)
-
-
-def test_analyze_is_registered():
-    if not _registered():
-        pytest.skip("analyze is not registered in vlm_vit.cli yet (the integrator adds "
-                    "analyze.add_parser to build_parser); the other tests patch it in")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,3 @@
-import argparse
 import json
 
 import numpy as np
@@ -6,42 +5,12 @@ import pytest
 import torch
 from PIL import Image
 
-import vlm_vit.cli
-from vlm_vit.cli import main, probe
+from vlm_vit.cli import main
 from vlm_vit.model import VisionEncoder
 
 from ..conftest import tiny_config
 
 CLASSES, PER_CLASS = 3, 20
-BUILD_PARSER = vlm_vit.cli.build_parser  # as shipped, before any patching below
-
-
-def _registered() -> bool:
-    parser = BUILD_PARSER()
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return "probe" in subparsers.choices
-
-
-@pytest.fixture(autouse=True)
-def with_probe(monkeypatch):
-    """Until the integrator registers `probe` in `vlm_vit.cli`, add it to the real parser so
-    these tests still go through `main` (its one-line error handling included)."""
-    if _registered():
-        return
-    def build_with_probe():
-        parser = BUILD_PARSER()
-        subparsers = next(a for a in parser._actions
-                          if isinstance(a, argparse._SubParsersAction))
-        probe.add_parser(subparsers)
-        return parser
-
-    monkeypatch.setattr(vlm_vit.cli, "build_parser", build_with_probe)
-
-
-def test_probe_is_registered():
-    if not _registered():
-        pytest.skip("probe is not registered in vlm_vit.cli yet (the integrator adds "
-                    "probe.add_parser to build_parser); the other tests patch it in")
 
 
 @pytest.fixture(scope="module")
