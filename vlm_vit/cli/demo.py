@@ -31,6 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--width", type=int, default=96)
     parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--patch-size", type=int, default=4, help="pixels; images are 32 x 32")
     parser.add_argument("--shots", type=int, default=10, help="examples per class, few-shot")
     parser.add_argument("--images-per-class", type=int, default=None,
                         help="use at most this many digits per class (default: all)")
@@ -121,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
             (pretrain_dir / f"{index:05d}.png").write_bytes(files[index].read_bytes())
 
     mean, std = NORMALIZATION["inception"]
-    config = EncoderConfig(image_size=32, patch_size=4, width=args.width, depth=args.depth,
-                           heads=4, mlp_width=4 * args.width)
+    config = EncoderConfig(image_size=32, patch_size=args.patch_size, width=args.width,
+                           depth=args.depth, heads=4, mlp_width=4 * args.width)
     processor = ImageProcessor(size=32, mean=mean, std=std)
     torch.manual_seed(args.seed)
     random_init = VisionEncoder(config)
