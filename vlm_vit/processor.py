@@ -235,7 +235,7 @@ class ImageProcessor:
                 out.extend(self._finish(self._from_tensor(t, f"{name}[{b}]"))
                            for b, t in enumerate(item))
             else:
-                out.append(self._finish(self._load(item, name)))
+                out.append(self._finish(self.load(item, name)))
         if not out:
             raise ValueError("got a tensor batch with 0 images")
         return torch.stack(out).contiguous()
@@ -249,15 +249,17 @@ class ImageProcessor:
         Returns:
             ``float32`` ``[3, height, width]``.
         """
-        return self._finish(self._load(image, "image"))
+        return self._finish(self.load(image, "image"))
 
     def _check_pixels(self, height: int, width: int, name: str) -> None:
         if self.max_pixels is not None and height * width > self.max_pixels:
             raise ImageTooLargeError(f"{name} is {width}x{height} = {height * width} pixels, "
                                      f"more than max_pixels={self.max_pixels}")
 
-    def _load(self, image: Any, name: str) -> Image.Image | torch.Tensor:
-        """Returns an RGB PIL image (uint8 path) or a float ``[3, H, W]`` tensor in [0, 1]."""
+    def load(self, image: Any, name: str = "image") -> Image.Image | torch.Tensor:
+        """Decodes one input without resizing: an RGB PIL image (uint8 inputs: files, PIL
+        images, uint8 arrays) or a float `[3, H, W]` tensor in [0, 1]; `name` is used in
+        errors. Training data pipelines use it to decode exactly as inference does."""
         if isinstance(image, (str, os.PathLike)):
             return self._pil_to_rgb(self._open(Path(image)), f"file {str(image)!r}")
         if isinstance(image, Image.Image):

@@ -67,6 +67,7 @@ class MaskedAutoencoder(nn.Module):
         self.decoder_norm = nn.LayerNorm(decoder_width, eps=1e-6)
         self.decoder_pred = nn.Linear(decoder_width, c.patch_size**2 * c.in_channels)
         nn.init.normal_(self.mask_token, std=0.02)
+        self._positions: dict[tuple, torch.Tensor] = {}  # the decoder's sin-cos table per grid
         for module in [self.decoder_embed, self.decoder_pred, *self.decoder_blocks.modules()]:
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)  # MAE's initialisation
@@ -94,7 +95,10 @@ class MaskedAutoencoder(nn.Module):
         masked = self.mask_token.to(x.dtype).expand(batch, patches - (x.shape[1] - prefix), -1)
         tokens = torch.cat([x[:, prefix:], masked], dim=1)  # (B, N, Dd), visible first
         tokens = torch.gather(tokens, 1, ids_restore[..., None].expand(-1, -1, width))
-        positions = sincos_2d_pos_embed(grid, width).to(x.device, x.dtype)
+        key = (tuple(grid), x.device, x.dtype)
+        if key not in self._positions:  # fixed, so computed once per grid
+            self._positions[key] = sincos_2d_pos_embed(grid, width).to(x.device, x.dtype)
+        positions = self._positions[key]
         x = torch.cat([x[:, :prefix], tokens + positions], dim=1)  # prefix has position zero
         for block in self.decoder_blocks:
             x = block(x)[0]

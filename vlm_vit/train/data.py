@@ -170,7 +170,7 @@ class ImageFolder(torch.utils.data.Dataset):
         """The augmented image `[3, H, W]`, or an `UndecodableImage` for a file that fails."""
         path = self.files[index]
         try:
-            image = self._decoder._load(path, "image")  # RGB PIL image, like inference
+            image = self._decoder.load(path, str(path))  # RGB PIL image, like inference
         except ValueError as error:  # ImageLoadError, ImageTooLargeError, odd PIL modes
             return UndecodableImage(str(path), str(error))
         # torchvision's v2 transforms draw from the global torch RNG; fork it so this item's
