@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -101,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
     command = shlex.join(["vlm-vit", *sys.argv[1:]]) if sys.argv[1:2] == ["pretrain"] else None
     result = Trainer(objective, dataset, config, args.out, command=command).fit(
         resume=args.resume)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
+        return 0
     print(f"trained {result.step} steps, final loss {result.losses[-1]:.4f}; encoder in "
           f"{args.out / 'encoder'}"
           + (f"; {len(result.undecodable_paths)} undecodable images skipped"
