@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -70,7 +71,10 @@ class VisionTower(nn.Module):
 
     def select(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         """The tokens handed to the pooler, `[B, prefix? + N, feature_dim]`, and the grid."""
-        out = self.encoder(pixel_values, feature_layers=self._layers)
+        frozen = torch.is_grad_enabled() and not any(
+            p.requires_grad for p in self.encoder.parameters())
+        with torch.no_grad() if frozen else contextlib.nullcontext():  # no graph for a frozen one
+            out = self.encoder(pixel_values, feature_layers=self._layers)
         tokens = out.tokens if self._layers is None else torch.cat(out.features, dim=-1)
         if self.drop_prefix:
             tokens = tokens[:, out.num_prefix_tokens:]

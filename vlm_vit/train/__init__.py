@@ -12,6 +12,7 @@ from vlm_vit.train.data import (
     LabelledImageFolder,
     UndecodableImage,
     collate_images,
+    collate_labelled,
 )
 from vlm_vit.train.distributed import GlobalBatchSampler
 from vlm_vit.train.trainer import (
@@ -36,6 +37,7 @@ __all__ = [
     "UndecodableImage",
     "build_scheduler",
     "collate_images",
+    "collate_labelled",
     "latest_checkpoint",
     "learning_rate",
     "load_checkpoint",

@@ -48,10 +48,12 @@ class ImageBatch:
     Attributes:
         pixel_values: `[B, 3, H, W]` float32, B the images that decoded.
         undecodable: the dropped files (path "<unknown>" for a bare None from the dataset).
+        labels: `[B]` class indices, for labelled data (`collate_labelled`).
     """
 
     pixel_values: torch.Tensor
     undecodable: list[UndecodableImage] = field(default_factory=list)
+    labels: torch.Tensor | None = None  # [B] class indices for fine-tuning
 
 
 def collate_images(items: Sequence[torch.Tensor | UndecodableImage | None]) -> ImageBatch:
@@ -79,6 +81,14 @@ def collate_images(items: Sequence[torch.Tensor | UndecodableImage | None]) -> I
                             "tensor, an UndecodableImage or None")
     pixel_values = torch.stack(images) if images else torch.empty(0)
     return ImageBatch(pixel_values, bad)
+
+
+def collate_labelled(items: Sequence[tuple[torch.Tensor, int]]) -> ImageBatch:
+    """Stacks `(image [3, H, W], label)` pairs, as `LabelledImageFolder` returns them."""
+    if not items:
+        return ImageBatch(torch.empty(0), [], torch.empty(0, dtype=torch.long))
+    images, labels = zip(*items)
+    return ImageBatch(torch.stack(images), [], torch.tensor(labels, dtype=torch.long))
 
 
 def find_images(root: str | Path) -> list[Path]:

@@ -66,6 +66,7 @@ RUN_CONFIG_NAME = "run_config.json"
 METRICS_NAME = "metrics.csv"
 OBJECTIVE_NAME = "objective.pt"
 ENCODER_DIR = "encoder"
+ADAPTER_DIR = "adapter"  # a LoRA run saves its adapter here instead of the encoder
 # Config fields that may change between a checkpoint and its resume without a warning.
 _HARMLESS_CHANGES = frozenset({"log_every", "checkpoint_every", "keep_checkpoints",
                                "num_workers", "device", "compile", "max_bad_steps"})
@@ -468,7 +469,7 @@ class Trainer:
         """
         config = self.config
         started = time.perf_counter()
-        images, undecodable = _unpack(batch)
+        images, undecodable, labels = _unpack(batch)
         lr = optimizer.param_groups[0]["lr"]  # the LR this step uses
         count = images.shape[0]
         # A rank without a single image cannot join the gradient all-reduce, so such a step
@@ -482,6 +483,9 @@ class Trainer:
             # Micro-batches hold ~equal shares; each loss is weighted by its share, so the
             # accumulated gradient is that of the mean loss over the whole batch.
             pieces = images.tensor_split(min(config.grad_accumulation, count))
+            # Labelled batches (fine-tuning) hand each micro-batch its labels.
+            label_pieces = (labels.to(context.device).tensor_split(len(pieces))
+                            if labels is not None else [None] * len(pieces))
             amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
             for index, piece in enumerate(pieces):
                 last = index == len(pieces) - 1
@@ -489,7 +493,8 @@ class Trainer:
                             else contextlib.nullcontext())
                 with contextlib.nullcontext() if last else distributed.no_sync(model):
                     with autocast:
-                        output = model(piece)
+                        output = (model(piece) if label_pieces[index] is None
+                                  else model(piece, labels=label_pieces[index]))
                     loss = _scalar_loss(output)
                     weight = piece.shape[0] / count
                     scaler.scale(loss * weight).backward()
@@ -668,6 +673,11 @@ class Trainer:
         """The final objective state dict and the encoder in the native format."""
         with atomic_write(self.run_dir / OBJECTIVE_NAME, "wb") as handle:
             torch.save(self.objective.state_dict(), handle)
+        if hasattr(self.objective, "peft_config"):  # LoRA: the adapter, in peft's format
+            self.objective.save_pretrained(self.run_dir / ADAPTER_DIR)
+            log.info("saved the adapter to %s (merge with vlm-vit merge)",
+                     self.run_dir / ADAPTER_DIR)
+            return
         encoder = self.objective.encoder
         if hasattr(encoder, "save_pretrained"):
             encoder.save_pretrained(self.run_dir / ENCODER_DIR)
@@ -677,14 +687,16 @@ class Trainer:
                         type(encoder).__name__, self.run_dir / OBJECTIVE_NAME)
 
 
-def _unpack(batch: Any) -> tuple[torch.Tensor, list[UndecodableImage]]:
-    """Pixels `[B, 3, H, W]` and dropped files from whatever the collate function returned."""
+def _unpack(batch: Any) -> tuple[torch.Tensor, list[UndecodableImage], torch.Tensor | None]:
+    """Pixels `[B, 3, H, W]`, dropped files and labels `[B]` (or None) from whatever the collate
+    function returned."""
     if isinstance(batch, ImageBatch):
-        return batch.pixel_values, batch.undecodable
+        return batch.pixel_values, batch.undecodable, batch.labels
     if isinstance(batch, torch.Tensor):
-        return batch, []
+        return batch, [], None
     if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
-        return batch[0], []  # (pixels, labels, ...)
+        labels = batch[1] if len(batch) > 1 and isinstance(batch[1], torch.Tensor) else None
+        return batch[0], [], labels  # (pixels, labels, ...)
     raise TypeError(f"the collate function returned a {type(batch).__name__}; expected an "
                     "ImageBatch, a pixel tensor, or a tuple starting with one")
 

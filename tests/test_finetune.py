@@ -1,0 +1,87 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vlm_vit import EncoderConfig, VisionEncoder, VisionTower, build_pooler
+from vlm_vit.finetune import ImageClassifier
+
+SIZES = dict(image_size=32, patch_size=8, width=32, depth=2, heads=4, mlp_width=64)
+
+
+def encoder(**overrides):
+    torch.manual_seed(0)
+    return VisionEncoder(EncoderConfig(**{**SIZES, **overrides}))
+
+
+def test_zero_initialised_head_starts_at_chance():
+    classifier = ImageClassifier(encoder(), num_classes=5)
+    out = classifier(torch.randn(3, 3, 32, 32), labels=torch.tensor([0, 1, 4]))
+    assert out.loss.item() == pytest.approx(math.log(5))
+    assert torch.equal(classifier(torch.randn(2, 3, 32, 32)), torch.zeros(2, 5))
+
+
+def test_pooling_choices():
+    model = encoder()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        out = model(x)
+        torch.testing.assert_close(ImageClassifier(model, 3).features(x), out.cls_token)
+        torch.testing.assert_close(ImageClassifier(model, 3, pooling="mean").features(x),
+                                   out.patch_tokens.mean(1))
+    with pytest.raises(ValueError, match="needs a class token"):
+        ImageClassifier(encoder(class_token=False), 3)
+
+
+def test_a_frozen_encoder_keeps_no_graph_and_gets_no_gradient():
+    classifier = ImageClassifier(encoder(), 3, freeze_encoder=True)
+    x = torch.randn(2, 3, 32, 32)
+    assert classifier.features(x).grad_fn is None
+    classifier(x, labels=torch.tensor([0, 2])).loss.backward()
+    assert all(p.grad is None for p in classifier.encoder.parameters())
+    assert classifier.head.weight.grad is not None
+
+
+def test_projector_only_training_of_a_tower():
+    tower = VisionTower(encoder(), build_pooler("attention_pool", in_dim=32, out_dim=16))
+    classifier = ImageClassifier(tower, 3, freeze_encoder=True)
+    classifier.head.weight.data.normal_()  # so gradients reach the pooler through the head
+    classifier(torch.randn(4, 3, 32, 32), labels=torch.tensor([0, 1, 2, 0])).loss.backward()
+    assert all(p.grad is None for p in tower.encoder.parameters())
+    assert all(p.grad is not None for p in tower.pooler.parameters())
+
+
+@pytest.fixture
+def digits_folder(tmp_path):
+    datasets = pytest.importorskip("sklearn.datasets")
+    digits = datasets.load_digits(n_class=3)
+    for index, (image, label) in enumerate(zip(digits.images[:150], digits.target[:150])):
+        folder = tmp_path / "digits" / str(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = (image / 16 * 255).astype(np.uint8)
+        Image.fromarray(pixels).resize((32, 32), Image.Resampling.BICUBIC).save(
+            folder / f"{index}.png")
+    return tmp_path / "digits"
+
+
+def test_fine_tuning_on_real_digits_beats_chance_on_held_out_images(tmp_path, digits_folder):
+    pytest.importorskip("torchvision")
+    from vlm_vit.evaluate import stratified_split
+    from vlm_vit.train import TrainConfig, Trainer
+    from vlm_vit.train.data import LabelledImageFolder, collate_labelled
+
+    data = LabelledImageFolder(digits_folder, 32, mean=(0.5,) * 3, std=(0.5,) * 3)
+    labels = np.array([label for _, label in data.samples])
+    train, test = stratified_split(labels, 0.4, seed=0)
+    classifier = ImageClassifier(encoder(), num_classes=3, pooling="mean")
+    config = TrainConfig(steps=100, batch_size=16, lr=1e-2, warmup_steps=10, num_workers=0,
+                         checkpoint_every=0, device="cpu")
+    Trainer(classifier, torch.utils.data.Subset(data, train.tolist()), config, tmp_path / "run",
+            collate=collate_labelled, progress_bar=False).fit()
+    images = torch.stack([data[i][0] for i in test])
+    with torch.no_grad():
+        predictions = classifier.eval()(images).argmax(-1).numpy()
+    accuracy = (predictions == labels[test]).mean()
+    assert accuracy > 0.6  # chance is 1/3

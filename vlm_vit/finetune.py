@@ -1,0 +1,75 @@
+"""Fine-tuning tasks on the trainer: image classification with a new head (paper section 3.2),
+on an encoder or a tower, fully, with LoRA (`vlm_vit.lora`), or with the encoder frozen
+(projector-only training of a tower's pooler)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_vit.model import VisionEncoder
+from vlm_vit.pretrain.base import ObjectiveOutput
+from vlm_vit.tower import VisionTower
+
+POOLINGS = ("cls", "mean")
+
+
+class ImageClassifier(nn.Module):
+    """A zero-initialised linear head on an encoder's class token or mean patch token, or on a
+    tower's output (averaged over its tokens when it returns a sequence).
+
+    The paper (section 3.2) removes the pre-trained head and attaches a zero-initialised
+    D x K layer; at a higher resolution the position table is interpolated (load the encoder
+    with `image_size=`).
+
+    Args:
+        backbone: a `VisionEncoder`, or a `VisionTower` (its pooler is then trained too).
+        num_classes: K.
+        pooling: for an encoder, "cls" (the class token) or "mean" (the patch tokens).
+        freeze_encoder: freeze the encoder; it then runs without an autograd graph.
+    """
+
+    def __init__(self, backbone: VisionEncoder | VisionTower, num_classes: int, *,
+                 pooling: str = "cls", freeze_encoder: bool = False) -> None:
+        super().__init__()
+        if num_classes < 2:
+            raise ValueError(f"a classifier needs at least 2 classes, got {num_classes}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling {pooling!r} is not one of {', '.join(POOLINGS)}")
+        self.backbone = backbone
+        self.encoder = backbone.encoder if isinstance(backbone, VisionTower) else backbone
+        if pooling == "cls" and isinstance(backbone, VisionEncoder) \
+                and not backbone.config.class_token:
+            raise ValueError("pooling='cls' needs a class token, and this encoder has none; "
+                             "use pooling='mean'")
+        self.pooling = pooling
+        width = getattr(getattr(backbone, "pooler", None), "out_dim", None) \
+            or self.encoder.config.width
+        self.head = nn.Linear(width, num_classes)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+        if freeze_encoder:
+            self.encoder.requires_grad_(False)
+
+    def features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """`[B, width]` features for the head."""
+        frozen = not any(p.requires_grad for p in self.encoder.parameters())
+        if isinstance(self.backbone, VisionTower):
+            out = self.backbone(pixel_values)  # the tower skips the graph of a frozen encoder
+            return out.mean(dim=1) if out.ndim == 3 else out
+        with torch.no_grad() if frozen else contextlib.nullcontext():
+            out = self.backbone(pixel_values)
+        return out.cls_token if self.pooling == "cls" else out.patch_tokens.mean(dim=1)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None
+                ) -> ObjectiveOutput | torch.Tensor:
+        """Logits `[B, K]`; with `labels`, the cross-entropy loss and accuracy."""
+        logits = self.head(self.features(pixel_values)).float()
+        if labels is None:
+            return logits
+        accuracy = (logits.argmax(-1) == labels).float().mean().item()
+        return ObjectiveOutput(loss=F.cross_entropy(logits, labels),
+                               metrics={"accuracy": accuracy})
