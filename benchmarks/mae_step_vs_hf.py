@@ -21,7 +21,7 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from timing import alternate  # noqa: E402
+from timing import alternate, peak_memory_mib  # noqa: E402
 
 from vlm_vit import EncoderConfig, VisionEncoder  # noqa: E402
 from vlm_vit.pretrain.mae import MaskedAutoencoder  # noqa: E402
@@ -72,23 +72,7 @@ def child(args: argparse.Namespace, dtype: torch.dtype) -> None:
     model = build(args.child, args.variant, args.image_size).to(args.device)
     pixels = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=args.device)
     step = step_function(args.child, model, pixels, dtype)
-    if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step(), step()
-        print((torch.cuda.max_memory_allocated() - base) / 2**20)
-    else:  # Linux: reset the resident-set high-water mark, then read it after the steps
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        base = _status_kib("VmRSS")
-        step(), step()
-        print((_status_kib("VmHWM") - base) / 1024)
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        line = next(line for line in handle if line.startswith(field + ":"))
-    return int(line.split()[1])
+    print(peak_memory_mib(lambda: (step(), step()), args.device))
 
 
 def main() -> None:

@@ -27,3 +27,27 @@ def alternate(calls: dict[str, Callable[[], object]], repeats: int,
             call()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def peak_memory_mib(run: Callable[[], object], device: str) -> float:
+    """The peak memory `run` adds, in MiB: the CUDA allocator's peak on a GPU; on a CPU the
+    growth of the resident set's high-water mark, reset through /proc/self/clear_refs (Linux).
+    Run it in a fresh process per candidate, after building the model, so they do not mix."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    base = _status_kib("VmRSS")
+    run()
+    return (_status_kib("VmHWM") - base) / 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        line = next(line for line in handle if line.startswith(field + ":"))
+    return int(line.split()[1])

@@ -12,7 +12,7 @@ import logging
 import sys
 from importlib import metadata
 
-from vlm_vit.cli import analyze, convert, demo, encode, info, pretrain, probe
+from vlm_vit.cli import analyze, convert, demo, encode, finetune, info, pretrain, probe
 from vlm_vit.processor import ImageLoadError, ImageTooLargeError
 from vlm_vit.registry import UnknownNameError
 
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.add_parser(subparsers)
     demo.add_parser(subparsers)
     analyze.add_parser(subparsers)
+    finetune.add_parser(subparsers)
     for entry in metadata.entry_points(group=COMMAND_GROUP):
         try:
             entry.load()(subparsers)

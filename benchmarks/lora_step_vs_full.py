@@ -1,0 +1,89 @@
+"""A LoRA fine-tuning step against a full fine-tuning step, same encoder and batch.
+
+    python benchmarks/lora_step_vs_full.py                       # vit-b/16 at 224, batch 8, CPU
+    python benchmarks/lora_step_vs_full.py --device cuda --batch-size 64
+
+Image classification (a zero-initialised head on the class token), AdamW over the trainable
+parameters only: every parameter for the full fine-tune; LoRA (r=16, attn_qv) and the head
+for LoRA. Step times alternate in one process; peak memory is measured per mode in a child.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import torch
+from timing import alternate, peak_memory_mib
+
+from vlm_vit import EncoderConfig, VisionEncoder
+from vlm_vit.finetune import ImageClassifier
+
+
+def build(mode: str, args: argparse.Namespace) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = ImageClassifier(VisionEncoder(EncoderConfig.from_name(args.variant)), 100)
+    if mode == "lora":
+        from vlm_vit.lora import apply_lora
+
+        model = apply_lora(model, r=16, alpha=32, targets=args.targets, train_modules=("head",))
+    return model.to(args.device)
+
+
+def step_function(model: torch.nn.Module, args: argparse.Namespace):
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    pixels = torch.randn(args.batch_size, 3, 224, 224, device=args.device)
+    labels = torch.randint(0, 100, (args.batch_size,), device=args.device)
+
+    def step() -> None:
+        loss = model(pixels, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", default="vit-b/16")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--targets", default="attn_qv")
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if args.child:
+        step = step_function(build(args.child, args), args)
+        print(peak_memory_mib(lambda: (step(), step()), args.device))
+        return
+    steps = {mode: step_function(build(mode, args), args) for mode in ("lora", "full")}
+    medians = alternate(steps, args.repeats)
+    memory = {}
+    for mode in steps:
+        command = [sys.executable, __file__, "--child", mode, "--variant", args.variant,
+                   "--batch-size", str(args.batch_size), "--targets", args.targets,
+                   "--device", args.device]
+        result = subprocess.run(command, capture_output=True, text=True, check=True)
+        memory[mode] = float(result.stdout.strip().splitlines()[-1])
+    result = {"variant": args.variant, "batch_size": args.batch_size, "device": args.device,
+              "targets": args.targets, "step_seconds": medians, "peak_memory_mib": memory,
+              "time_ratio_lora_over_full": medians["lora"] / medians["full"],
+              "memory_ratio_lora_over_full": memory["lora"] / memory["full"]}
+    print(f"fine-tuning step, {args.variant} at 224, batch {args.batch_size}, {args.device}")
+    for mode in steps:
+        print(f"  {mode:<5} {medians[mode]:7.3f} s/step, peak memory {memory[mode]:8.0f} MiB")
+    print(f"  LoRA / full: time {result['time_ratio_lora_over_full']:.3f}, memory "
+          f"{result['memory_ratio_lora_over_full']:.3f}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vlm_vit import EncoderConfig, VisionEncoder, load_encoder
+from vlm_vit.cli import main
+
+pytest.importorskip("peft")
+pytest.importorskip("torchvision")
+
+
+@pytest.fixture
+def setup(tmp_path):
+    datasets = pytest.importorskip("sklearn.datasets")
+    digits = datasets.load_digits(n_class=3)
+    for index, (image, label) in enumerate(zip(digits.images[:90], digits.target[:90])):
+        folder = tmp_path / "digits" / f"digit_{label}"
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = (image / 16 * 255).astype(np.uint8)
+        Image.fromarray(pixels).resize((32, 32), Image.Resampling.BICUBIC).save(
+            folder / f"{index}.png")
+    torch.manual_seed(0)
+    VisionEncoder(EncoderConfig(image_size=32, patch_size=8, width=32, depth=2, heads=4,
+                                mlp_width=64)).save_pretrained(tmp_path / "encoder")
+    return tmp_path
+
+
+def test_lora_finetune_then_merge(setup, capsys):
+    run = setup / "run"
+    assert main(["finetune", "--encoder", str(setup / "encoder"), "--data",
+                 str(setup / "digits"), "--out", str(run), "--lora",
+                 "r=4,alpha=8,targets=attn_qv", "--steps", "30", "--batch-size", "16",
+                 "--lr", "1e-2", "--num-workers", "0", "--pooling", "mean"]) == 0
+    assert (run / "adapter").is_dir() and not (run / "encoder").exists()
+    evaluation = json.loads((run / "eval.json").read_text())
+    assert evaluation["test_images"] == 18 and 0 <= evaluation["held_out_accuracy"] <= 1
+    assert main(["merge", str(run), "--out", str(setup / "merged")]) == 0
+    assert "merge error" in capsys.readouterr().out
+    merged = load_encoder(setup / "merged")
+    base = load_encoder(setup / "encoder")
+    qkv, width = merged.blocks[0].attn.qkv.weight, 32
+    assert not torch.equal(qkv[:width], base.blocks[0].attn.qkv.weight[:width])  # q changed
+    assert torch.equal(qkv[width:2 * width], base.blocks[0].attn.qkv.weight[width:2 * width])
+    assert (setup / "merged" / "classifier_head.safetensors").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lora", "rank=4"], "--lora takes r=, alpha=, dropout=, targets="),
+    (["--qlora"], "--qlora needs --lora"),
+])
+def test_finetune_user_errors(setup, capsys, argv, message):
+    assert main(["finetune", "--encoder", str(setup / "encoder"), "--data",
+                 str(setup / "digits"), "--out", str(setup / "run"), *argv]) == 1
+    assert message in capsys.readouterr().err
