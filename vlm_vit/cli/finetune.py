@@ -95,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
                 "lora": parse_lora(args.lora) if args.lora else None}
     torch.manual_seed(args.seed)
     model, processor = build_model(settings)
+    from vlm_vit.lora import describe_trainable
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(describe_trainable(model))
     size = processor.size if args.image_size is None else (args.image_size, args.image_size)
     data = LabelledImageFolder(args.data, size, mean=processor.mean, std=processor.std)
     targets = np.array([label for _, label in data.samples])
