@@ -16,6 +16,15 @@ from timing import alternate
 
 from vlm_vit import EncoderConfig, VisionEncoder
 from vlm_vit.convert.timm import build_timm_model
+from vlm_vit.flops import count_macs
+
+
+def matmul_peak_gflops(side: int = 2048, repeats: int = 5) -> float:
+    """This machine's float32 matrix-multiply rate, measured now: the reference for how much
+    of the hardware the encoder uses."""
+    a, b = torch.randn(side, side), torch.randn(side, side)
+    seconds = alternate({"mm": lambda: a @ b}, repeats)["mm"]
+    return 2 * side**3 / seconds / 1e9
 
 
 def main() -> None:
@@ -41,6 +50,8 @@ def main() -> None:
         medians = alternate({"vlm-vit": lambda: ours(pixels),
                              "timm": lambda: theirs.forward_features(pixels)},
                             args.repeats, args.warmup)
+        peak = matmul_peak_gflops()
+    encoder_gflops = 2 * count_macs(ours.config) * args.batch_size / medians["vlm-vit"] / 1e9
 
     rates = {name: args.batch_size / m for name, m in medians.items()}
     result = {
@@ -48,6 +59,8 @@ def main() -> None:
         "threads": torch.get_num_threads(), "repeats": args.repeats,
         "max_abs_difference": difference, "images_per_second": rates,
         "ratio_vlm_vit_over_timm": rates["vlm-vit"] / rates["timm"],
+        "matmul_peak_gflops": peak, "encoder_gflops": encoder_gflops,
+        "fraction_of_matmul_peak": encoder_gflops / peak,
     }
     print(f"{args.variant} at {args.image_size}, batch {args.batch_size}, "
           f"{result['threads']} threads, median of {args.repeats}")
@@ -55,6 +68,8 @@ def main() -> None:
         print(f"  {name:<8} {rate:8.2f} images/s")
     print(f"  ratio vlm-vit / timm: {result['ratio_vlm_vit_over_timm']:.3f} "
           f"(max |difference| {difference:.2e})")
+    print(f"  {encoder_gflops:.1f} GFLOP/s = {result['fraction_of_matmul_peak']:.0%} of this "
+          f"machine's measured matmul peak ({peak:.1f} GFLOP/s, float32 2048^3)")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)
