@@ -29,8 +29,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from vlm_vit.files import class_folders
 from vlm_vit.model import VisionEncoder
-from vlm_vit.processor import IMAGE_SUFFIXES, ImageProcessor
+from vlm_vit.processor import ImageProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -481,45 +482,9 @@ def extract_features(
 
 
 def read_class_folder(root: str | Path) -> tuple[list[Path], np.ndarray, list[str]]:
-    """The images of a folder with one sub-folder per class (searched recursively).
-
-    Args:
-        root: holds `class_a/*.png`, `class_b/*.jpg`, ...; hidden entries are skipped and
-            files directly in `root` are ignored (logged).
-
-    Returns:
-        The image files (sorted by class, then path), their `[N]` class indices, and the
-        sorted class names.
-
-    Raises:
-        FileNotFoundError, NotADirectoryError: for a missing `root` or a file.
-        ValueError: for fewer than 2 class folders, or a class folder without images.
-    """
-    root = Path(root)
-    if not root.exists():
-        raise FileNotFoundError(f"data folder {root} does not exist")
-    if not root.is_dir():
-        raise NotADirectoryError(f"data folder {root} is not a folder")
-    entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
-    loose = [p for p in entries if p.is_file()]
-    if loose:
-        logger.warning("ignoring %d files directly in %s: images must sit in one folder per "
-                       "class", len(loose), root)
-    classes = [p.name for p in entries if p.is_dir()]
-    if len(classes) < 2:
-        raise ValueError(f"data folder {root} needs one sub-folder per class and at least 2 "
-                         f"classes; found {len(classes)} ({', '.join(classes) or 'none'})")
-    files: list[Path] = []
-    labels: list[int] = []
-    for index, name in enumerate(classes):
-        found = sorted(p for p in (root / name).rglob("*")
-                       if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
-                       and not any(part.startswith(".") for part in p.relative_to(root).parts))
-        if not found:
-            raise ValueError(f"class folder {root / name} holds no image files "
-                             f"({', '.join(sorted(IMAGE_SUFFIXES))})")
-        files.extend(found)
-        labels.extend([index] * len(found))
+    """The images of a class-labelled folder (`vlm_vit.files.class_folders`), with the labels
+    as an `[N]` array."""
+    files, labels, classes = class_folders(root)
     return files, np.asarray(labels), classes
 
 

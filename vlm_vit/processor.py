@@ -32,9 +32,6 @@ NORMALIZATION: dict[str, tuple[tuple[float, float, float], tuple[float, float, f
     "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
     "inception": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
 }
-# File suffixes read as images when a folder is searched.
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp",
-                            ".ppm", ".pgm"})
 RESIZE_MODES = ("shortest_edge", "squash")
 _PIL_RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
 _ALPHA_MODES = frozenset({"LA", "La", "PA", "RGBA", "RGBa"})

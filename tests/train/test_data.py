@@ -92,3 +92,15 @@ def test_labelled_folder_has_classes_labels_and_a_deterministic_transform(tmp_pa
     bad = next(i for i, (path, _) in enumerate(folder.samples) if path.suffix == ".jpg")
     with pytest.raises(ImageLoadError, match="notes.jpg"):
         folder[bad]
+
+
+def test_labelled_folder_agrees_with_evaluation_on_classes_and_labels(tmp_path):
+    from vlm_vit.evaluate import read_class_folder
+
+    write_noise_images(tmp_path / "dog", 2, seed=1)
+    write_noise_images(tmp_path / "cat", 3, seed=2)
+    write_noise_images(tmp_path / ".ipynb_checkpoints", 1, seed=3)  # hidden: not a class
+    folder = LabelledImageFolder(tmp_path, 32, mean=MEAN, std=STD)
+    files, labels, classes = read_class_folder(tmp_path)
+    assert folder.classes == classes == ["cat", "dog"]
+    assert [(path, label) for path, label in folder.samples] == list(zip(files, labels))

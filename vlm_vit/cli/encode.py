@@ -11,15 +11,10 @@ import torch
 from tqdm import tqdm
 
 from vlm_vit.config import EncoderConfig
-from vlm_vit.files import write_safetensors
+from vlm_vit.files import IMAGE_SUFFIXES, image_files, write_safetensors
 from vlm_vit.loading import load_encoder
 from vlm_vit.model import VisionEncoder
-from vlm_vit.processor import (
-    IMAGE_SUFFIXES,
-    NORMALIZATION,
-    PROCESSOR_CONFIG_NAME,
-    ImageProcessor,
-)
+from vlm_vit.processor import NORMALIZATION, PROCESSOR_CONFIG_NAME, ImageProcessor
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,8 +52,7 @@ def find_images(inputs: list[str]) -> list[Path]:
     found: list[Path] = []
     for item in map(Path, inputs):
         if item.is_dir():
-            files = sorted(p for p in item.rglob("*")
-                           if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            files = image_files(item)
             if not files:
                 raise ValueError(f"folder {item} holds no image files "
                                  f"({', '.join(sorted(IMAGE_SUFFIXES))})")

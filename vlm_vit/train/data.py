@@ -17,14 +17,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from vlm_vit.files import IMAGE_SUFFIXES, class_folders, image_files
 from vlm_vit.optional import require
 from vlm_vit.processor import ImageProcessor
 
 logger = logging.getLogger(__name__)
-
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif",
-                              ".tiff", ".ppm", ".pgm", ".pbm"})
-
 
 class UndecodableImage(NamedTuple):
     """What a dataset returns in place of an image it cannot read.
@@ -100,12 +97,10 @@ def find_images(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"image folder {root} does not exist or is not a directory")
-    files = sorted((p for p in root.rglob("*")
-                    if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()),
-                   key=lambda p: p.relative_to(root).as_posix())
+    files = image_files(root)
     if not files:
         raise FileNotFoundError(f"no image files under {root} (extensions: "
-                                f"{', '.join(sorted(IMAGE_EXTENSIONS))})")
+                                f"{', '.join(sorted(IMAGE_SUFFIXES))})")
     return files
 
 
@@ -126,7 +121,7 @@ class ImageFolder(torch.utils.data.Dataset):
     white, 16-bit grey scaled), then random-resized-cropped, maybe flipped, and normalised.
 
     Args:
-        root: searched recursively for image files (see `IMAGE_EXTENSIONS`).
+        root: searched recursively for image files (see `vlm_vit.files.IMAGE_SUFFIXES`).
         image_size: output side, or (height, width).
         mean: per-channel mean, e.g. `NORMALIZATION["imagenet"][0]`.
         std: per-channel standard deviation.
@@ -210,7 +205,8 @@ class LabelledImageFolder(torch.utils.data.Dataset):
         samples: (path, label) per image.
 
     Raises:
-        FileNotFoundError: when `root` has no class directory, or a class has no image.
+        FileNotFoundError: when `root` does not exist.
+        ValueError: with fewer than 2 class directories, or a class without images.
     """
 
     def __init__(
@@ -223,14 +219,9 @@ class LabelledImageFolder(torch.utils.data.Dataset):
         resample: str = "bicubic",
     ) -> None:
         self.root = Path(root)
-        if not self.root.is_dir():
-            raise FileNotFoundError(f"image folder {self.root} does not exist or is not a "
-                                    "directory")
-        self.classes = sorted(p.name for p in self.root.iterdir() if p.is_dir())
-        if not self.classes:
-            raise FileNotFoundError(f"{self.root} has no class sub-directories")
-        self.samples = [(path, label) for label, name in enumerate(self.classes)
-                        for path in find_images(self.root / name)]
+        # The same discovery as `vlm_vit.evaluate`, so labels mean the same everywhere.
+        files, labels, self.classes = class_folders(self.root)
+        self.samples = list(zip(files, labels))
         self.processor = ImageProcessor(size=image_size, mean=tuple(mean), std=tuple(std),
                                         resample=resample)
 
@@ -262,5 +253,5 @@ def describe_dataset(dataset: Any) -> dict[str, Any]:
     return info
 
 
-__all__ = ["IMAGE_EXTENSIONS", "ImageBatch", "ImageFolder", "LabelledImageFolder",
+__all__ = ["ImageBatch", "ImageFolder", "LabelledImageFolder",
            "UndecodableImage", "collate_images", "find_images", "mixed_seed"]
