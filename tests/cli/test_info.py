@@ -35,3 +35,13 @@ def test_info_user_errors_are_one_line(capsys, argv, message):
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_info_of_another_family_reads_its_config(tmp_path, capsys):
+    from vlm_vit.files import write_safetensors
+
+    encoder = VisionEncoder(tiny_config(width=64, heads=1, mlp_width=128))
+    write_safetensors(encoder.state_dict(), tmp_path / "timm.safetensors")  # a timm state dict
+    assert main(["info", str(tmp_path / "timm.safetensors"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["parameters"] == sum(p.numel() for p in encoder.parameters())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from vlm_vit.cli.common import image_size
 from vlm_vit.convert import FORMATS
 from vlm_vit.loading import build_native_pooler, convert_checkpoint
 from vlm_vit.model import VisionEncoder
@@ -41,11 +42,8 @@ def run(args: argparse.Namespace) -> int:
     if args.destination.exists() and Path(args.source).resolve() == args.destination.resolve():
         raise ValueError("SRC and DST are the same path; write to a new place")
     converted = convert_checkpoint(args.source, args.source_format)
-    overrides = {}
-    if args.image_size:
-        if len(args.image_size) not in (1, 2):
-            raise ValueError(f"--image-size takes SIDE or HEIGHT WIDTH, got {args.image_size}")
-        overrides["image_size"] = (args.image_size[0], args.image_size[-1])
+    size = image_size(args.image_size)
+    overrides = {"image_size": size} if size else {}
     encoder = VisionEncoder.from_state_dict(converted.state, converted.config,
                                             source=args.source, **overrides)
     pooler = (build_native_pooler(converted.pooler, args.source)

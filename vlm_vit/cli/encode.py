@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from vlm_vit.config import EncoderConfig
+from vlm_vit.cli.common import image_size, variant_or_checkpoint
 from vlm_vit.files import IMAGE_SUFFIXES, image_files, write_safetensors
-from vlm_vit.loading import load_encoder
+from vlm_vit.loading import load_with_processor
 from vlm_vit.model import VisionEncoder
-from vlm_vit.processor import NORMALIZATION, PROCESSOR_CONFIG_NAME, ImageProcessor
+from vlm_vit.processor import NORMALIZATION, ImageProcessor
 
-logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -65,35 +63,22 @@ def find_images(inputs: list[str]) -> list[Path]:
 
 
 def _model_and_processor(args: argparse.Namespace) -> tuple[VisionEncoder, ImageProcessor]:
-    size = None
-    if args.image_size:
-        if len(args.image_size) not in (1, 2):
-            raise ValueError(f"--image-size takes SIDE or HEIGHT WIDTH, got {args.image_size}")
-        size = (args.image_size[0], args.image_size[-1])
-    path = Path(args.model)
-    if path.exists():
-        encoder = load_encoder(path, **({"image_size": size} if size else {}))
-        processor_file = path / PROCESSOR_CONFIG_NAME
-        processor = ImageProcessor.from_pretrained(path) if processor_file.is_file() else None
+    """The encoder and the preprocessing its checkpoint records (ImageNet normalisation when
+    it records none, or for a variant at random init), with --normalize and the size applied."""
+    size = image_size(args.image_size)
+    if Path(args.model).exists():
+        encoder, processor = load_with_processor(args.model,
+                                                 **({"image_size": size} if size else {}))
     elif args.random_init:
-        encoder = VisionEncoder(EncoderConfig.from_name(args.model, **(
-            {"image_size": size} if size else {})))
-        processor = None
+        encoder = variant_or_checkpoint(args.model, size)
+        processor = ImageProcessor.for_family("imagenet", size=encoder.config.image_size)
     else:
-        raise ValueError(f"{args.model} is not a checkpoint directory; to encode with random "
-                         f"weights of a named variant, add --random-init")
-    size = encoder.config.image_size
-    if processor is None:
-        family = args.normalize or "imagenet"
-        logger.info("no %s beside the weights: using %s normalisation", PROCESSOR_CONFIG_NAME,
-                    family)
-        processor = ImageProcessor.for_family(family, size=size)
-    else:
-        settings = processor.to_dict() | {"size": list(size)}
-        if args.normalize:
-            settings["mean"], settings["std"] = NORMALIZATION[args.normalize]
-        processor = ImageProcessor.from_dict(settings)
-    return encoder, processor
+        raise ValueError(f"{args.model} is not a checkpoint; to encode with random weights of "
+                         f"a named variant, add --random-init")
+    settings = processor.to_dict() | {"size": list(encoder.config.image_size)}
+    if args.normalize:
+        settings["mean"], settings["std"] = NORMALIZATION[args.normalize]
+    return encoder, ImageProcessor.from_dict(settings)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from vlm_vit.config import EncoderConfig
-from vlm_vit.files import read_json
+from vlm_vit.cli.common import image_size
+from vlm_vit.config import EncoderConfig, available_variants
 from vlm_vit.flops import count_macs
-from vlm_vit.model import CONFIG_NAME, MODEL_TYPE, VisionEncoder
+from vlm_vit.model import VisionEncoder
 
 COMMON_SIDES = (224, 336, 384, 448, 512)
 
@@ -21,7 +21,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "info", help="parameters, GFLOPs and token counts of a variant or checkpoint",
         description="Show the size and cost of a named variant or a checkpoint directory.")
     parser.add_argument("model", metavar="NAME_OR_PATH",
-                        help="a variant name (see `vlm-vit info --list`) or a checkpoint")
+                        help=f"a variant name ({', '.join(available_variants())}) or a "
+                        "checkpoint of any supported format")
     parser.add_argument("--image-size", type=int, nargs="+", action="append", default=None,
                         metavar="SIDE", help="a resolution to report: SIDE or HEIGHT WIDTH "
                         "(repeatable; default: native plus common sizes)")
@@ -30,25 +31,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def resolve_config(model: str) -> EncoderConfig:
-    """The config of a variant name or of a native checkpoint directory."""
-    path = Path(model)
-    if path.exists():
-        raw = read_json(path / CONFIG_NAME if path.is_dir() else path)
-        if raw.get("model_type") != MODEL_TYPE:
-            raise ValueError(f"{path} is not a vlm-vit checkpoint (model_type "
-                             f"{raw.get('model_type')!r})")
-        return EncoderConfig.from_dict(raw["encoder"])
+    """The config of a variant name or of a checkpoint of any supported format."""
+    if Path(model).exists():
+        from vlm_vit.loading import convert_checkpoint
+
+        return convert_checkpoint(model).config
     return EncoderConfig.from_name(model)
 
 
 def _sizes(config: EncoderConfig, requested: list[list[int]] | None) -> list[tuple[int, int]]:
     if requested:
-        sizes = []
-        for size in requested:
-            if len(size) not in (1, 2):
-                raise ValueError(f"--image-size takes SIDE or HEIGHT WIDTH, got {size}")
-            sizes.append((size[0], size[-1]))
-        return sizes
+        return [image_size(size) for size in requested]
     common = [(s, s) for s in COMMON_SIDES if s % config.patch_size == 0]
     return sorted({config.image_size, *common})
 

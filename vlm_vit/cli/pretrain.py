@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from vlm_vit.config import EncoderConfig
+from vlm_vit.cli.common import variant_or_checkpoint
 from vlm_vit.model import VisionEncoder
 from vlm_vit.processor import NORMALIZATION
 
@@ -64,16 +64,6 @@ def build_objective(name: str, encoder: VisionEncoder, *, mean, std, mask_ratio:
                              decoder_depth=decoder_depth, decoder_heads=heads)
 
 
-def build_encoder(model: str, image_size: int | None) -> VisionEncoder:
-    """A variant at random initialisation, or a checkpoint's encoder, at `image_size`."""
-    overrides = {"image_size": image_size} if image_size else {}
-    if Path(model).exists():
-        from vlm_vit.loading import load_encoder
-
-        return load_encoder(model, **overrides)
-    return VisionEncoder(EncoderConfig.from_name(model, **overrides))
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -83,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.data.is_dir():
         raise FileNotFoundError(f"--data {args.data} is not a folder")
     torch.manual_seed(args.seed)  # the same initial weights on every process
-    encoder = build_encoder(args.model, args.image_size)
+    encoder = variant_or_checkpoint(args.model, args.image_size)
     mean, std = NORMALIZATION[args.normalize]
     objective = build_objective(args.objective, encoder, mean=mean, std=std,
                                 mask_ratio=args.mask_ratio, decoder_width=args.decoder_width,
