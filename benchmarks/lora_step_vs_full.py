@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 
 import torch
-from timing import alternate, peak_memory_mib
+from timing import alternate, peak_memory_in_child, peak_memory_mib
 
 from vlm_vit import EncoderConfig, VisionEncoder
 from vlm_vit.finetune import ImageClassifier
@@ -64,13 +62,9 @@ def main() -> None:
         return
     steps = {mode: step_function(build(mode, args), args) for mode in ("lora", "full")}
     medians = alternate(steps, args.repeats)
-    memory = {}
-    for mode in steps:
-        command = [sys.executable, __file__, "--child", mode, "--variant", args.variant,
-                   "--batch-size", str(args.batch_size), "--targets", args.targets,
-                   "--device", args.device]
-        result = subprocess.run(command, capture_output=True, text=True, check=True)
-        memory[mode] = float(result.stdout.strip().splitlines()[-1])
+    memory = {mode: peak_memory_in_child(__file__, [
+        "--child", mode, "--variant", args.variant, "--batch-size", str(args.batch_size),
+        "--targets", args.targets, "--device", args.device]) for mode in steps}
     result = {"variant": args.variant, "batch_size": args.batch_size, "device": args.device,
               "targets": args.targets, "step_seconds": medians, "peak_memory_mib": memory,
               "time_ratio_lora_over_full": medians["lora"] / medians["full"],

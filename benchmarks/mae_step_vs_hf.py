@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from timing import alternate, peak_memory_mib  # noqa: E402
+from timing import alternate, peak_memory_in_child, peak_memory_mib  # noqa: E402
 
 from vlm_vit import EncoderConfig, VisionEncoder  # noqa: E402
 from vlm_vit.pretrain.mae import MaskedAutoencoder  # noqa: E402
@@ -61,11 +59,9 @@ def step_function(library: str, model, pixels: torch.Tensor, dtype: torch.dtype)
 
 def peak_memory(args: argparse.Namespace, library: str) -> float:
     """Peak memory in MiB of two steps, measured in a fresh child process."""
-    command = [sys.executable, __file__, "--child", library, "--variant", args.variant,
-               "--image-size", str(args.image_size), "--batch-size", str(args.batch_size),
-               "--device", args.device, "--dtype", args.dtype]
-    result = subprocess.run(command, capture_output=True, text=True, check=True)
-    return float(result.stdout.strip().splitlines()[-1])
+    return peak_memory_in_child(__file__, [
+        "--child", library, "--variant", args.variant, "--image-size", str(args.image_size),
+        "--batch-size", str(args.batch_size), "--device", args.device, "--dtype", args.dtype])
 
 
 def child(args: argparse.Namespace, dtype: torch.dtype) -> None:

@@ -47,6 +47,17 @@ def peak_memory_mib(run: Callable[[], object], device: str) -> float:
     return (_status_kib("VmHWM") - base) / 1024
 
 
+def peak_memory_in_child(script: str, arguments: list[str]) -> float:
+    """Runs `script` with `arguments` (which must make it print `peak_memory_mib` of its work
+    as the last line) in a fresh process, and returns that number."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, script, *arguments], capture_output=True,
+                            text=True, check=True)
+    return float(result.stdout.strip().splitlines()[-1])
+
+
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as handle:
         line = next(line for line in handle if line.startswith(field + ":"))
