@@ -33,6 +33,7 @@ from torch import nn
 
 from vlm_vit.config import EncoderConfig
 from vlm_vit.convert.base import Checkpoint, Converted, NativePooler, register_format
+from vlm_vit.convert.hf_common import PIL_RESAMPLE, activation
 from vlm_vit.convert.keymap import fuse_qkv, invert, rename, split_qkv
 from vlm_vit.files import atomic_write, write_safetensors
 from vlm_vit.model import CONFIG_NAME, WEIGHTS_NAME, VisionEncoder
@@ -46,13 +47,8 @@ PREPROCESSOR_NAME = "preprocessor_config.json"
 # `position_ids` buffer that older transformers saved.
 IGNORED = (r"text_model\.", r"text_projection\.", r"logit_(scale|bias)$", r".*position_ids$")
 
-# Hugging Face activation names -> ours. "gelu_new" is the tanh approximation under another name.
-ACTIVATIONS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-               "gelu_new": "gelu_tanh"}
+# Ours -> the Hugging Face names written back.
 HF_ACTIVATIONS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
-
-# PIL's resampling codes, as preprocessor_config.json stores them.
-PIL_RESAMPLE = {2: "bilinear", 3: "bicubic"}
 
 
 def with_params(modules: dict[str, str]) -> dict[str, str]:
@@ -137,14 +133,6 @@ def split_pooler(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # -- reading ----------------------------------------------------------------------------------
-
-def activation(hidden_act: str) -> str:
-    """Our name for a Hugging Face `hidden_act`."""
-    if hidden_act not in ACTIVATIONS:
-        raise ValueError(f"hidden_act {hidden_act!r} has no vlm-vit equivalent; known: "
-                         f"{', '.join(ACTIVATIONS)}")
-    return ACTIVATIONS[hidden_act]
-
 
 def hf_size(value: Any) -> tuple[int, int] | None:
     """(height, width) from a preprocessor `size` or `crop_size` (an int, `{height, width}`

@@ -14,6 +14,7 @@ from typing import Any
 
 from vlm_vit.config import EncoderConfig
 from vlm_vit.convert.base import Checkpoint, Converted, NativePooler, register_format
+from vlm_vit.convert.hf_common import PIL_RESAMPLE, activation
 from vlm_vit.convert.keymap import count_blocks, fuse_qkv, rename
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
 
@@ -28,17 +29,7 @@ HF_DEFAULTS: dict[str, Any] = dict(
     qkv_bias=True, pooler_act="tanh",
 )
 
-# transformers' ACT2FN names -> ours; the gelu_new / gelu_fast family is the tanh formula.
-ACTIVATIONS = {
-    "gelu": "gelu", "gelu_python": "gelu",
-    "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu_python_tanh": "gelu_tanh",
-    "quick_gelu": "quick_gelu",
-}
 POOLER_ACTIVATIONS = {"tanh": "tanh", "linear": None}
-
-# PIL's resampling codes, as ViTImageProcessor stores them.
-RESAMPLE = {2: "bilinear", 3: "bicubic"}
 
 # Source module -> native module; each has a weight and a bias.
 _MODULES = {
@@ -93,15 +84,13 @@ def encoder_config(hf: dict[str, Any], source: object = "config.json") -> Encode
         ValueError: for a `hidden_act` vlm-vit does not have, or sizes it refuses.
     """
     hf = {**HF_DEFAULTS, **hf}
-    if hf["hidden_act"] not in ACTIVATIONS:
-        raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} has no vlm-vit "
-                         f"equivalent; known: {', '.join(ACTIVATIONS)}")
+    act = activation(hf["hidden_act"], source)
     try:
         return EncoderConfig(
             image_size=hf["image_size"], patch_size=hf["patch_size"], width=hf["hidden_size"],
             depth=hf["num_hidden_layers"], heads=hf["num_attention_heads"],
             mlp_width=hf["intermediate_size"], in_channels=hf["num_channels"],
-            act=ACTIVATIONS[hf["hidden_act"]], norm_eps=hf["layer_norm_eps"],
+            act=act, norm_eps=hf["layer_norm_eps"],
             qkv_bias=hf["qkv_bias"],
             # ViTEmbeddings.interpolate_pos_encoding: bicubic, align_corners=False, no antialias
             pos_resize_mode="bicubic", pos_resize_antialias=False,
@@ -153,9 +142,9 @@ def image_processor(settings: dict[str, Any] | None, image_size: tuple[int, int]
         raise ValueError(f"{source}: {PREPROCESSOR_CONFIG} size {settings.get('size')!r} has no "
                          "height and width (ViTImageProcessor resizes straight to them)")
     resample = settings.get("resample", 2)
-    if resample not in RESAMPLE:
+    if resample not in PIL_RESAMPLE:
         raise ValueError(f"{source}: {PREPROCESSOR_CONFIG} resample {resample!r} is not one of "
-                         f"{RESAMPLE} (PIL codes vlm-vit's ImageProcessor supports)")
+                         f"{PIL_RESAMPLE} (PIL codes vlm-vit's ImageProcessor supports)")
     if not settings.get("do_rescale", True) or \
             abs(settings.get("rescale_factor", 1 / 255) - 1 / 255) > 1e-9:
         raise ValueError(f"{source}: {PREPROCESSOR_CONFIG} rescales pixels other than by 1/255 "
@@ -167,7 +156,7 @@ def image_processor(settings: dict[str, Any] | None, image_size: tuple[int, int]
         mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
     try:
         processor = ImageProcessor(size=size, resize_mode="squash",
-                                   resample=RESAMPLE[resample], mean=mean, std=std)
+                                   resample=PIL_RESAMPLE[resample], mean=mean, std=std)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{source}: unusable {PREPROCESSOR_CONFIG}: {error}") from error
     return processor, []
