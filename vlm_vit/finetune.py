@@ -4,15 +4,13 @@ on an encoder or a tower, fully, with LoRA (`vlm_vit.lora`), or with the encoder
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vlm_vit.model import VisionEncoder
 from vlm_vit.pretrain.base import ObjectiveOutput
-from vlm_vit.tower import VisionTower
+from vlm_vit.tower import VisionTower, no_graph_if_frozen
 
 POOLINGS = ("cls", "mean")
 
@@ -56,11 +54,10 @@ class ImageClassifier(nn.Module):
 
     def features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """`[B, width]` features for the head."""
-        frozen = not any(p.requires_grad for p in self.encoder.parameters())
         if isinstance(self.backbone, VisionTower):
             out = self.backbone(pixel_values)  # the tower skips the graph of a frozen encoder
             return out.mean(dim=1) if out.ndim == 3 else out
-        with torch.no_grad() if frozen else contextlib.nullcontext():
+        with no_graph_if_frozen(self.encoder):
             out = self.backbone(pixel_values)
         return out.cls_token if self.pooling == "cls" else out.patch_tokens.mean(dim=1)
 

@@ -15,6 +15,13 @@ from vlm_vit.poolers import build_pooler
 POOLER_WEIGHTS_NAME = "pooler.safetensors"
 
 
+def no_graph_if_frozen(module: nn.Module) -> contextlib.AbstractContextManager:
+    """`torch.no_grad()` when no parameter of `module` trains (its activations need no
+    autograd graph: projector-only training), else nothing."""
+    frozen = torch.is_grad_enabled() and not any(p.requires_grad for p in module.parameters())
+    return torch.no_grad() if frozen else contextlib.nullcontext()
+
+
 class VisionTower(nn.Module):
     """An encoder, the layer(s) to read, and a pooler or projector.
 
@@ -71,9 +78,7 @@ class VisionTower(nn.Module):
 
     def select(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         """The tokens handed to the pooler, `[B, prefix? + N, feature_dim]`, and the grid."""
-        frozen = torch.is_grad_enabled() and not any(
-            p.requires_grad for p in self.encoder.parameters())
-        with torch.no_grad() if frozen else contextlib.nullcontext():  # no graph for a frozen one
+        with no_graph_if_frozen(self.encoder):
             out = self.encoder(pixel_values, feature_layers=self._layers)
         tokens = out.tokens if self._layers is None else torch.cat(out.features, dim=-1)
         if self.drop_prefix:
