@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +48,31 @@ def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO]:
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | Path) -> Iterator[Path]:
+    """Yields a temporary folder beside `path` to fill; on success it replaces `path`.
+
+    A crash half-way leaves the old folder (or none), never a half-written one. An existing
+    folder is moved aside first and removed only once the new one is in place.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        yield temp
+        os.chmod(temp, 0o777 & ~_umask())  # mkdtemp makes 0700; give the usual permissions
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.{os.getpid()}.old")
+            os.replace(path, old)
+        os.replace(temp, path)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
         raise
 
 

@@ -415,6 +415,32 @@ def preprocessor_config(processor: ImageProcessor) -> dict[str, Any]:
     }
 
 
+def hf_clip_config(encoder: VisionEncoder, projection_dim: int | None = None) -> dict[str, Any]:
+    """The `config.json` of a Hugging Face CLIP vision model holding `encoder` (checked with
+    `check_expressible` by `hf_clip_tensors`); a projection makes it
+    `CLIPVisionModelWithProjection`."""
+    config = encoder.config
+    architecture = "CLIPVisionModel" if projection_dim is None else "CLIPVisionModelWithProjection"
+    return {
+        "architectures": [architecture],
+        "model_type": "clip_vision_model",
+        "hidden_size": config.width,
+        "intermediate_size": config.mlp_width,
+        "num_hidden_layers": config.depth,
+        "num_attention_heads": config.heads,
+        "num_channels": config.in_channels,
+        "image_size": config.image_size[0],
+        "patch_size": config.patch_size,
+        "hidden_act": HF_ACTIVATIONS[config.act],
+        "layer_norm_eps": config.norm_eps,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "initializer_factor": 1.0,
+        "dtype": str(encoder.pos_embed.dtype).removeprefix("torch."),
+        **({"projection_dim": projection_dim} if projection_dim is not None else {}),
+    }
+
+
 def write_json(data: dict[str, Any], path: Path) -> None:
     with atomic_write(path, "w") as handle:
         json.dump(data, handle, indent=2, sort_keys=True)
@@ -443,27 +469,8 @@ def save_hf_clip(encoder: VisionEncoder, directory: str | Path, *,
     """
     tensors = hf_clip_tensors(encoder, pooler)
     settings = preprocessor_config(processor) if processor is not None else None
-    config = encoder.config
     projection = tensors.get("visual_projection.weight")
-    architecture = "CLIPVisionModel" if projection is None else "CLIPVisionModelWithProjection"
-    hf_config = {
-        "architectures": [architecture],
-        "model_type": "clip_vision_model",
-        "hidden_size": config.width,
-        "intermediate_size": config.mlp_width,
-        "num_hidden_layers": config.depth,
-        "num_attention_heads": config.heads,
-        "num_channels": config.in_channels,
-        "image_size": config.image_size[0],
-        "patch_size": config.patch_size,
-        "hidden_act": HF_ACTIVATIONS[config.act],
-        "layer_norm_eps": config.norm_eps,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "initializer_factor": 1.0,
-        "dtype": str(encoder.pos_embed.dtype).removeprefix("torch."),
-        **({"projection_dim": projection.shape[0]} if projection is not None else {}),
-    }
+    hf_config = hf_clip_config(encoder, None if projection is None else projection.shape[0])
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     write_json(hf_config, directory / CONFIG_NAME)

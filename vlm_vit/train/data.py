@@ -45,12 +45,15 @@ class ImageBatch:
     Attributes:
         pixel_values: `[B, 3, H, W]` float32, B the images that decoded.
         undecodable: the dropped files (path "<unknown>" for a bare None from the dataset).
-        labels: `[B]` class indices, for labelled data (`collate_labelled`).
+        labels: what the objective gets as `labels=`, split with the images over
+            micro-batches along the first axis: `[B]` class indices for labelled data
+            (`collate_labelled`), or `[B, L]` target token ids padded with -100 (the LLM
+            bridge's captions).
     """
 
     pixel_values: torch.Tensor
     undecodable: list[UndecodableImage] = field(default_factory=list)
-    labels: torch.Tensor | None = None  # [B] class indices for fine-tuning
+    labels: torch.Tensor | None = None
 
 
 def collate_images(items: Sequence[torch.Tensor | UndecodableImage | None]) -> ImageBatch:

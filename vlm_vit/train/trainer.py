@@ -292,8 +292,11 @@ class Trainer:
 
     Args:
         objective: an `Objective`: a module returning `ObjectiveOutput(loss, metrics)` for
-            `[B, 3, H, W]` pixels, with the encoder it trains as `objective.encoder`. It is
-            moved to the device, and compiled in place when `config.compile` is set.
+            `[B, 3, H, W]` pixels (and `labels=` when the batches carry labels), with the
+            encoder it trains as `objective.encoder`. It is moved to the device, and compiled
+            in place when `config.compile` is set. An objective with an `export(run_dir)`
+            method writes the final result itself (returning its path) instead of
+            `objective.pt` and `encoder/`: the LLM bridge writes its whole model so.
         dataset: a map-style dataset. With the default collate its items are `[3, H, W]`
             tensors or `UndecodableImage` markers (see `ImageFolder`). If it has
             `set_epoch(epoch)`, that is called before each epoch's loader starts. For exact
@@ -670,7 +673,12 @@ class Trainer:
             handle.write("\n")
 
     def _export(self, log: Any) -> None:
-        """The final objective state dict and the encoder in the native format."""
+        """The final objective state dict and the encoder in the native format, or what the
+        objective's own `export(run_dir)` writes."""
+        export = getattr(self.objective, "export", None)
+        if callable(export):
+            log.info("saved %s", export(self.run_dir))
+            return
         with atomic_write(self.run_dir / OBJECTIVE_NAME, "wb") as handle:
             torch.save(self.objective.state_dict(), handle)
         if hasattr(self.objective, "peft_config"):  # LoRA: the adapter, in peft's format

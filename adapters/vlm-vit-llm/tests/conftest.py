@@ -1,0 +1,87 @@
+"""Tiny models for the LLM bridge's tests: a CLIP-shaped tower, a random Llama, and a
+SentencePiece tokenizer trained here on a small text. Everything is offline."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from vlm_vit import EncoderConfig, VisionEncoder, VisionTower, build_pooler  # noqa: E402
+
+CAPTIONS = ["a red square", "two blue dogs", "the green tree", "one yellow star"]
+CORPUS = CAPTIONS + [
+    "describe the picture", "what is in the image", "a photo of a cat on a mat",
+    "the dog runs in the park", "a small house by the sea", "three birds fly over a lake",
+    "an old man reads a book", "the sun sets behind the hills", "a child plays with a ball",
+]
+LLM_WIDTH = 64
+IMAGE_SIZE = 32
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A SentencePiece BPE model trained on `CORPUS`, as a Llama tokenizer folder."""
+    import sentencepiece as spm
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    text = folder / "corpus.txt"
+    text.write_text("\n".join(CORPUS * 10) + "\n")
+    spm.SentencePieceTrainer.train(
+        input=str(text), model_prefix=str(folder / "sp"), vocab_size=120, model_type="bpe",
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, character_coverage=1.0, minloglevel=2)
+    (folder / "sp.model").rename(folder / "tokenizer.model")
+    return folder
+
+
+@pytest.fixture
+def tokenizer(tokenizer_dir):
+    from transformers import LlamaTokenizer
+
+    return LlamaTokenizer.from_pretrained(tokenizer_dir)
+
+
+def tiny_llm(vocab_size: int = 128, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=LLM_WIDTH, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=False, initializer_range=0.5)
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_tower(seed: int = 0, feature_layer: int | None = -2) -> VisionTower:
+    """A CLIP-shaped encoder on 32 x 32 images (16 patches) with an mlp2x_gelu projector."""
+    torch.manual_seed(seed)
+    config = EncoderConfig(image_size=IMAGE_SIZE, patch_size=8, width=32, depth=3, heads=4,
+                           mlp_width=64, pre_norm=True, act="quick_gelu", norm_eps=1e-5,
+                           patch_bias=False)
+    pooler = build_pooler("mlp2x_gelu", in_dim=32, out_dim=LLM_WIDTH)
+    return VisionTower(VisionEncoder(config).eval(), pooler, feature_layer=feature_layer)
+
+
+@pytest.fixture
+def mm(tokenizer):
+    from vlm_vit_llm import MultimodalLM
+
+    return MultimodalLM(tiny_tower(), tiny_llm(), tokenizer)
+
+
+def photos(count: int = 4, size: int = IMAGE_SIZE) -> list[np.ndarray]:
+    """Distinct real photos from scikit-image, as uint8 RGB arrays."""
+    from skimage import data, transform
+
+    names = ["astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field",
+             "immunohistochemistry"]
+    out = []
+    for name in names[:count]:
+        image = transform.resize(getattr(data, name)(), (size, size), anti_aliasing=True)
+        out.append((image * 255).round().astype(np.uint8))
+    return out

@@ -1,0 +1,156 @@
+"""`vlm-vit llm train|generate|export`, added to the core CLI through the entry point group
+`vlm_vit.commands` (the core knows nothing of it)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+STAGES = (1, 2)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """The entry point: adds `llm` and its three subcommands."""
+    parser = subparsers.add_parser(
+        "llm", help="image tokens into a Hugging Face causal LM (LLaVA): train, generate, "
+        "export", description="A vision tower feeding a causal LM (plugin vlm-vit-llm).")
+    commands = parser.add_subparsers(dest="llm_command", required=True, metavar="SUBCOMMAND")
+
+    train = commands.add_parser(
+        "train", help="LLaVA stage 1 (projector only) or 2 (+ LoRA) on images with captions",
+        description="Trains on a folder of images with a JSON lines captions file "
+        '({"image": "a.jpg", "caption": "..."} per line). Starts from --model (a saved '
+        "multimodal model) or builds one from --tower and --llm. Leaves RUN_DIR/model.")
+    start = train.add_argument_group("the model")
+    start.add_argument("--model", type=Path, metavar="DIR",
+                       help="a multimodal model saved by an earlier run (RUN_DIR/model)")
+    start.add_argument("--tower", metavar="PATH",
+                       help="a vision checkpoint or saved tower (with --llm, instead of --model)")
+    start.add_argument("--llm", type=Path, metavar="DIR",
+                       help="a Hugging Face causal LM folder with its tokenizer")
+    start.add_argument("--projector", default="mlp2x_gelu", help="pooler for a new tower")
+    start.add_argument("--feature-layer", type=int, default=-2,
+                       help="hidden state a new tower reads (LLaVA: -2)")
+    train.add_argument("--data", required=True, type=Path, metavar="DIR")
+    train.add_argument("--captions", required=True, type=Path, metavar="FILE.jsonl")
+    train.add_argument("--out", required=True, type=Path, metavar="RUN_DIR")
+    train.add_argument("--stage", type=int, choices=STAGES, default=1)
+    train.add_argument("--prompt", default="<image>\n", help="what precedes each caption")
+    train.add_argument("--steps", type=int, default=1000)
+    train.add_argument("--batch-size", type=int, default=32)
+    train.add_argument("--lr", type=float, default=None, help="default: 1e-3 stage 1, 2e-4 stage 2")
+    train.add_argument("--warmup-steps", type=int, default=None, help="default: steps / 30")
+    train.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+                       help="default: bf16 on a GPU, fp32 on a CPU")
+    train.add_argument("--device", default="auto")
+    train.add_argument("--num-workers", type=int, default=2)
+    train.add_argument("--checkpoint-every", type=int, default=500)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--resume", action="store_true")
+    lora = train.add_argument_group("LoRA (stage 2)")
+    lora.add_argument("--lora-r", type=int, default=16)
+    lora.add_argument("--lora-alpha", type=float, default=32)
+    lora.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
+                      help="LLM module names (default: q_proj k_proj v_proj o_proj)")
+    lora.add_argument("--lora-encoder", default=None, metavar="PRESET",
+                      help="also LoRA on the encoder: attn, attn_qv, mlp or all")
+    train.set_defaults(run=run_train)
+
+    generate = commands.add_parser("generate", help="continue a prompt about images")
+    generate.add_argument("model", type=Path, metavar="MODEL_DIR")
+    generate.add_argument("--image", type=Path, action="append", default=[], metavar="FILE",
+                          help="an image (repeat for several, in placeholder order)")
+    generate.add_argument("--prompt", default=None,
+                          help="with one <image> per image (default: the placeholders alone)")
+    generate.add_argument("--max-new-tokens", type=int, default=32)
+    generate.set_defaults(run=run_generate)
+
+    export = commands.add_parser("export", help="write the Hugging Face LLaVA layout")
+    export.add_argument("model", type=Path, metavar="MODEL_DIR")
+    export.add_argument("--out", required=True, type=Path, metavar="DIR")
+    export.set_defaults(run=run_export)
+
+
+def _existing(path: Path, what: str) -> Path:
+    if not path.exists():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    return path
+
+
+def build_model(args: argparse.Namespace):
+    """The model to train: `--model`, or a new one from `--tower` and `--llm`."""
+    from vlm_vit_llm.model import MultimodalLM
+
+    if args.model is not None:
+        if args.tower or args.llm:
+            raise ValueError("give --model, or --tower with --llm, not both")
+        return MultimodalLM.from_pretrained(_existing(args.model, "--model"),
+                                            trainable=True)
+    if not (args.tower and args.llm):
+        raise ValueError("give --model (a saved multimodal model), or both --tower and --llm")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vlm_vit import load_processor, load_tower
+
+    llm = AutoModelForCausalLM.from_pretrained(_existing(args.llm, "--llm"))
+    tokenizer = AutoTokenizer.from_pretrained(args.llm)
+    width = llm.get_input_embeddings().embedding_dim
+    tower = load_tower(_existing(Path(args.tower), "--tower"), args.projector, out_dim=width,
+                       feature_layer=args.feature_layer, drop_prefix=True)
+    return MultimodalLM(tower, llm, tokenizer, processor=load_processor(args.tower))
+
+
+def run_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from vlm_vit.train import TrainConfig, Trainer
+    from vlm_vit_llm.model import DEFAULT_LLM_LORA_TARGETS
+    from vlm_vit_llm.train import MODEL_DIR, CaptionCollate, CaptionFolder, CaptionObjective
+
+    dataset_root = _existing(args.data, "--data")
+    torch.manual_seed(args.seed)  # the same new projector on every process
+    mm = build_model(args)
+    dataset = CaptionFolder(dataset_root, args.captions, mm.processor)
+    if args.stage == 1:
+        mm.train_projector_only()
+    else:
+        mm.add_lora(r=args.lora_r, alpha=args.lora_alpha,
+                    llm_targets=args.lora_targets or DEFAULT_LLM_LORA_TARGETS,
+                    encoder_targets=args.lora_encoder)
+    cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
+    config = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size,
+        lr=args.lr or (1e-3 if args.stage == 1 else 2e-4), weight_decay=0.0,
+        warmup_steps=args.steps // 30 if args.warmup_steps is None else args.warmup_steps,
+        precision=args.precision or ("bf16" if cuda else "fp32"),
+        checkpoint_every=args.checkpoint_every, seed=args.seed, num_workers=args.num_workers,
+        device=args.device)
+    command = shlex.join(["vlm-vit", *sys.argv[1:]]) if sys.argv[1:2] == ["llm"] else None
+    result = Trainer(CaptionObjective(mm, args.prompt), dataset, config, args.out,
+                     collate=CaptionCollate(mm.tokenizer), command=command).fit(
+        resume=args.resume)
+    print(f"trained stage {args.stage} for {result.step} steps, final loss "
+          f"{result.losses[-1]:.4f}; model in {args.out / MODEL_DIR}")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from vlm_vit_llm.model import MultimodalLM
+
+    mm = MultimodalLM.from_pretrained(_existing(args.model, "model"))
+    images = [_existing(path, "--image") for path in args.image]
+    prompt = args.prompt if args.prompt is not None else mm.image_token * len(images) + "\n"
+    print(mm.eval().generate([prompt], [images], max_new_tokens=args.max_new_tokens,
+                             do_sample=False)[0])
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from vlm_vit_llm.llava import export_llava
+    from vlm_vit_llm.model import MultimodalLM
+
+    mm = MultimodalLM.from_pretrained(_existing(args.model, "model"))
+    print(f"wrote {export_llava(mm, args.out)} (LlavaForConditionalGeneration)")
+    return 0

@@ -1,0 +1,430 @@
+"""`MultimodalLM`: a `VisionTower` joined to a Hugging Face causal LM (LLaVA's design).
+
+    mm = MultimodalLM(tower, llm, tokenizer)           # tower: a VisionTower with a projector
+    out = mm(["<image>\\nWhat is this?"], [[image]])    # the LLM's output, with .logits
+    mm.generate(["<image>\\n"], [[image]], max_new_tokens=20)   # ["a red square"]
+
+A prompt holds one `image_token` per image. Tokenised, each placeholder becomes exactly
+`tower.num_image_tokens(image size)` positions, and the projected image tokens replace the
+embeddings there, in order. Counts cannot disagree: the positions are made from the images
+themselves, and a prompt whose placeholders do not match its images is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlm_vit import ImageProcessor, VisionEncoder, VisionTower
+from vlm_vit.files import atomic_directory, atomic_write, read_json
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "multimodal_config.json"
+TOWER_DIR, LLM_DIR = "tower", "llm"
+LLM_ADAPTER_DIR, VISION_ADAPTER_DIR = "llm_adapter", "vision_adapter"
+IGNORE_INDEX = -100  # label positions the loss skips (Hugging Face's convention)
+DEFAULT_LLM_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass
+class MultimodalBatch:
+    """Prompts (and targets) tokenised, with every image placeholder expanded.
+
+    Attributes:
+        input_ids: `[B, L]`; image positions hold the image token's id, padding the pad id.
+        attention_mask: `[B, L]`, 0 on padding.
+        position_ids: `[B, L]`, counting real tokens only (so left padding shifts nothing).
+        image_mask: `[B, L]` bool, True where an image token goes.
+        image_features: `[total image tokens, D]`, in the order of the True positions.
+        labels: `[B, L]` target ids, `IGNORE_INDEX` on prompt, image and pad positions; None
+            without targets.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    image_mask: torch.Tensor
+    image_features: torch.Tensor
+    labels: torch.Tensor | None = None
+
+
+class MultimodalLM(nn.Module):
+    """A vision tower feeding a causal LM through its input embeddings.
+
+    Args:
+        tower: a `VisionTower` whose pooler returns tokens of the LLM's width (`mlp2x_gelu`
+            with `out_dim=llm hidden size`, as LLaVA-1.5).
+        llm: any Hugging Face causal LM (`AutoModelForCausalLM`), or a peft model on one.
+        tokenizer: the LLM's tokenizer. `image_token` is added to it as a special token when
+            missing, and the LLM's embeddings grow to match.
+        image_token: the placeholder string in prompts.
+        processor: turns PIL images and files into pixels; default: CLIP normalisation at
+            the encoder's image size (logged).
+
+    Raises:
+        ValueError: when the tower returns a vector instead of tokens, or tokens of another
+            width than the LLM's.
+    """
+
+    def __init__(self, tower: VisionTower, llm: nn.Module, tokenizer: Any,
+                 image_token: str = "<image>", processor: ImageProcessor | None = None):
+        super().__init__()
+        if tower.num_image_tokens() is None:
+            raise ValueError(f"the tower's {type(tower.pooler).__name__} pooler returns one "
+                             "vector per image; an LLM needs tokens (use 'mlp2x_gelu', "
+                             "'linear', 'pixel_shuffle', ...)")
+        width = llm.get_input_embeddings().embedding_dim
+        out_dim = getattr(tower.pooler, "out_dim", None)
+        if out_dim is not None and out_dim != width:
+            raise ValueError(f"the tower's projector gives width {out_dim}, but the LLM's "
+                             f"embeddings have width {width}: build the pooler with "
+                             f"out_dim={width}")
+        self.tower, self.llm, self.tokenizer = tower, llm, tokenizer
+        self.image_token = image_token
+        if processor is None:
+            processor = ImageProcessor.for_family("clip", size=tower.encoder.config.image_size)
+            logger.info("no processor given: CLIP normalisation at %s", processor.size)
+        self.processor = processor
+        self.image_token_id = self._add_image_token()
+
+    # -- tokens ------------------------------------------------------------------------------
+
+    def _add_image_token(self) -> int:
+        tokenizer = self.tokenizer
+        if self.image_token not in tokenizer.get_vocab():
+            tokenizer.add_tokens([self.image_token], special_tokens=True)
+            logger.info("added %r to the tokenizer", self.image_token)
+        ids = tokenizer(self.image_token, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise ValueError(f"the tokenizer splits the image token {self.image_token!r} into "
+                             f"{len(ids)} tokens; it must be one")
+        embeddings = self.llm.get_input_embeddings()
+        if len(tokenizer) > embeddings.num_embeddings:
+            self.llm.resize_token_embeddings(len(tokenizer))
+            logger.info("resized the LLM's embeddings to %d rows", len(tokenizer))
+        return ids[0]
+
+    @property
+    def pad_token_id(self) -> int:
+        tokenizer = self.tokenizer
+        for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
+            if candidate is not None:
+                return candidate
+        return 0  # unreachable; keeps type checkers quiet
+
+    def encode_target(self, text: str) -> list[int]:
+        """A target's token ids, ending with the end-of-sequence token."""
+        return target_ids(self.tokenizer, text)
+
+    @property
+    def device(self) -> torch.device:
+        return self.llm.get_input_embeddings().weight.device
+
+    # -- images ------------------------------------------------------------------------------
+
+    def _pixels(self, image: Any, prompt: int) -> torch.Tensor:
+        if isinstance(image, torch.Tensor):
+            if image.ndim == 4 and image.shape[0] == 1:
+                image = image[0]
+            if image.ndim != 3 or image.shape[0] != self.tower.encoder.config.in_channels:
+                raise ValueError(f"prompt {prompt}: a pixel tensor must be [C, H, W] with C = "
+                                 f"{self.tower.encoder.config.in_channels}, got "
+                                 f"{tuple(image.shape)}")
+            return image
+        return self.processor.preprocess_one(image)
+
+    def image_features(self, pixels: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The projected tokens of each image, `[M_i, D]`, batching images of one size."""
+        parameter = next(self.tower.parameters())
+        by_size: dict[tuple[int, ...], list[int]] = {}
+        for index, image in enumerate(pixels):
+            by_size.setdefault(tuple(image.shape), []).append(index)
+        features: list[torch.Tensor | None] = [None] * len(pixels)
+        for shape, indices in by_size.items():
+            batch = torch.stack([pixels[i] for i in indices]).to(parameter.device, parameter.dtype)
+            tokens = self.tower(batch)
+            expected = self.tower.num_image_tokens(tuple(shape[1:]))
+            if tokens.shape[1] != expected:  # a pooler that breaks its own contract
+                raise RuntimeError(f"the tower returned {tokens.shape[1]} tokens for a "
+                                   f"{shape[1]}x{shape[2]} image but promised {expected}")
+            for row, index in enumerate(indices):
+                features[index] = tokens[row]
+        return features  # type: ignore[return-value]
+
+    # -- batches -----------------------------------------------------------------------------
+
+    def prepare(self, texts: Sequence[str], images: Sequence[Sequence[Any]] | None = None,
+                targets: Sequence[str | Sequence[int]] | None = None, *,
+                padding_side: str = "right") -> MultimodalBatch:
+        """Tokenises, expands the placeholders and pads (see `MultimodalBatch`).
+
+        Args:
+            texts: one prompt per sequence.
+            images: per prompt, its images in placeholder order (PIL images, files, arrays,
+                or `[C, H, W]` pixel tensors); None or [] for a prompt without images.
+            targets: per prompt, the text to learn after it (strings, or token ids from
+                `encode_target`); the loss sees only these.
+            padding_side: "right" for training, "left" for generation.
+
+        Raises:
+            ValueError: for a prompt whose placeholders do not match its images, mismatched
+                list lengths, or a sequence longer than the LLM's context.
+        """
+        if isinstance(texts, str):
+            raise ValueError("texts must be a list of prompts, not one string")
+        images = [[] for _ in texts] if images is None else images
+        if len(images) != len(texts):
+            raise ValueError(f"{len(texts)} prompts but images for {len(images)}")
+        if targets is not None and len(targets) != len(texts):
+            raise ValueError(f"{len(texts)} prompts but {len(targets)} targets")
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+        pixels, counts = [], []
+        for prompt, per_prompt in enumerate(images):
+            per_prompt = list(per_prompt or [])
+            placeholders = texts[prompt].count(self.image_token)
+            if placeholders != len(per_prompt):
+                raise ValueError(f"prompt {prompt} has {placeholders} {self.image_token!r} "
+                                 f"placeholder(s) but {len(per_prompt)} image(s): "
+                                 f"{texts[prompt][:80]!r}")
+            for image in per_prompt:
+                pixels.append(self._pixels(image, prompt))
+                counts.append(self.tower.num_image_tokens(tuple(pixels[-1].shape[1:])))
+        features = self.image_features(pixels) if pixels else []
+
+        sequences, label_rows, image_counts = [], [], iter(counts)
+        for prompt, text in enumerate(texts):
+            ids = self.tokenizer(text)["input_ids"]
+            expanded = []
+            for token in ids:
+                expanded.extend([token] * next(image_counts) if token == self.image_token_id
+                                else [token])
+            labels = [IGNORE_INDEX] * len(expanded)
+            if targets is not None:
+                target = targets[prompt]
+                target = self.encode_target(target) if isinstance(target, str) else list(target)
+                target = [t for t in target if t != IGNORE_INDEX]
+                expanded, labels = expanded + target, labels + target
+            sequences.append(expanded)
+            label_rows.append(labels)
+        limit = getattr(getattr(self.llm, "config", None), "max_position_embeddings", None)
+        longest = max(len(s) for s in sequences)
+        if limit is not None and longest > limit:
+            raise ValueError(f"a sequence of {longest} tokens (image tokens included) is longer "
+                             f"than the LLM's context of {limit}")
+
+        batch, length = len(sequences), longest
+        input_ids = torch.full((batch, length), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((batch, length), dtype=torch.long)
+        for row, (sequence, label_row) in enumerate(zip(sequences, label_rows, strict=True)):
+            span = slice(length - len(sequence), length) if padding_side == "left" \
+                else slice(0, len(sequence))
+            input_ids[row, span] = torch.tensor(sequence, dtype=torch.long)
+            labels[row, span] = torch.tensor(label_row, dtype=torch.long)
+            attention_mask[row, span] = 1
+        image_mask = (input_ids == self.image_token_id) & attention_mask.bool()
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        device = self.device
+        width = self.llm.get_input_embeddings().embedding_dim
+        image_features = torch.cat(features) if features else torch.zeros(0, width)
+        return MultimodalBatch(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+            position_ids=position_ids.to(device), image_mask=image_mask.to(device),
+            image_features=image_features.to(device),
+            labels=labels.to(device) if targets is not None else None)
+
+    def embed(self, batch: MultimodalBatch) -> torch.Tensor:
+        """The LLM's input embeddings with the image tokens spliced in, `[B, L, D]`."""
+        embeds = self.llm.get_input_embeddings()(batch.input_ids)
+        if batch.image_features.shape[0] == 0:
+            return embeds
+        return embeds.masked_scatter(batch.image_mask.unsqueeze(-1),
+                                     batch.image_features.to(embeds.dtype))
+
+    # -- running -----------------------------------------------------------------------------
+
+    def forward(self, texts: Sequence[str], images: Sequence[Sequence[Any]] | None = None,
+                targets: Sequence[str | Sequence[int]] | None = None, **llm_kwargs: Any):
+        """The LLM's output (`.logits`, and `.loss` over the targets when given).
+
+        Arguments as in `prepare`; `llm_kwargs` go to the LLM.
+        """
+        batch = self.prepare(texts, images, targets)
+        return self.llm(inputs_embeds=self.embed(batch), attention_mask=batch.attention_mask,
+                        position_ids=batch.position_ids, labels=batch.labels, **llm_kwargs)
+
+    @torch.inference_mode()
+    def generate(self, texts: Sequence[str], images: Sequence[Sequence[Any]] | None = None,
+                 **generate_kwargs: Any) -> list[str]:
+        """Continues each prompt through the LLM's own `generate`; returns the new text.
+
+        Prompts are left-padded. Defaults: `max_new_tokens=32` unless a length is given, and
+        the pad id. Other keyword arguments go to `generate` (`do_sample`, `num_beams`, ...).
+        """
+        batch = self.prepare(texts, images, padding_side="left")
+        if "max_length" not in generate_kwargs:
+            generate_kwargs.setdefault("max_new_tokens", 32)
+        generate_kwargs.setdefault("pad_token_id", self.pad_token_id)
+        output = self.llm.generate(inputs_embeds=self.embed(batch),
+                                   attention_mask=batch.attention_mask, **generate_kwargs)
+        # With embeddings alone as input, generate returns only the new tokens.
+        return [text.strip() for text in
+                self.tokenizer.batch_decode(output, skip_special_tokens=True)]
+
+    # -- training set-ups --------------------------------------------------------------------
+
+    def train_projector_only(self) -> MultimodalLM:
+        """LLaVA stage 1: only the projector trains; the encoder runs without a graph."""
+        self.requires_grad_(False)
+        self.tower.pooler.requires_grad_(True)
+        return self
+
+    def add_lora(self, *, r: int = 16, alpha: float = 32, dropout: float = 0.0,
+                 llm_targets: Sequence[str] = DEFAULT_LLM_LORA_TARGETS,
+                 encoder_targets: str | Sequence[str] | None = None) -> MultimodalLM:
+        """LLaVA stage 2 (with LoRA): LoRA on the LLM (and optionally the encoder, through
+        `vlm_vit.lora.apply_lora`); the projector trains fully, everything else is frozen.
+
+        Args:
+            r, alpha, dropout: the LoRA settings, for both.
+            llm_targets: module names (or name endings) in the LLM, peft's `target_modules`.
+            encoder_targets: None to keep the encoder frozen, or a `vlm_vit.lora` preset
+                (`"attn"`, `"attn_qv"`, `"mlp"`, `"all"`) or full module names.
+
+        Raises:
+            ValueError: when LoRA is already on, or a target matches nothing.
+        """
+        from vlm_vit.lora import apply_lora
+        from vlm_vit.optional import require
+
+        peft = require("peft", "lora", "LoRA on the LLM")
+        if isinstance(self.llm, peft.PeftModel) or isinstance(self.tower.encoder, peft.PeftModel):
+            raise ValueError("LoRA is already on this model; merge it or load it without")
+        self.requires_grad_(False)
+        config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, bias="none",
+                                 target_modules=list(llm_targets), task_type="CAUSAL_LM")
+        self.llm = peft.get_peft_model(self.llm, config)
+        if encoder_targets is not None:
+            self.tower.encoder = apply_lora(self.tower.encoder, r=r, alpha=alpha,
+                                            dropout=dropout, targets=encoder_targets)
+        self.tower.pooler.requires_grad_(True)
+        return self
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Writes the whole model, atomically (the folder appears complete or not at all):
+
+            multimodal_config.json   the image token and which adapters there are
+            tower/                   the VisionTower (base weights) and the processor
+            llm/                     the LLM's base weights and config, and the tokenizer
+            llm_adapter/             peft's LoRA adapter on the LLM, when there is one
+            vision_adapter/          the encoder's LoRA adapter (`vlm_vit.lora`), likewise
+
+        Returns:
+            The directory.
+        """
+        from vlm_vit.lora import save_adapter
+
+        directory = Path(directory)
+        llm_base, llm_adapter = _split_peft(self.llm)
+        encoder_base, encoder_adapter = _split_peft(self.tower.encoder)
+        with atomic_directory(directory) as temp:
+            encoder = VisionEncoder.from_state_dict(_base_state(encoder_base),
+                                                    encoder_base.config)
+            tower = VisionTower(encoder, self.tower.pooler, self.tower.feature_layer,
+                                self.tower.drop_prefix)
+            tower.save_pretrained(temp / TOWER_DIR)
+            self.processor.save_pretrained(temp / TOWER_DIR)
+            llm_base.save_pretrained(temp / LLM_DIR, state_dict=_base_state(llm_base))
+            self.tokenizer.save_pretrained(temp / LLM_DIR)
+            if llm_adapter is not None:
+                llm_adapter.save_pretrained(str(temp / LLM_ADAPTER_DIR))
+            if encoder_adapter is not None:
+                save_adapter(encoder_adapter, temp / VISION_ADAPTER_DIR)
+            config = {"format": "vlm_vit_llm", "format_version": 1,
+                      "image_token": self.image_token,
+                      "llm_adapter": llm_adapter is not None,
+                      "vision_adapter": encoder_adapter is not None}
+            with atomic_write(temp / CONFIG_NAME, "w") as handle:
+                json.dump(config, handle, indent=2)
+                handle.write("\n")
+        logger.info("saved the multimodal model to %s", directory)
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, *, trainable: bool = False,
+                        dtype: torch.dtype | None = None) -> MultimodalLM:
+        """Reads what `save_pretrained` wrote.
+
+        Args:
+            directory: the model folder.
+            trainable: load the adapters for further training (else for inference).
+            dtype: the LLM's dtype (default: as saved).
+
+        Raises:
+            FileNotFoundError, ValueError: naming the missing or malformed file.
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        directory = Path(directory)
+        config = read_json(directory / CONFIG_NAME)
+        if config.get("format") != "vlm_vit_llm":
+            raise ValueError(f"{directory / CONFIG_NAME} is not a vlm-vit-llm model config")
+        tower = VisionTower.from_pretrained(directory / TOWER_DIR)
+        processor = ImageProcessor.from_pretrained(directory / TOWER_DIR)
+        llm = AutoModelForCausalLM.from_pretrained(directory / LLM_DIR, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(directory / LLM_DIR)
+        if config.get("llm_adapter"):
+            from peft import PeftModel
+
+            llm = PeftModel.from_pretrained(llm, str(directory / LLM_ADAPTER_DIR),
+                                            is_trainable=trainable)
+        if config.get("vision_adapter"):
+            from vlm_vit.lora import load_adapter
+
+            tower.encoder = load_adapter(tower.encoder, directory / VISION_ADAPTER_DIR,
+                                         trainable=trainable)
+        return cls(tower, llm, tokenizer, image_token=config["image_token"], processor=processor)
+
+    def merged(self) -> MultimodalLM:
+        """A copy with every LoRA adapter folded into its base weights (this one unchanged)."""
+        copied = copy.deepcopy(self)
+        llm_base, llm_adapter = _split_peft(copied.llm)
+        if llm_adapter is not None:
+            copied.llm = llm_adapter.merge_and_unload()
+        encoder_base, encoder_adapter = _split_peft(copied.tower.encoder)
+        if encoder_adapter is not None:
+            copied.tower.encoder = encoder_adapter.merge_and_unload()
+        return copied
+
+
+def target_ids(tokenizer: Any, text: str) -> list[int]:
+    """The token ids the model learns for a target text: the text, then end of sequence."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+
+
+def _split_peft(module: nn.Module) -> tuple[nn.Module, Any]:
+    """(the base model, the peft model or None)."""
+    base = getattr(module, "get_base_model", None)
+    if base is not None and hasattr(module, "peft_config"):
+        return base(), module
+    return module, None
+
+
+def _base_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A module's state dict without LoRA: peft's LoRA tensors dropped and its wrapped
+    layers (`x.base_layer.weight`) under their own names again (`x.weight`)."""
+    return {name.replace(".base_layer.", "."): tensor
+            for name, tensor in module.state_dict().items() if ".lora_" not in name}
