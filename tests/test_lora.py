@@ -242,6 +242,11 @@ def test_two_adapters_on_one_base_switch(tmp_path):
         lora.set_adapter(model, "third")
     with pytest.raises(ValueError, match="'first' is taken"):
         lora.load_adapter(model, folders["first"], "first")
+    # For inference (not trainable) an attn_qv adapter loads without gradient hooks.
+    inference = lora.load_adapter(make_encoder(), folders["second"], "second")
+    with torch.no_grad():
+        torch.testing.assert_close(inference(pixels()).tokens, outputs["second"], atol=1e-6,
+                                   rtol=0)
 
 
 def _saved_keys(folder) -> list[str]:

@@ -23,6 +23,23 @@ def test_missing_extra_names_the_extra():
         require("surely_not_a_module_xyz", "hf", "loading a Hugging Face checkpoint")
 
 
+def test_atomic_directory_replaces_the_folder_whole_or_not_at_all(tmp_path):
+    from vlm_vit.files import atomic_directory
+
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "old.json").write_text("old")
+    with pytest.raises(RuntimeError), atomic_directory(target) as temp:
+        (temp / "new.json").write_text("half")
+        raise RuntimeError("crash mid-write")
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert [p.name for p in target.iterdir()] == ["old.json"]
+    with atomic_directory(target) as temp:
+        (temp / "new.json").write_text("new")
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert [p.name for p in target.iterdir()] == ["new.json"]
+
+
 def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
     from vlm_vit.files import atomic_write
 

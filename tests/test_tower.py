@@ -63,6 +63,7 @@ def test_several_layers_are_concatenated_and_the_run_stops_early():
     with torch.no_grad():
         out = tower(x)
     assert ran == [0, 1]  # layer -2 of 3 blocks is block 2's input: block 3 never runs
+    assert tower.blocks_used == 2
     hidden = tower.encoder(x, output_hidden_states=True).hidden_states
     torch.testing.assert_close(out, torch.cat([hidden[1], hidden[2]], dim=-1)[:, 1:])
     assert tower.feature_dim == 64

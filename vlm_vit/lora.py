@@ -352,7 +352,7 @@ def _hold_key_rows(model: nn.Module, adapter_name: str) -> None:
             raise ValueError(f"attn.qkv's lora_B has {weight.shape[0]} rows, not 3 x width")
         with torch.no_grad():
             weight[width:2 * width].zero_()
-        if not hasattr(weight, _KEY_HOOK):
+        if weight.requires_grad and not hasattr(weight, _KEY_HOOK):  # not for inference
             weight.register_hook(_zero_rows_hook(width, 2 * width))
             setattr(weight, _KEY_HOOK, (width, 2 * width))
 

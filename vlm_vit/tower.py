@@ -72,6 +72,13 @@ class VisionTower(nn.Module):
         return self.encoder.config.width * len(self._layers or [None])
 
     @property
+    def blocks_used(self) -> int:
+        """How many of the encoder's blocks run (the rest never see an image)."""
+        if self._layers is None:
+            return self.encoder.config.depth
+        return max(self.encoder.layer_index(layer) for layer in self._layers)
+
+    @property
     def num_prefix_tokens(self) -> int:
         """Prefix tokens handed to the pooler (0 with `drop_prefix`)."""
         return 0 if self.drop_prefix else self.encoder.num_prefix_tokens

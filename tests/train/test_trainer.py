@@ -265,3 +265,20 @@ def test_command_defaults_to_sys_argv(data, tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["train.py", "--lr", "1e-3"])
     trainer = Trainer(toy_objective(), image_folder(data), config(), tmp_path / "run")
     assert trainer.command == "train.py --lr 1e-3"
+
+
+def test_an_objective_with_export_writes_its_own_result(data, tmp_path):
+    objective = toy_objective()
+    written = []
+
+    def export(run_dir):
+        written.append(run_dir)
+        objective.encoder.save_pretrained(run_dir / "mine")
+        return run_dir / "mine"
+
+    objective.export = export
+    run_dir = tmp_path / "run"
+    Trainer(objective, image_folder(data), config(steps=2), run_dir, progress_bar=False).fit()
+    assert written == [run_dir]
+    assert (run_dir / "mine" / "config.json").is_file()
+    assert not (run_dir / "encoder").exists() and not (run_dir / "objective.pt").exists()

@@ -111,8 +111,12 @@ def export_llava(mm: MultimodalLM, directory: str | Path) -> Path:
     model.load_state_dict(tensors, strict=True, assign=True)  # lists every bad key
     model.to(next(iter(tensors.values())).dtype)
     settings.pop("image_processor_type")
+    tokenizer = merged.tokenizer  # a copy: `merged` is
+    if tokenizer.pad_token is None:  # batched processing needs one; LLaVA-1.5 pads with unk
+        tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
+        logger.info("the exported tokenizer pads with %r", tokenizer.pad_token)
     processor = LlavaProcessor(
-        image_processor=CLIPImageProcessor(**settings), tokenizer=merged.tokenizer,
+        image_processor=CLIPImageProcessor(**settings), tokenizer=tokenizer,
         patch_size=merged.tower.encoder.config.patch_size,
         vision_feature_select_strategy=config.vision_feature_select_strategy,
         image_token=merged.image_token,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -317,6 +318,13 @@ class MultimodalLM(nn.Module):
         if encoder_targets is not None:
             self.tower.encoder = apply_lora(self.tower.encoder, r=r, alpha=alpha,
                                             dropout=dropout, targets=encoder_targets)
+            # Blocks past the tower's feature layer never run: their LoRA would get no
+            # gradient (and DDP would wait for one), so it stays frozen at its no-op start.
+            unused = re.compile(rf"\.blocks\.(\d+)\.")
+            for name, parameter in self.tower.encoder.named_parameters():
+                found = unused.search(name)
+                if found and ".lora_" in name and int(found[1]) >= self.tower.blocks_used:
+                    parameter.requires_grad_(False)
         self.tower.pooler.requires_grad_(True)
         return self
 

@@ -1,0 +1,70 @@
+"""`vlm-vit llm ...`: the plugin's subcommands, reached through the core CLI's entry point."""
+
+import json
+
+import pytest
+from conftest import tiny_llm, tiny_tower
+from test_llm_train import write_captions
+
+from vlm_vit.cli import main
+
+
+@pytest.fixture
+def parts(tmp_path, tokenizer):
+    """An encoder checkpoint, an LLM folder with its tokenizer, and captioned images."""
+    tiny_tower().encoder.save_pretrained(tmp_path / "encoder")
+    tiny_llm().save_pretrained(tmp_path / "llm")
+    tokenizer.save_pretrained(tmp_path / "llm")
+    write_captions(tmp_path / "data")
+    return tmp_path
+
+
+def train_args(parts, *extra):
+    return ["llm", "train", "--data", str(parts / "data"), "--captions",
+            str(parts / "data" / "captions.jsonl"), "--steps", "3", "--batch-size", "2",
+            "--num-workers", "0", "--device", "cpu", *extra]
+
+
+def test_train_both_stages_then_generate_and_export(parts, capsys):
+    from transformers import LlavaForConditionalGeneration
+
+    assert main(train_args(parts, "--tower", str(parts / "encoder"), "--llm",
+                           str(parts / "llm"), "--out", str(parts / "s1"))) == 0
+    assert "trained stage 1 for 3 steps" in capsys.readouterr().out
+    stage_1 = parts / "s1" / "model"
+    assert json.loads((stage_1 / "multimodal_config.json").read_text())["llm_adapter"] is False
+
+    assert main(train_args(parts, "--model", str(stage_1), "--stage", "2", "--lora-r", "4",
+                           "--lora-encoder", "attn", "--out", str(parts / "s2"))) == 0
+    capsys.readouterr()
+    stage_2 = parts / "s2" / "model"
+    config = json.loads((stage_2 / "multimodal_config.json").read_text())
+    assert config["llm_adapter"] and config["vision_adapter"]
+
+    assert main(["llm", "generate", str(stage_2), "--image", str(parts / "data" / "0.png"),
+                 "--max-new-tokens", "4"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+
+    assert main(["llm", "export", str(stage_2), "--out", str(parts / "llava")]) == 0
+    assert "LlavaForConditionalGeneration" in capsys.readouterr().out
+    LlavaForConditionalGeneration.from_pretrained(parts / "llava")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--out", "run"], "give --model (a saved multimodal model), or both --tower and --llm"),
+    (["--tower", "nowhere", "--llm", "nowhere", "--out", "run"], "--llm nowhere does not exist"),
+])
+def test_a_user_error_is_one_line_and_exit_1(parts, capsys, args, message, monkeypatch):
+    monkeypatch.chdir(parts)
+    assert main(train_args(parts, *args)) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"vlm-vit llm: error: {message}"]
+
+
+def test_generate_refuses_a_prompt_without_its_placeholder(parts, capsys):
+    assert main(train_args(parts, "--tower", str(parts / "encoder"), "--llm",
+                           str(parts / "llm"), "--out", str(parts / "s1"))) == 0
+    capsys.readouterr()
+    assert main(["llm", "generate", str(parts / "s1" / "model"), "--image",
+                 str(parts / "data" / "0.png"), "--prompt", "no placeholder"]) == 1
+    assert "0 '<image>' placeholder(s) but 1 image(s)" in capsys.readouterr().err
