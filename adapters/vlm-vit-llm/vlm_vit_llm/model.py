@@ -320,7 +320,7 @@ class MultimodalLM(nn.Module):
                                             dropout=dropout, targets=encoder_targets)
             # Blocks past the tower's feature layer never run: their LoRA would get no
             # gradient (and DDP would wait for one), so it stays frozen at its no-op start.
-            unused = re.compile(rf"\.blocks\.(\d+)\.")
+            unused = re.compile(r"\.blocks\.(\d+)\.")
             for name, parameter in self.tower.encoder.named_parameters():
                 found = unused.search(name)
                 if found and ".lora_" in name and int(found[1]) >= self.tower.blocks_used:
