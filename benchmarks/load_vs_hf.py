@@ -26,13 +26,14 @@ from vlm_vit import EncoderConfig, load_encoder  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", default="clip-vit-l/14")
+    parser.add_argument("--depth", type=int, help="fewer blocks than the variant (quick runs)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
 
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
-    c = EncoderConfig.from_name(args.variant)
+    c = EncoderConfig.from_name(args.variant, **({"depth": args.depth} if args.depth else {}))
     hf_config = CLIPVisionConfig(
         hidden_size=c.width, intermediate_size=c.mlp_width, num_hidden_layers=c.depth,
         num_attention_heads=c.heads, image_size=c.image_size[0], patch_size=c.patch_size,

@@ -1,7 +1,7 @@
 """A LoRA fine-tuning step against a full fine-tuning step, same encoder and batch.
 
     python benchmarks/lora_step_vs_full.py                       # vit-b/16 at 224, batch 8, CPU
-    python benchmarks/lora_step_vs_full.py --device cuda --batch-size 64
+    python benchmarks/lora_step_vs_full.py --device cuda --dtype bfloat16 --batch-size 64
 
 Image classification (a zero-initialised head on the class token), AdamW over the trainable
 parameters only: every parameter for the full fine-tune; LoRA (r=16, attn_qv) and the head
@@ -14,15 +14,16 @@ import argparse
 import json
 
 import torch
-from timing import alternate, peak_memory_in_child, peak_memory_mib
+from timing import (add_model_arguments, alternate, autocast, config_from_args,
+                    peak_memory_in_child, peak_memory_mib, synchronized)
 
-from vlm_vit import EncoderConfig, VisionEncoder
+from vlm_vit import VisionEncoder
 from vlm_vit.finetune import ImageClassifier
 
 
 def build(mode: str, args: argparse.Namespace) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = ImageClassifier(VisionEncoder(EncoderConfig.from_name(args.variant)), 100)
+    model = ImageClassifier(VisionEncoder(config_from_args(args)), 100)
     if mode == "lora":
         from vlm_vit.lora import apply_lora
 
@@ -32,27 +33,26 @@ def build(mode: str, args: argparse.Namespace) -> torch.nn.Module:
 
 def step_function(model: torch.nn.Module, args: argparse.Namespace):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    pixels = torch.randn(args.batch_size, 3, 224, 224, device=args.device)
+    pixels = torch.randn(args.batch_size, 3, *config_from_args(args).image_size,
+                         device=args.device)
     labels = torch.randint(0, 100, (args.batch_size,), device=args.device)
 
     def step() -> None:
-        loss = model(pixels, labels=labels).loss
+        with autocast(args.device, getattr(torch, args.dtype)):
+            loss = model(pixels, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if args.device == "cuda":
-            torch.cuda.synchronize()
 
-    return step
+    return synchronized(step, args.device)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", default="vit-b/16")
+    add_model_arguments(parser, "vit-b/16", image_size=224)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--targets", default="attn_qv")
     parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -63,13 +63,18 @@ def main() -> None:
     steps = {mode: step_function(build(mode, args), args) for mode in ("lora", "full")}
     medians = alternate(steps, args.repeats)
     memory = {mode: peak_memory_in_child(__file__, [
-        "--child", mode, "--variant", args.variant, "--batch-size", str(args.batch_size),
-        "--targets", args.targets, "--device", args.device]) for mode in steps}
-    result = {"variant": args.variant, "batch_size": args.batch_size, "device": args.device,
+        "--child", mode, "--variant", args.variant, "--image-size", str(args.image_size),
+        "--depth", str(args.depth or 0), "--batch-size", str(args.batch_size),
+        "--targets", args.targets, "--device", args.device, "--dtype", args.dtype])
+        for mode in steps}
+    result = {"variant": args.variant, "image_size": args.image_size,
+              "depth": config_from_args(args).depth, "batch_size": args.batch_size,
+              "device": args.device, "dtype": args.dtype,
               "targets": args.targets, "step_seconds": medians, "peak_memory_mib": memory,
               "time_ratio_lora_over_full": medians["lora"] / medians["full"],
               "memory_ratio_lora_over_full": memory["lora"] / memory["full"]}
-    print(f"fine-tuning step, {args.variant} at 224, batch {args.batch_size}, {args.device}")
+    print(f"fine-tuning step, {args.variant} at {args.image_size}, batch {args.batch_size}, "
+          f"{args.device} {args.dtype}")
     for mode in steps:
         print(f"  {mode:<5} {medians[mode]:7.3f} s/step, peak memory {memory[mode]:8.0f} MiB")
     print(f"  LoRA / full: time {result['time_ratio_lora_over_full']:.3f}, memory "

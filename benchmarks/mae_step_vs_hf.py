@@ -19,14 +19,14 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from timing import alternate, peak_memory_in_child, peak_memory_mib  # noqa: E402
+from timing import (add_model_arguments, alternate, autocast, config_from_args,  # noqa: E402
+                    peak_memory_in_child, peak_memory_mib)
 
 from vlm_vit import EncoderConfig, VisionEncoder  # noqa: E402
 from vlm_vit.pretrain.mae import MaskedAutoencoder  # noqa: E402
 
 
-def build(library: str, variant: str, image_size: int):
-    c = EncoderConfig.from_name(variant, image_size=image_size)
+def build(library: str, c: EncoderConfig):
     torch.manual_seed(0)
     if library == "vlm-vit":
         return MaskedAutoencoder(VisionEncoder(c), mask_ratio=0.75)
@@ -34,7 +34,7 @@ def build(library: str, variant: str, image_size: int):
 
     return ViTMAEForPreTraining(ViTMAEConfig(
         hidden_size=c.width, num_hidden_layers=c.depth, num_attention_heads=c.heads,
-        intermediate_size=c.mlp_width, image_size=image_size, patch_size=c.patch_size,
+        intermediate_size=c.mlp_width, image_size=c.image_size[0], patch_size=c.patch_size,
         decoder_hidden_size=512, decoder_num_hidden_layers=8, decoder_num_attention_heads=16,
         decoder_intermediate_size=2048, mask_ratio=0.75, norm_pix_loss=True,
         layer_norm_eps=c.norm_eps))
@@ -45,7 +45,7 @@ def step_function(library: str, model, pixels: torch.Tensor, dtype: torch.dtype)
     device_type = pixels.device.type
 
     def step() -> float:
-        with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
+        with autocast(device_type, dtype):
             out = model(pixels) if library == "vlm-vit" else model(pixel_values=pixels)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -61,39 +61,37 @@ def peak_memory(args: argparse.Namespace, library: str) -> float:
     """Peak memory in MiB of two steps, measured in a fresh child process."""
     return peak_memory_in_child(__file__, [
         "--child", library, "--variant", args.variant, "--image-size", str(args.image_size),
-        "--batch-size", str(args.batch_size), "--device", args.device, "--dtype", args.dtype])
+        "--depth", str(args.depth or 0), "--batch-size", str(args.batch_size),
+        "--device", args.device, "--dtype", args.dtype])
 
 
 def child(args: argparse.Namespace, dtype: torch.dtype) -> None:
-    model = build(args.child, args.variant, args.image_size).to(args.device)
-    pixels = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=args.device)
+    model = build(args.child, args.config).to(args.device)
+    pixels = torch.randn(args.batch_size, 3, *args.config.image_size, device=args.device)
     step = step_function(args.child, model, pixels, dtype)
     print(peak_memory_mib(lambda: (step(), step()), args.device))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", default="vit-b/16")
-    parser.add_argument("--image-size", type=int, default=224)
+    add_model_arguments(parser, "vit-b/16", image_size=224)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    args.config = config_from_args(args)
     if args.child:
         child(args, dtype)
         return
 
-    pixels = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=args.device)
-    steps = {name: step_function(name, build(name, args.variant, args.image_size)
-                                 .to(args.device), pixels, dtype)
+    pixels = torch.randn(args.batch_size, 3, *args.config.image_size, device=args.device)
+    steps = {name: step_function(name, build(name, args.config).to(args.device), pixels, dtype)
              for name in ("vlm-vit", "transformers")}
     medians = alternate(steps, args.repeats)
-    result = {"variant": args.variant, "image_size": args.image_size,
+    result = {"variant": args.variant, "image_size": args.image_size, "depth": args.config.depth,
               "batch_size": args.batch_size, "device": args.device, "dtype": args.dtype,
               "step_seconds": medians,
               "time_ratio_vlm_vit_over_transformers": medians["vlm-vit"] / medians["transformers"]}

@@ -14,43 +14,47 @@ import argparse
 import json
 
 import torch
-from timing import alternate
+from timing import add_model_arguments, alternate, autocast, config_from_args, synchronized
 
-from vlm_vit import EncoderConfig, VisionEncoder
+from vlm_vit import VisionEncoder
 from vlm_vit.flops import count_macs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", default="vit-s/16")
+    add_model_arguments(parser, "vit-s/16")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--sides", type=int, nargs="+", default=[112, 224, 336, 448])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json")
     args = parser.parse_args()
-    config = EncoderConfig.from_name(args.variant)
+    config = config_from_args(args)
     torch.manual_seed(0)
-    encoder = VisionEncoder(config).eval()
+    encoder = VisionEncoder(config).eval().to(args.device)
     side = config.image_size[0]
     rows = []
-    with torch.inference_mode():
-        batch_inputs = {b: torch.randn(b, 3, side, side) for b in args.batches}
-        per_batch = alternate({b: (lambda x=x: encoder(x)) for b, x in batch_inputs.items()},
-                              args.repeats)
+
+    def timed(inputs: dict) -> dict:
+        return alternate({key: synchronized(lambda x=x: encoder(x), args.device)
+                          for key, x in inputs.items()}, args.repeats)
+
+    with torch.inference_mode(), autocast(args.device, getattr(torch, args.dtype)):
+        batch_inputs = {b: torch.randn(b, 3, side, side, device=args.device)
+                        for b in args.batches}
+        per_batch = timed(batch_inputs)
         for b, seconds in per_batch.items():
             rows.append({"axis": "batch", "batch": b, "side": side,
                          "tokens": encoder.config.num_prefix_tokens + (side // config.patch_size)
                          ** 2, "seconds_per_image": seconds / b,
                          "gmacs_per_image": count_macs(config, (side, side)) / 1e9})
-        size_inputs = {s: torch.randn(1, 3, s, s) for s in args.sides}
-        per_side = alternate({s: (lambda x=x: encoder(x)) for s, x in size_inputs.items()},
-                             args.repeats)
+        size_inputs = {s: torch.randn(1, 3, s, s, device=args.device) for s in args.sides}
+        per_side = timed(size_inputs)
         for s, seconds in per_side.items():
             rows.append({"axis": "size", "batch": 1, "side": s,
                          "tokens": encoder.config.num_prefix_tokens + (s // config.patch_size) ** 2,
                          "seconds_per_image": seconds,
                          "gmacs_per_image": count_macs(config, (s, s)) / 1e9})
-    print(f"{args.variant}: seconds per image")
+    print(f"{args.variant} ({config.depth} blocks), {args.device} {args.dtype}: seconds per image")
     print(f"  {'axis':<6}{'batch':>6}{'side':>6}{'tokens':>8}{'GMACs':>9}{'s/image':>10}"
           f"{'GMAC/s':>9}")
     for row in rows:
@@ -59,7 +63,8 @@ def main() -> None:
               f"{row['gmacs_per_image']:>9.2f}{row['seconds_per_image']:>10.4f}{rate:>9.1f}")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"variant": args.variant, "rows": rows}, handle, indent=2)
+            json.dump({"variant": args.variant, "depth": config.depth, "device": args.device,
+                       "dtype": args.dtype, "rows": rows}, handle, indent=2)
 
 
 if __name__ == "__main__":

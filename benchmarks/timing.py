@@ -62,3 +62,70 @@ def _status_kib(field: str) -> int:
     with open("/proc/self/status") as handle:
         line = next(line for line in handle if line.startswith(field + ":"))
     return int(line.split()[1])
+
+
+def synchronized(call: Callable[[], object], device: str) -> Callable[[], object]:
+    """`call` that waits for the device to finish, so the time taken is the work's."""
+    if device != "cuda":
+        return call
+    import torch
+
+    def wrapped() -> object:
+        result = call()
+        torch.cuda.synchronize()
+        return result
+
+    return wrapped
+
+
+def matmul_peak_flops(device: str, dtype, repeats: int = 5,
+                      sides: tuple[int, ...] | None = None) -> float:
+    """The best rate of square matrix multiplies measured now, in FLOP/s (`dtype` on `device`:
+    float32 on a CPU, bfloat16 on a GPU): the reference for the share of the hardware a model
+    uses (MFU on a GPU). Several sides are tried and the fastest kept, so the reference is not
+    flattered by an unlucky size."""
+    import torch
+
+    sides = sides or ((4096, 8192, 16384) if device == "cuda" else (1024, 2048, 4096))
+    best = 0.0
+    for side in sides:
+        a = torch.randn(side, side, device=device, dtype=dtype)
+        b = torch.randn(side, side, device=device, dtype=dtype)
+        seconds = alternate({"mm": synchronized(lambda: a @ b, device)}, repeats)["mm"]
+        best = max(best, 2 * side**3 / seconds)
+    return best
+
+
+def autocast(device: str, dtype):
+    """Mixed precision for a float dtype below float32 (bf16 matmuls; LayerNorm and the softmax
+    inside SDPA stay in float32 on a GPU), a no-op for float32."""
+    import torch
+
+    return torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def add_model_arguments(parser, variant: str, image_size: int | None = None) -> None:
+    """The options every benchmark shares: the model, its size, where and how it runs."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    parser.add_argument("--variant", default=variant)
+    parser.add_argument("--image-size", type=int, default=image_size,
+                        help="the image side (default: the variant's)")
+    parser.add_argument("--depth", type=int, help="fewer blocks than the variant (quick runs)")
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"],
+                        default="bfloat16" if cuda else "float32",
+                        help="bfloat16 runs under autocast")
+
+
+def config_from_args(args):
+    """The `EncoderConfig` the shared options name."""
+    from vlm_vit import EncoderConfig
+
+    overrides = {}
+    if args.image_size:
+        overrides["image_size"] = args.image_size
+    if args.depth:
+        overrides["depth"] = args.depth
+    return EncoderConfig.from_name(args.variant, **overrides)

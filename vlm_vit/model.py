@@ -74,9 +74,19 @@ class Block(nn.Module):
         self, x: torch.Tensor, need_weights: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         attended, weights = self.attn(self.norm1(x), need_weights=need_weights)
-        x = x + attended
-        x = x + self.mlp(self.norm2(x))
+        x = add_residual(x, attended)
+        x = add_residual(x, self.mlp(self.norm2(x)))
         return x, weights
+
+
+def add_residual(x: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """x + update. When autograd is not recording, the sum goes into `update` (a sublayer's
+    fresh output, which nothing else holds): the same numbers, one `[B, T, D]` buffer fewer;
+    `x` itself is never changed, since `hidden_states` may hold it."""
+    if (torch.is_grad_enabled() and (x.requires_grad or update.requires_grad)) \
+            or update.shape != x.shape or update.dtype != torch.result_type(x, update):
+        return x + update
+    return update.add_(x)
 
 
 class VisionEncoder(nn.Module):

@@ -116,11 +116,9 @@ class MultimodalLM(nn.Module):
 
     @property
     def pad_token_id(self) -> int:
+        """The id written on padding (masked out, so any id does): pad, else end of sequence."""
         tokenizer = self.tokenizer
-        for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
-            if candidate is not None:
-                return candidate
-        return 0  # unreachable; keeps type checkers quiet
+        return next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
 
     def encode_target(self, text: str) -> list[int]:
         """A target's token ids, ending with the end-of-sequence token."""
