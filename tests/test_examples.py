@@ -16,6 +16,8 @@ TINY_ARGS = {
                         "pixel_shuffle: image -> [1, 4, 48] (num_image_tokens = 4)"),
     "load_hf_clip.py": (["--width", "64", "--layers", "2"],
                         "image embeddings [2, 64], max |ours - transformers| = "),
+    "llava_stage1.py": (["--image-size", "32", "--steps", "5"],
+                        "max |ours - transformers| logits = "),
 }
 
 
@@ -26,6 +28,8 @@ def test_every_example_has_tiny_arguments():
 @pytest.mark.parametrize("name", sorted(TINY_ARGS))
 def test_example_runs(name):
     pytest.importorskip("skimage")
+    if name == "llava_stage1.py":
+        pytest.importorskip("vlm_vit_llm")
     arguments, expected = TINY_ARGS[name]
     result = subprocess.run([sys.executable, str(EXAMPLES / name), *arguments],
                             capture_output=True, text=True, timeout=300)
