@@ -22,8 +22,14 @@ import time
 
 import torch
 from anchors import ANCHORS, build_anchor
-from timing import (add_model_arguments, alternate, autocast, config_from_args,
-                    matmul_peak_flops, synchronized)
+from timing import (
+    add_model_arguments,
+    alternate,
+    autocast,
+    config_from_args,
+    matmul_peak_flops,
+    synchronized,
+)
 
 from vlm_vit import VisionEncoder
 from vlm_vit.flops import count_macs

@@ -18,8 +18,7 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from timing import (add_model_arguments, alternate, autocast, config_from_args,  # noqa: E402
-                    synchronized)
+from timing import add_model_arguments, alternate, autocast, config_from_args, synchronized  # noqa: E402
 
 from vlm_vit import load_encoder  # noqa: E402
 

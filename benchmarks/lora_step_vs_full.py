@@ -14,8 +14,16 @@ import argparse
 import json
 
 import torch
-from timing import (add_model_arguments, alternate, autocast, config_from_args,
-                    peak_memory_in_child, peak_memory_mib, synchronized)
+from timing import (
+    add_model_arguments,
+    alternate,
+    autocast,
+    config_from_args,
+    flush_denormals,
+    peak_memory_in_child,
+    peak_memory_mib,
+    synchronized,
+)
 
 from vlm_vit import VisionEncoder
 from vlm_vit.finetune import ImageClassifier
@@ -51,18 +59,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, "vit-b/16", image_size=224)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--keep-denormals", action="store_true",
+                        help="do not flush denormal floats to zero (see timing.flush_denormals)")
     parser.add_argument("--targets", default="attn_qv")
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--json")
     args = parser.parse_args()
+    flush_denormals(args.keep_denormals)
     if args.child:
         step = step_function(build(args.child, args), args)
         print(peak_memory_mib(lambda: (step(), step()), args.device))
         return
     steps = {mode: step_function(build(mode, args), args) for mode in ("lora", "full")}
     medians = alternate(steps, args.repeats)
-    memory = {mode: peak_memory_in_child(__file__, [
+    memory = {} if args.no_memory else {mode: peak_memory_in_child(__file__, [
         "--child", mode, "--variant", args.variant, "--image-size", str(args.image_size),
         "--depth", str(args.depth or 0), "--batch-size", str(args.batch_size),
         "--targets", args.targets, "--device", args.device, "--dtype", args.dtype])
@@ -71,14 +83,16 @@ def main() -> None:
               "depth": config_from_args(args).depth, "batch_size": args.batch_size,
               "device": args.device, "dtype": args.dtype,
               "targets": args.targets, "step_seconds": medians, "peak_memory_mib": memory,
-              "time_ratio_lora_over_full": medians["lora"] / medians["full"],
-              "memory_ratio_lora_over_full": memory["lora"] / memory["full"]}
+              "time_ratio_lora_over_full": medians["lora"] / medians["full"]}
+    if memory:
+        result["memory_ratio_lora_over_full"] = memory["lora"] / memory["full"]
     print(f"fine-tuning step, {args.variant} at {args.image_size}, batch {args.batch_size}, "
           f"{args.device} {args.dtype}")
     for mode in steps:
-        print(f"  {mode:<5} {medians[mode]:7.3f} s/step, peak memory {memory[mode]:8.0f} MiB")
-    print(f"  LoRA / full: time {result['time_ratio_lora_over_full']:.3f}, memory "
-          f"{result['memory_ratio_lora_over_full']:.3f}")
+        extra = f", peak memory {memory[mode]:8.0f} MiB" if memory else ""
+        print(f"  {mode:<5} {medians[mode]:7.3f} s/step{extra}")
+    extra = f", memory {result['memory_ratio_lora_over_full']:.3f}" if memory else ""
+    print(f"  LoRA / full: time {result['time_ratio_lora_over_full']:.3f}{extra}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)

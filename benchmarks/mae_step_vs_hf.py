@@ -19,8 +19,15 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from timing import (add_model_arguments, alternate, autocast, config_from_args,  # noqa: E402
-                    peak_memory_in_child, peak_memory_mib)
+from timing import (  # noqa: E402
+    add_model_arguments,
+    alternate,
+    autocast,
+    config_from_args,
+    flush_denormals,
+    peak_memory_in_child,
+    peak_memory_mib,
+)
 
 from vlm_vit import EncoderConfig, VisionEncoder  # noqa: E402
 from vlm_vit.pretrain.mae import MaskedAutoencoder  # noqa: E402
@@ -76,11 +83,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, "vit-b/16", image_size=224)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--keep-denormals", action="store_true",
+                        help="do not flush denormal floats to zero (see timing.flush_denormals)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
+    flush_denormals(args.keep_denormals)
     dtype = getattr(torch, args.dtype)
     args.config = config_from_args(args)
     if args.child:
@@ -94,7 +104,9 @@ def main() -> None:
     result = {"variant": args.variant, "image_size": args.image_size, "depth": args.config.depth,
               "batch_size": args.batch_size, "device": args.device, "dtype": args.dtype,
               "step_seconds": medians,
-              "time_ratio_vlm_vit_over_transformers": medians["vlm-vit"] / medians["transformers"]}
+              "time_ratio_vlm_vit_over_transformers": medians["vlm-vit"] / medians["transformers"],
+              "speed_ratio_vlm_vit_over_transformers":
+                  medians["transformers"] / medians["vlm-vit"]}
     if not args.no_memory:
         result["peak_memory_mib"] = {name: peak_memory(args, name) for name in steps}
     print(f"MAE step, {args.variant} at {args.image_size}, batch {args.batch_size}, "

@@ -1,72 +1,256 @@
 """Every side-by-side benchmark in one command, a table at the end, everything as JSON.
 
-    python benchmarks/run_all.py --out benchmarks.json           # the reference sizes
-    python benchmarks/run_all.py --quick                          # small sizes, minutes on a CPU
+    python benchmarks/run_all.py --out benchmarks.json           # the reference sizes, CPU
+    python benchmarks/run_all.py --out benchmarks.json --readme  # and rewrite README's table
+    python benchmarks/run_all.py --preset quick                  # small sizes, minutes on a CPU
+    python benchmarks/run_all.py --preset gpu                    # bf16 on a GPU (gpu_suite.py)
 
 Each script runs in its own process (so one's memory does not colour another's) and writes
 its own JSON; the headline figure of each is a ratio against the anchor library, measured in
-that one process, so it carries over between machines where absolute times do not.
+that one process, so it carries over between machines where absolute times do not. The
+`tiny` preset runs every script for one iteration at toy sizes (the tests use it).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import platform
+import re
 import subprocess
 import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# name -> (script, reference arguments, quick arguments, the JSON field to headline)
+README = HERE.parent / "README.md"
+MARKERS = ("<!-- benchmarks:start -->", "<!-- benchmarks:end -->")
+
+# name -> (script, the JSON fields to headline: (field, how to read it, target))
 BENCHMARKS = {
-    "encode vs timm": ("encode_vs_timm.py", [], ["--variant", "vit-s/16", "--repeats", "5"],
-                       "ratio_vlm_vit_over_timm"),
-    "llava features vs hf": ("llava_features_vs_hf.py", [],
-                             ["--variant", "clip-vit-b/16", "--repeats", "3"],
-                             "ratio_vlm_vit_over_transformers"),
-    "load vs hf": ("load_vs_hf.py", [], ["--variant", "clip-vit-b/16"],
-                   "ratio_vlm_vit_over_transformers"),
-    "mae step vs hf": ("mae_step_vs_hf.py", [],
-                       ["--variant", "vit-s/16", "--batch-size", "4", "--repeats", "3"],
-                       "time_ratio_vlm_vit_over_transformers"),
-    "lora vs full step": ("lora_step_vs_full.py", [],
-                          ["--variant", "vit-s/16", "--batch-size", "4", "--repeats", "3"],
-                          "time_ratio_lora_over_full"),
-    "scaling": ("scaling.py", [], ["--variant", "vit-ti/16", "--repeats", "2"], None),
+    "encode vit-b/16": ("encode_vs_timm.py", [
+        ("ratio_vlm_vit_over_timm", "speed vs timm", ">= 1.0"),
+        ("fraction_of_matmul_peak", "share of matmul peak", ">= 0.85")]),
+    "encode clip-vit-b/16": ("encode_vs_timm.py", [
+        ("ratio_vlm_vit_over_timm", "speed vs timm", ">= 1.0"),
+        ("ratio_vlm_vit_over_transformers", "speed vs HF CLIPVisionModel", ">= 1.05"),
+        ("ratio_vlm_vit_over_open_clip", "speed vs open_clip", ">= 1.05"),
+        ("fraction_of_matmul_peak", "share of matmul peak", ">= 0.85")]),
+    "encode clip-vit-l/14-336": ("encode_vs_timm.py", [
+        ("ratio_vlm_vit_over_timm", "speed vs timm", ">= 1.0"),
+        ("fraction_of_matmul_peak", "share of matmul peak (MFU)", "")]),
+    "llava features": ("llava_features_vs_hf.py", [
+        ("ratio_vlm_vit_over_transformers", "speed vs HF hidden_states[-2]", ">= 1.08")]),
+    "load": ("load_vs_hf.py", [
+        ("ratio_vlm_vit_over_transformers", "time vs HF from_pretrained", "")]),
+    "mae step": ("mae_step_vs_hf.py", [
+        ("speed_ratio_vlm_vit_over_transformers", "speed vs ViTMAEForPreTraining", ">= 1.2")]),
+    "lora step": ("lora_step_vs_full.py", [
+        ("memory_ratio_lora_over_full", "peak memory vs full fine-tune", "<= 0.7"),
+        ("time_ratio_lora_over_full", "step time vs full fine-tune", "")]),
+    "llava step": ("llava_step_vs_hf.py", [
+        ("forward_speed_ratio_vlm_vit_over_transformers", "forward speed vs HF LLaVA", ""),
+        ("step_speed_ratio_vlm_vit_over_transformers", "stage-1 step speed vs HF LLaVA", ""),
+        ("step_memory_ratio_vlm_vit_over_transformers", "stage-1 step memory vs HF LLaVA",
+         "")]),
+    "scaling": ("scaling.py", []),
+}
+
+_TINY = ["--depth", "1", "--image-size", "32", "--batch-size", "2", "--repeats", "1"]
+# preset -> name -> arguments; a name missing from a preset is not run by it.
+PRESETS: dict[str, dict[str, list[str]]] = {
+    "reference": {
+        "encode vit-b/16": ["--variant", "vit-b/16", "--anchors", "timm"],
+        "encode clip-vit-b/16": ["--variant", "clip-vit-b/16"],
+        "llava features": [],
+        "load": [],
+        "mae step": [],
+        "lora step": [],
+        "llava step": [],
+        "scaling": [],
+    },
+    "quick": {
+        "encode vit-b/16": ["--variant", "vit-s/16", "--anchors", "timm", "--repeats", "5"],
+        "encode clip-vit-b/16": ["--variant", "clip-vit-b/16", "--depth", "4", "--repeats", "5"],
+        "llava features": ["--variant", "clip-vit-b/16", "--repeats", "3"],
+        "load": ["--variant", "clip-vit-b/16"],
+        "mae step": ["--variant", "vit-s/16", "--batch-size", "4", "--repeats", "3"],
+        "lora step": ["--variant", "vit-s/16", "--batch-size", "4", "--repeats", "3"],
+        "llava step": ["--variant", "clip-vit-b/32", "--llm-layers", "2", "--repeats", "3"],
+        "scaling": ["--variant", "vit-ti/16", "--repeats", "2"],
+    },
+    "tiny": {
+        "encode vit-b/16": ["--variant", "vit-ti/16", "--anchors", "timm", *_TINY,
+                            "--warmup", "0", "--peak-sides", "128"],
+        "encode clip-vit-b/16": ["--variant", "clip-vit-b/16", *_TINY, "--warmup", "0",
+                                 "--peak-sides", "128"],
+        "encode clip-vit-l/14-336": ["--variant", "clip-vit-l/14-336", "--anchors", "timm",
+                                     *_TINY, "--image-size", "28", "--warmup", "0",
+                                     "--peak-sides", "128"],
+        "llava features": ["--variant", "clip-vit-b/16", "--depth", "2", "--image-size", "32",
+                           "--batch-size", "2", "--repeats", "1"],
+        "load": ["--variant", "clip-vit-b/16", "--depth", "1", "--repeats", "1"],
+        "mae step": ["--variant", "vit-ti/16", *_TINY],
+        "lora step": ["--variant", "vit-ti/16", *_TINY],
+        "llava step": ["--variant", "clip-vit-b/32", "--image-size", "64", "--llm-width", "128",
+                       "--llm-layers", "1", "--batch-size", "1", "--repeats", "1"],
+        "scaling": ["--variant", "vit-ti/16", "--depth", "1", "--batches", "1", "2",
+                    "--sides", "32", "48", "--repeats", "1"],
+    },
+    "gpu": {  # gpu_suite.py: bf16 under autocast, sized to finish in one call of < 8 minutes
+        "encode vit-b/16": ["--variant", "vit-b/16", "--anchors", "timm", "--batch-size", "256",
+                            "--repeats", "20", "--warmup", "5"],
+        "encode clip-vit-b/16": ["--variant", "clip-vit-b/16", "--batch-size", "256",
+                                 "--repeats", "20", "--warmup", "5"],
+        "encode clip-vit-l/14-336": ["--variant", "clip-vit-l/14-336", "--batch-size", "64",
+                                     "--repeats", "10", "--warmup", "3"],
+        "llava features": ["--batch-size", "64", "--repeats", "10"],
+        "load": [],
+        "mae step": ["--batch-size", "128", "--repeats", "10"],
+        "lora step": ["--batch-size", "128", "--repeats", "10"],
+        "scaling": ["--variant", "vit-b/16", "--batches", "1", "16", "64", "256",
+                    "--sides", "224", "336", "448", "672", "--repeats", "5"],
+    },
 }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes")
-    parser.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), metavar="NAME")
-    parser.add_argument("--out", type=Path, help="write every result to this JSON file")
-    args = parser.parse_args()
+def run_benchmarks(preset: str, only: list[str] | None = None,
+                   extra: list[str] | None = None) -> tuple[dict, list[str]]:
+    """Runs the preset's benchmarks, each in its own process.
+
+    Args:
+        preset: a key of `PRESETS`.
+        only: the names to run (default: all of the preset's).
+        extra: arguments added to every script (`--device cpu`, say).
+
+    Returns:
+        The results by name and the names that failed.
+    """
     results, failures = {}, []
     with tempfile.TemporaryDirectory() as scratch:
-        for name, (script, reference, quick, _) in BENCHMARKS.items():
-            if args.only and name not in args.only:
+        for index, (name, arguments) in enumerate(PRESETS[preset].items()):
+            if only and name not in only:
                 continue
-            target = Path(scratch, f"{script}.json")
-            command = [sys.executable, str(HERE / script), *(quick if args.quick else reference),
+            script = BENCHMARKS[name][0]
+            target = Path(scratch, f"{index}.json")
+            command = [sys.executable, str(HERE / script), *arguments, *(extra or []),
                        "--json", str(target)]
-            print(f"== {name}: {' '.join(command[1:])}", flush=True)
+            print(f"== {name}: {' '.join(command[1:-2])}", flush=True)
             finished = subprocess.run(command)
             if finished.returncode or not target.is_file():
                 failures.append(name)
                 continue
             results[name] = json.loads(target.read_text())
-    print(f"\n{'benchmark':<24}{'headline':<40}{'value':>8}")
+    return results, failures
+
+
+def headline_rows(results: dict) -> list[tuple[str, str, float, str]]:
+    """(benchmark, what, value, target) for every headline figure present in `results`."""
+    rows = []
     for name, result in results.items():
-        field = BENCHMARKS[name][3]
-        if field:
-            print(f"{name:<24}{field:<40}{result[field]:>8.3f}")
+        for field, label, target in BENCHMARKS[name][1]:
+            if field in result:
+                rows.append((name, label, result[field], target))
+    return rows
+
+
+def environment() -> dict[str, str]:
+    """The machine and library versions the figures were measured with."""
+    import torch
+
+    versions = {}
+    for package in ("torch", "timm", "transformers", "open_clip_torch", "peft"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = "absent"
+    if torch.cuda.is_available():
+        machine = torch.cuda.get_device_name()
+    else:
+        machine = f"{_cpu_name()}, {torch.get_num_threads()} threads"
+    return {"machine": machine, "date": datetime.date.today().isoformat(),
+            "python": platform.python_version(),
+            "versions": ", ".join(f"{k} {v}" for k, v in versions.items())}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def markdown_table(results: dict, env: dict[str, str], command: str) -> str:
+    """The README block: where and how it was measured, then one row per headline figure."""
+    lines = [f"Measured by `{command}` on {env['machine']}, {env['date']} (Python "
+             f"{env['python']}; {env['versions']}). Ratios above 1 mean vlm-vit is faster "
+             "(time and memory ratios: below 1 is better).", "",
+             "| benchmark | figure | measured | target | settings |", "|---|---|---|---|---|"]
+    for name, label, value, target in headline_rows(results):
+        result = results[name]
+        settings = ", ".join(str(part) for part in (
+            result.get("variant"), f"batch {result['batch_size']}" if "batch_size" in result
+            else None, result.get("device"), result.get("dtype")) if part)
+        met = "" if not target else (" (met)" if _meets(value, target) else " (not met)")
+        lines.append(f"| {name} | {label} | {value:.3f} | {target}{met} | {settings} |")
+    return "\n".join(lines)
+
+
+def _meets(value: float, target: str) -> bool:
+    operator, bound = target.split()
+    return value >= float(bound) if operator == ">=" else value <= float(bound)
+
+
+def replace_block(text: str, block: str) -> str:
+    """`text` with everything between the benchmark markers replaced by `block`.
+
+    Raises:
+        ValueError: when the markers are missing or out of order.
+    """
+    start, end = MARKERS
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
+    if not pattern.search(text):
+        raise ValueError(f"README has no {start} ... {end} block")
+    return pattern.sub(lambda _: f"{start}\n{block}\n{end}", text, count=1)
+
+
+def print_table(results: dict, failures: list[str]) -> None:
+    print(f"\n{'benchmark':<26}{'figure':<36}{'value':>8}  target")
+    for name, label, value, target in headline_rows(results):
+        print(f"{name:<26}{label:<36}{value:>8.3f}  {target}")
     for name in failures:
-        print(f"{name:<24}{'FAILED':<40}")
+        print(f"{name:<26}{'FAILED':<36}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="reference")
+    parser.add_argument("--quick", action="store_true", help="the same as --preset quick")
+    parser.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), metavar="NAME")
+    parser.add_argument("--out", type=Path, help="write every result to this JSON file")
+    parser.add_argument("--readme", nargs="?", type=Path, const=README, metavar="PATH",
+                        help="rewrite the table between the benchmark markers of README.md")
+    args = parser.parse_args(argv)
+    preset = "quick" if args.quick else args.preset
+    results, failures = run_benchmarks(preset, args.only)
+    print_table(results, failures)
+    env = environment()
     if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
+        args.out.write_text(json.dumps({"environment": env, "preset": preset,
+                                        "results": results}, indent=2))
         print(f"\nwrote {args.out}")
+    if args.readme:
+        command = "python benchmarks/run_all.py --readme" + (
+            f" --preset {preset}" if preset != "reference" else "")
+        block = markdown_table(results, env, command)
+        args.readme.write_text(replace_block(args.readme.read_text(), block))
+        print(f"rewrote the benchmark table in {args.readme}")
     return 1 if failures else 0
 
 

@@ -91,7 +91,8 @@ def matmul_peak_flops(device: str, dtype, repeats: int = 5,
     for side in sides:
         a = torch.randn(side, side, device=device, dtype=dtype)
         b = torch.randn(side, side, device=device, dtype=dtype)
-        seconds = alternate({"mm": synchronized(lambda: a @ b, device)}, repeats)["mm"]
+        seconds = alternate({"mm": synchronized(lambda a=a, b=b: a @ b, device)},
+                            repeats)["mm"]
         best = max(best, 2 * side**3 / seconds)
     return best
 
@@ -102,6 +103,18 @@ def autocast(device: str, dtype):
     import torch
 
     return torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def flush_denormals(keep: bool) -> None:
+    """Treats denormal floats as zero on a CPU (unless `keep`), for every candidate alike.
+
+    A training step on random data drives some gradients and Adam moments into the denormal
+    range, where x86 arithmetic is up to a hundred times slower: at small sizes that, not the
+    model, decides the step time. GPUs run denormals at full speed.
+    """
+    import torch
+
+    torch.set_flush_denormal(not keep)
 
 
 def add_model_arguments(parser, variant: str, image_size: int | None = None) -> None:

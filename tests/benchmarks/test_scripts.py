@@ -1,0 +1,116 @@
+"""The benchmark scripts run end to end at toy sizes (one iteration each, the `tiny` preset of
+`benchmarks/run_all.py`), so they cannot rot. No timing is asserted: the figures are only
+checked to be there and finite. The scripts run in this process (their imports are paid once);
+`run_all.py` and `gpu_suite.py`, which start a process per script, each run one cheap script.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+pytest.importorskip("timm")
+pytest.importorskip("transformers")
+pytest.importorskip("open_clip")
+pytest.importorskip("peft")
+
+
+@pytest.fixture
+def benchmarks(monkeypatch):
+    """benchmarks/ importable (it is a folder of scripts, not a package); global torch state
+    the scripts set (denormal flushing) restored afterwards."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    yield lambda name: importlib.import_module(name)
+    torch.set_flush_denormal(False)
+
+
+def run_script(benchmarks, monkeypatch, tmp_path, name: str, extra: tuple = ()) -> dict:
+    """Runs the `tiny` preset's arguments of benchmark `name` in this process."""
+    run_all = benchmarks("run_all")
+    script = run_all.BENCHMARKS[name][0]
+    out = tmp_path / "result.json"
+    arguments = [*run_all.PRESETS["tiny"][name], *extra, "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", [script, *arguments])
+    benchmarks(script.removesuffix(".py")).main()
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", ["encode vit-b/16", "encode clip-vit-b/16",
+                                  "encode clip-vit-l/14-336", "llava features", "load",
+                                  "mae step", "lora step", "llava step", "scaling"])
+def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
+    if name == "llava step":
+        pytest.importorskip("vlm_vit_llm")
+    memory_children = ("mae step", "lora step", "llava step")
+    extra = ("--no-memory",) if name in memory_children else ()  # children: below
+    result = run_script(benchmarks, monkeypatch, tmp_path, name, extra)
+    rows = benchmarks("run_all").headline_rows({name: result})
+    expected = [field for field, *_ in benchmarks("run_all").BENCHMARKS[name][1]
+                if "memory_ratio" not in field]
+    assert len(rows) == len(expected)
+    assert all(math.isfinite(value) and value > 0 for _, _, value, _ in rows)
+    if name == "encode clip-vit-b/16":
+        assert set(result["images_per_second"]) == {"vlm-vit", "timm", "transformers",
+                                                    "open_clip"}
+        assert max(result["max_abs_difference"].values()) < 1e-4  # truly the same weights
+    if name == "llava features":
+        assert result["max_abs_difference"] < 1e-4
+    if name == "llava step":
+        assert result["max_abs_logit_difference"] < 1e-4
+
+
+def test_peak_memory_child_prints_a_number():
+    # The full fine-tune's child: no peft import, so a few seconds.
+    finished = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "lora_step_vs_full.py"), "--child", "full",
+         "--variant", "vit-ti/16", "--depth", "1", "--image-size", "32", "--batch-size", "2"],
+        capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert float(finished.stdout.strip().splitlines()[-1]) >= 0
+
+
+def test_run_all_writes_json_and_only_the_readme_block(benchmarks, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\nkept\n<!-- benchmarks:start -->\nold\n<!-- benchmarks:end -->\n"
+                      "tail\n")
+    out = tmp_path / "results.json"
+    status = benchmarks("run_all").main(["--preset", "tiny", "--only", "encode vit-b/16",
+                                         "--out", str(out), "--readme", str(readme)])
+    assert status == 0
+    saved = json.loads(out.read_text())
+    assert saved["preset"] == "tiny" and set(saved["results"]) == {"encode vit-b/16"}
+    assert set(saved["environment"]) == {"machine", "date", "python", "versions"}
+    text = readme.read_text()
+    assert text.startswith("# x\n\nkept\n<!-- benchmarks:start -->\nMeasured by `python ")
+    assert text.endswith("<!-- benchmarks:end -->\ntail\n") and "old" not in text
+    assert "| encode vit-b/16 | speed vs timm |" in text
+
+
+def test_replace_block_needs_the_markers(benchmarks):
+    with pytest.raises(ValueError, match="benchmarks:start"):
+        benchmarks("run_all").replace_block("no markers here", "table")
+
+
+def test_gpu_suite_without_cuda_says_so(benchmarks, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert benchmarks("gpu_suite").main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_gpu_suite_tiny_runs_the_bf16_logic_on_cpu(benchmarks, tmp_path, capsys):
+    out = tmp_path / "gpu.json"
+    status = benchmarks("gpu_suite").main(["--tiny", "--only", "encode clip-vit-l/14-336",
+                                           "--out", str(out)])
+    assert status == 0
+    result = json.loads(out.read_text())["results"]["encode clip-vit-l/14-336"]
+    assert result["dtype"] == "bfloat16" and result["fraction_of_matmul_peak"] > 0
+    assert "MFU" in capsys.readouterr().out
