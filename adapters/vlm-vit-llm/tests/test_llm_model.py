@@ -131,6 +131,8 @@ def test_bad_calls_are_refused_by_name(mm):
         mm.prepare("<image>", [pixels(1)])
     with pytest.raises(ValueError, match=r"\[C, H, W\]"):
         mm.prepare(["<image>"], [[torch.zeros(2, 3, 32, 32)]])
+    with pytest.raises(ValueError, match="target 0 holds the image token"):
+        mm.prepare(["<image>"], [pixels(1)], targets=["a <image> b"])
     with pytest.raises(ValueError, match="longer than the LLM's context of 256"):
         mm.prepare(["<image>" * 17], [pixels(17)])
 

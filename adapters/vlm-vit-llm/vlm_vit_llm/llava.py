@@ -111,7 +111,7 @@ def export_llava(mm: MultimodalLM, directory: str | Path) -> Path:
     model.load_state_dict(tensors, strict=True, assign=True)  # lists every bad key
     model.to(next(iter(tensors.values())).dtype)
     settings.pop("image_processor_type")
-    tokenizer = merged.tokenizer  # a copy: `merged` is
+    tokenizer = merged.tokenizer  # merged's own copy: the caller's tokenizer is left alone
     if tokenizer.pad_token is None:  # batched processing needs one; LLaVA-1.5 pads with unk
         tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
         logger.info("the exported tokenizer pads with %r", tokenizer.pad_token)

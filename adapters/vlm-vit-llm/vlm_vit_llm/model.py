@@ -203,6 +203,10 @@ class MultimodalLM(nn.Module):
         sequences, label_rows, image_counts = [], [], iter(counts)
         for prompt, text in enumerate(texts):
             ids = self.tokenizer(text)["input_ids"]
+            if ids.count(self.image_token_id) != text.count(self.image_token):
+                raise ValueError(f"prompt {prompt}: the tokenizer reads "
+                                 f"{ids.count(self.image_token_id)} image tokens in "
+                                 f"{text.count(self.image_token)} placeholders: {text[:80]!r}")
             expanded = []
             for token in ids:
                 expanded.extend([token] * next(image_counts) if token == self.image_token_id
@@ -212,6 +216,9 @@ class MultimodalLM(nn.Module):
                 target = targets[prompt]
                 target = self.encode_target(target) if isinstance(target, str) else list(target)
                 target = [t for t in target if t != IGNORE_INDEX]
+                if self.image_token_id in target:
+                    raise ValueError(f"target {prompt} holds the image token "
+                                     f"{self.image_token!r}; targets are text only")
                 expanded, labels = expanded + target, labels + target
             sequences.append(expanded)
             label_rows.append(labels)
