@@ -33,7 +33,7 @@ def fit(mm, data, run_dir, steps, lr):
                          num_workers=0, checkpoint_every=0, log_every=100, device="cpu")
     dataset = CaptionFolder(data, data / "captions.jsonl", mm.processor)
     return Trainer(CaptionObjective(mm), dataset, config, run_dir,
-                   collate=CaptionCollate(mm.tokenizer), progress_bar=False).fit()
+                   collate=CaptionCollate(mm), progress_bar=False).fit()
 
 
 def test_stage_1_teaches_the_projector_to_caption_each_image(tmp_path, tokenizer):
@@ -98,6 +98,7 @@ def test_an_undecodable_image_is_skipped_and_named(tmp_path, tokenizer):
 @pytest.mark.parametrize(("line", "message"), [
     ("not json", "line 2 is not JSON"),
     ('{"image": "0.png"}', "line 2 needs string fields 'image' and 'caption'"),
+    ('{"image": "0.png", "caption": "x", "prompt": 3}', "line 2 needs string fields"),
     ('{"image": "missing.png", "caption": "x"}', "line 2: no image"),
 ])
 def test_a_bad_captions_file_is_refused_by_line(tmp_path, line, message):
@@ -107,6 +108,34 @@ def test_a_bad_captions_file_is_refused_by_line(tmp_path, line, message):
         read_captions(captions, tmp_path)
 
 
-def test_the_prompt_must_hold_one_placeholder(mm):
+def test_a_prompt_must_hold_one_placeholder(mm):
     with pytest.raises(ValueError, match="exactly once"):
-        CaptionObjective(mm, prompt="no image")
+        CaptionCollate(mm, prompt="no image")
+
+
+def test_a_line_may_bring_its_own_prompt(tmp_path, mm):
+    """Instruction data: a line's own prompt reaches the model, the others get the default,
+    and the loss is the model's caption loss on exactly those prompts."""
+    captions = write_captions(tmp_path, CAPTIONS[:2])
+    lines = captions.read_text().splitlines()
+    own = json.loads(lines[1]) | {"prompt": "what is in the image <image>"}
+    captions.write_text(lines[0] + "\n" + json.dumps(own) + "\n")
+    dataset = CaptionFolder(tmp_path, captions, mm.processor)
+    assert [row.prompt for row in dataset.rows] == [None, "what is in the image <image>"]
+    batch = CaptionCollate(mm, prompt="<image>\ndescribe the picture")(
+        [dataset[0], dataset[1]])
+    prompts = ["<image>\ndescribe the picture", "what is in the image <image>"]
+    for row, prompt in enumerate(prompts):
+        ids = batch.labels[row, 0]
+        assert ids[ids != -100].tolist() == mm.tokenizer(prompt)["input_ids"]
+        caption = batch.labels[row, 1]
+        assert caption[caption != -100].tolist() == mm.encode_target(CAPTIONS[row])
+    images = [[image] for image in batch.pixel_values]
+    with torch.no_grad():
+        loss = CaptionObjective(mm)(batch.pixel_values, batch.labels).loss
+        expected = mm(prompts, images, targets=CAPTIONS[:2]).loss
+    torch.testing.assert_close(loss, expected)
+    bad = json.loads(lines[0]) | {"prompt": "two <image> <image>"}
+    captions.write_text(json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match="exactly once"):
+        CaptionCollate(mm)([CaptionFolder(tmp_path, captions, mm.processor)[0]])

@@ -21,8 +21,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     train = commands.add_parser(
         "train", help="LLaVA stage 1 (projector only) or 2 (+ LoRA) on images with captions",
         description="Trains on a folder of images with a JSON lines captions file "
-        '({"image": "a.jpg", "caption": "..."} per line). Starts from --model (a saved '
-        "multimodal model) or builds one from --tower and --llm. Leaves RUN_DIR/model.")
+        '({"image": "a.jpg", "caption": "..."} per line, optionally with its own "prompt"). '
+        "Starts from --model (a saved multimodal model) or builds one from --tower and --llm. "
+        "Leaves RUN_DIR/model.")
     start = train.add_argument_group("the model")
     start.add_argument("--model", type=Path, metavar="DIR",
                        help="a multimodal model saved by an earlier run (RUN_DIR/model)")
@@ -37,7 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--captions", required=True, type=Path, metavar="FILE.jsonl")
     train.add_argument("--out", required=True, type=Path, metavar="RUN_DIR")
     train.add_argument("--stage", type=int, choices=STAGES, default=1)
-    train.add_argument("--prompt", default="<image>\n", help="what precedes each caption")
+    train.add_argument("--prompt", default="<image>\n",
+                       help="what precedes each caption, for lines without their own")
     train.add_argument("--steps", type=int, default=1000)
     train.add_argument("--batch-size", type=int, default=32)
     train.add_argument("--lr", type=float, default=None, help="default: 1e-3 stage 1, 2e-4 stage 2")
@@ -128,8 +130,8 @@ def run_train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every, seed=args.seed, num_workers=args.num_workers,
         device=args.device)
     command = shlex.join(["vlm-vit", *sys.argv[1:]]) if sys.argv[1:2] == ["llm"] else None
-    result = Trainer(CaptionObjective(mm, args.prompt), dataset, config, args.out,
-                     collate=CaptionCollate(mm.tokenizer), command=command).fit(
+    result = Trainer(CaptionObjective(mm), dataset, config, args.out,
+                     collate=CaptionCollate(mm, args.prompt), command=command).fit(
         resume=args.resume)
     print(f"trained stage {args.stage} for {result.step} steps, final loss "
           f"{result.losses[-1]:.4f}; model in {args.out / MODEL_DIR}")

@@ -161,13 +161,15 @@ class MultimodalLM(nn.Module):
 
     # -- batches -----------------------------------------------------------------------------
 
-    def prepare(self, texts: Sequence[str], images: Sequence[Sequence[Any]] | None = None,
+    def prepare(self, texts: Sequence[str | Sequence[int]],
+                images: Sequence[Sequence[Any]] | None = None,
                 targets: Sequence[str | Sequence[int]] | None = None, *,
                 padding_side: str = "right") -> MultimodalBatch:
         """Tokenises, expands the placeholders and pads (see `MultimodalBatch`).
 
         Args:
-            texts: one prompt per sequence.
+            texts: one prompt per sequence: a string, or its token ids as the tokenizer
+                gives them (`tokenizer(prompt)["input_ids"]`, one image token id per image).
             images: per prompt, its images in placeholder order (PIL images, files, arrays,
                 or `[C, H, W]` pixel tensors); None or [] for a prompt without images.
             targets: per prompt, the text to learn after it (strings, or token ids from
@@ -187,26 +189,22 @@ class MultimodalLM(nn.Module):
             raise ValueError(f"{len(texts)} prompts but {len(targets)} targets")
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+        token_ids = [self._prompt_ids(text, prompt) for prompt, text in enumerate(texts)]
         pixels, counts = [], []
         for prompt, per_prompt in enumerate(images):
             per_prompt = list(per_prompt or [])
-            placeholders = texts[prompt].count(self.image_token)
+            placeholders = token_ids[prompt].count(self.image_token_id)
             if placeholders != len(per_prompt):
                 raise ValueError(f"prompt {prompt} has {placeholders} {self.image_token!r} "
                                  f"placeholder(s) but {len(per_prompt)} image(s): "
-                                 f"{texts[prompt][:80]!r}")
+                                 f"{str(texts[prompt])[:80]!r}")
             for image in per_prompt:
                 pixels.append(self._pixels(image, prompt))
                 counts.append(self.tower.num_image_tokens(tuple(pixels[-1].shape[1:])))
         features = self.image_features(pixels) if pixels else []
 
         sequences, label_rows, image_counts = [], [], iter(counts)
-        for prompt, text in enumerate(texts):
-            ids = self.tokenizer(text)["input_ids"]
-            if ids.count(self.image_token_id) != text.count(self.image_token):
-                raise ValueError(f"prompt {prompt}: the tokenizer reads "
-                                 f"{ids.count(self.image_token_id)} image tokens in "
-                                 f"{text.count(self.image_token)} placeholders: {text[:80]!r}")
+        for prompt, ids in enumerate(token_ids):
             expanded = []
             for token in ids:
                 expanded.extend([token] * next(image_counts) if token == self.image_token_id
@@ -249,6 +247,16 @@ class MultimodalLM(nn.Module):
             image_features=image_features.to(device),
             labels=labels.to(device) if targets is not None else None)
 
+    def _prompt_ids(self, text: str | Sequence[int], prompt: int) -> list[int]:
+        if not isinstance(text, str):
+            return list(text)
+        ids = list(self.tokenizer(text)["input_ids"])
+        if ids.count(self.image_token_id) != text.count(self.image_token):
+            raise ValueError(f"prompt {prompt}: the tokenizer reads "
+                             f"{ids.count(self.image_token_id)} image tokens in "
+                             f"{text.count(self.image_token)} placeholders: {text[:80]!r}")
+        return ids
+
     def embed(self, batch: MultimodalBatch) -> torch.Tensor:
         """The LLM's input embeddings with the image tokens spliced in, `[B, L, D]`."""
         embeds = self.llm.get_input_embeddings()(batch.input_ids)
@@ -259,7 +267,8 @@ class MultimodalLM(nn.Module):
 
     # -- running -----------------------------------------------------------------------------
 
-    def forward(self, texts: Sequence[str], images: Sequence[Sequence[Any]] | None = None,
+    def forward(self, texts: Sequence[str | Sequence[int]],
+                images: Sequence[Sequence[Any]] | None = None,
                 targets: Sequence[str | Sequence[int]] | None = None, **llm_kwargs: Any):
         """The LLM's output (`.logits`, and `.loss` over the targets when given).
 
