@@ -17,7 +17,6 @@ share of it the encoder reaches (MFU on a GPU). `--compile` times `torch.compile
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -29,6 +28,7 @@ from timing import (
     config_from_args,
     matmul_peak_flops,
     synchronized,
+    write_json,
 )
 
 from vlm_vit import VisionEncoder
@@ -110,9 +110,7 @@ def main() -> None:
         print(f"  {name:<13} skipped: {reason}")
     print(f"  {encoder_flops / 1e9:.1f} GFLOP/s = {result['fraction_of_matmul_peak']:.0%} of this "
           f"machine's measured matmul peak ({peak / 1e9:.1f} GFLOP/s, {args.dtype})")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

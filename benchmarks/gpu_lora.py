@@ -10,12 +10,12 @@ for QLoRA the merge error. Exits with status 2 when no GPU is present.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
 import torch
+from timing import write_json
 
 from vlm_vit import EncoderConfig, VisionEncoder
 from vlm_vit.finetune import ImageClassifier
@@ -76,9 +76,7 @@ def main() -> int:
                  if r["mode"] == "qlora" else "")
         print(f"  {r['mode']:<6} {r['step_seconds'] * 1000:7.1f} ms/step, peak "
               f"{r['peak_memory_gib']:5.1f} GiB, {r['trainable']}{extra}")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(results, handle, indent=2)
+    write_json(args.json, results)
     return 0
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import statistics
 import sys
 import tempfile
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from timing import write_json
 
 from vlm_vit import EncoderConfig, VisionEncoder
 from vlm_vit.cli.pretrain import build_objective
@@ -82,8 +82,7 @@ def main() -> int:
         print(f"  {r['objective']}: loss {r['first_loss']:.3f} -> {r['last_loss']:.3f} "
               f"({'falls' if r['loss_fell'] else 'DOES NOT FALL'}), "
               f"{r['median_images_per_s']:.0f} images/s, peak {r['peak_memory_gib']:.1f} GiB")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     return 0 if all(r["loss_fell"] for r in results) else 1
 
 

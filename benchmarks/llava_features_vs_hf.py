@@ -11,14 +11,20 @@ weights are a random `CLIPVisionModel` loaded through `load_encoder`; outputs ar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from timing import add_model_arguments, alternate, autocast, config_from_args, synchronized  # noqa: E402
+from timing import (  # noqa: E402
+    add_model_arguments,
+    alternate,
+    autocast,
+    config_from_args,
+    synchronized,
+    write_json,
+)
 
 from vlm_vit import load_encoder  # noqa: E402
 
@@ -69,9 +75,7 @@ def main() -> None:
         print(f"  {name:<13} {rate:7.2f} images/s")
     print(f"  ratio vlm-vit / transformers: {result['ratio_vlm_vit_over_transformers']:.3f} "
           f"(max |difference| {difference:.2e})")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

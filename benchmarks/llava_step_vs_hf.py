@@ -16,7 +16,6 @@ after a first step) is measured per library in a child process. Needs the plugin
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -29,6 +28,7 @@ from timing import (  # noqa: E402
     flush_denormals,
     peak_memory_in_child,
     peak_memory_mib,
+    write_json,
 )
 
 from vlm_vit import EncoderConfig, VisionEncoder, VisionTower, build_pooler  # noqa: E402
@@ -185,9 +185,7 @@ def main() -> None:
     print(f"  ratios vlm-vit-llm / transformers: forward "
           f"{result['forward_ratio_vlm_vit_over_transformers']:.3f}, step "
           f"{result['step_ratio_vlm_vit_over_transformers']:.3f} (below 1: faster)")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ Writes a random `CLIPVisionModel` with transformers (safetensors), then alternat
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from timing import alternate  # noqa: E402
+from timing import alternate, write_json  # noqa: E402
 
 from vlm_vit import EncoderConfig, load_encoder  # noqa: E402
 
@@ -52,9 +51,7 @@ def main() -> None:
         print(f"  {name:<13} {seconds:7.3f} s")
     print(f"  time ratio vlm-vit / transformers: {result['ratio_vlm_vit_over_transformers']:.3f}"
           " (below 1: faster)")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ for LoRA. Step times alternate in one process; peak memory is measured per mode 
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from timing import (
@@ -23,6 +22,7 @@ from timing import (
     peak_memory_in_child,
     peak_memory_mib,
     synchronized,
+    write_json,
 )
 
 from vlm_vit import VisionEncoder
@@ -93,9 +93,7 @@ def main() -> None:
         print(f"  {mode:<5} {medians[mode]:7.3f} s/step{extra}")
     extra = f", memory {result['memory_ratio_lora_over_full']:.3f}" if memory else ""
     print(f"  LoRA / full: time {result['time_ratio_lora_over_full']:.3f}{extra}")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ high-water mark, reset through /proc/self/clear_refs, so Linux only).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,6 +26,7 @@ from timing import (  # noqa: E402
     flush_denormals,
     peak_memory_in_child,
     peak_memory_mib,
+    write_json,
 )
 
 from vlm_vit import EncoderConfig, VisionEncoder  # noqa: E402
@@ -117,9 +117,7 @@ def main() -> None:
         print(f"  {name:<13} {seconds:7.3f} s/step{extra}")
     print(f"  time ratio vlm-vit / transformers: "
           f"{result['time_ratio_vlm_vit_over_transformers']:.3f} (below 1: faster)")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

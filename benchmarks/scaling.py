@@ -11,10 +11,16 @@ measured growth can be read against the arithmetic.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
-from timing import add_model_arguments, alternate, autocast, config_from_args, synchronized
+from timing import (
+    add_model_arguments,
+    alternate,
+    autocast,
+    config_from_args,
+    synchronized,
+    write_json,
+)
 
 from vlm_vit import VisionEncoder
 from vlm_vit.flops import count_macs
@@ -61,10 +67,8 @@ def main() -> None:
         rate = row["gmacs_per_image"] / row["seconds_per_image"]
         print(f"  {row['axis']:<6}{row['batch']:>6}{row['side']:>6}{row['tokens']:>8}"
               f"{row['gmacs_per_image']:>9.2f}{row['seconds_per_image']:>10.4f}{rate:>9.1f}")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"variant": args.variant, "depth": config.depth, "device": args.device,
-                       "dtype": args.dtype, "rows": rows}, handle, indent=2)
+    write_json(args.json, {"variant": args.variant, "depth": config.depth,
+                           "device": args.device, "dtype": args.dtype, "rows": rows})
 
 
 if __name__ == "__main__":

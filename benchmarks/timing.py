@@ -142,3 +142,12 @@ def config_from_args(args):
     if args.depth:
         overrides["depth"] = args.depth
     return EncoderConfig.from_name(args.variant, **overrides)
+
+
+def write_json(path: str | None, result: dict) -> None:
+    """Writes a script's result to `path` (its `--json` argument), when one was given."""
+    if path:
+        import json
+
+        with open(path, "w") as handle:
+            json.dump(result, handle, indent=2)

@@ -74,6 +74,19 @@ def mm(tokenizer):
     return MultimodalLM(tiny_tower(), tiny_llm(), tokenizer)
 
 
+def perturb_lora(mm, hold_key_rows: bool = False) -> None:
+    """LoRA starts as a no-op; make every adapter count. With `hold_key_rows`, the key rows
+    of a fused qkv's lora_B stay 0, as `attn_qv` requires."""
+    with torch.no_grad():
+        for name, parameter in mm.named_parameters():
+            if "lora_B" in name:
+                noise = torch.randn_like(parameter) * 0.05
+                if hold_key_rows and ".attn.qkv." in name:
+                    width = parameter.shape[0] // 3
+                    noise[width:2 * width] = 0
+                parameter.add_(noise)
+
+
 def photos(count: int = 4, size: int = IMAGE_SIZE) -> list[np.ndarray]:
     """Distinct real photos from scikit-image, as uint8 RGB arrays."""
     from skimage import data, transform

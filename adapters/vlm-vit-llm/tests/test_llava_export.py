@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import photos
+from conftest import perturb_lora, photos
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from vlm_vit import build_pooler
@@ -16,10 +16,9 @@ def _perturb(mm):
     torch.manual_seed(1)
     with torch.no_grad():
         for name, parameter in mm.named_parameters():
-            if name.startswith("tower.") and ".qkv." not in name:
+            if name.startswith("tower.") and ".qkv." not in name and ".lora_" not in name:
                 parameter.add_(torch.randn_like(parameter) * 0.02)
-            if "lora_B" in name:
-                parameter.add_(torch.randn_like(parameter) * 0.05)
+    perturb_lora(mm)
 
 
 @pytest.mark.parametrize("lora", [False, True])

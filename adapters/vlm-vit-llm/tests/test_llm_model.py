@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import IMAGE_SIZE, LLM_WIDTH, photos, tiny_llm, tiny_tower
+from conftest import IMAGE_SIZE, LLM_WIDTH, perturb_lora, photos, tiny_llm, tiny_tower
 
 from vlm_vit import build_pooler
 from vlm_vit_llm import IGNORE_INDEX, MultimodalLM
@@ -190,23 +190,11 @@ def test_stage_2_trains_lora_and_the_projector(mm):
         mm.add_lora()
 
 
-def _perturb_lora(mm):
-    """LoRA starts as a no-op; make it count (the key rows of attn_qv's fused qkv stay 0)."""
-    with torch.no_grad():
-        for name, parameter in mm.named_parameters():
-            if "lora_B" in name:
-                noise = torch.randn_like(parameter) * 0.05
-                if ".attn.qkv." in name:
-                    width = parameter.shape[0] // 3
-                    noise[width:2 * width] = 0
-                parameter.add_(noise)
-
-
 @pytest.mark.parametrize("lora", [False, True])
 def test_save_and_load_give_the_same_model(mm, tmp_path, lora):
     if lora:
         mm.add_lora(r=4, encoder_targets="attn_qv")
-        _perturb_lora(mm)
+        perturb_lora(mm, hold_key_rows=True)
     mm.eval()
     images = pixels(2)
     prompts, per_prompt = ["<image> the", "<image>\nwhat"], [[images[0]], [images[1]]]

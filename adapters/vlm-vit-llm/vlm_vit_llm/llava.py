@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vlm_vit.convert.hf_clip import hf_clip_config, hf_clip_tensors, preprocessor_config
+from vlm_vit.convert.hf_clip import (
+    check_expressible,
+    hf_clip_config,
+    hf_clip_tensors,
+    preprocessor_config,
+)
 from vlm_vit.files import atomic_directory
 
 if TYPE_CHECKING:
@@ -40,8 +45,10 @@ def check_exportable(mm: MultimodalLM) -> None:
     if tower.feature_layer is None:
         problems.append("the tower reads the final normed tokens (feature_layer=None); LLaVA "
                         "reads hidden states: use feature_layer=-2 (or -1)")
-    if not tower.encoder.config.class_token and tower.drop_prefix:
-        problems.append("LLaVA's 'default' selection drops a class token the encoder lacks")
+    try:  # before merging a copy of the whole model, not after
+        check_expressible(tower.encoder.config)
+    except ValueError as error:
+        problems.append(str(error))
     if problems:
         raise ValueError("cannot export to the LLaVA layout: " + "; ".join(problems))
 
@@ -109,7 +116,6 @@ def export_llava(mm: MultimodalLM, directory: str | Path) -> Path:
     nested = any(name.startswith(VISION_PREFIX + "vision_model.") for name in model.state_dict())
     tensors = llava_tensors(merged, VISION_PREFIX + ("vision_model." if nested else ""))
     model.load_state_dict(tensors, strict=True, assign=True)  # lists every bad key
-    model.to(next(iter(tensors.values())).dtype)
     settings.pop("image_processor_type")
     tokenizer = merged.tokenizer  # merged's own copy: the caller's tokenizer is left alone
     if tokenizer.pad_token is None:  # batched processing needs one; LLaVA-1.5 pads with unk

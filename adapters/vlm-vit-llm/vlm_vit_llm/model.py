@@ -361,11 +361,12 @@ class MultimodalLM(nn.Module):
         directory = Path(directory)
         llm_base, llm_adapter = _split_peft(self.llm)
         encoder_base, encoder_adapter = _split_peft(self.tower.encoder)
-        with atomic_directory(directory) as temp:
+        tower = self.tower
+        if encoder_adapter is not None:  # the tower again, on the encoder without LoRA
             encoder = VisionEncoder.from_state_dict(_base_state(encoder_base),
                                                     encoder_base.config)
-            tower = VisionTower(encoder, self.tower.pooler, self.tower.feature_layer,
-                                self.tower.drop_prefix)
+            tower = VisionTower(encoder, tower.pooler, tower.feature_layer, tower.drop_prefix)
+        with atomic_directory(directory) as temp:
             tower.save_pretrained(temp / TOWER_DIR)
             self.processor.save_pretrained(temp / TOWER_DIR)
             llm_base.save_pretrained(temp / LLM_DIR, state_dict=_base_state(llm_base))
