@@ -160,6 +160,92 @@ def test_parity_with_reference_pipeline():
     assert np.abs(out - ref).max() < 1e-6
 
 
+# ---- centre-crop rounding ----------------------------------------------------------
+
+
+def normalise(proc: ImageProcessor, x: torch.Tensor) -> torch.Tensor:
+    """``[3, H, W]`` in [0, 1] normalised with ``proc``'s mean and std."""
+    return (x - torch.tensor(proc.mean)[:, None, None]) / torch.tensor(proc.std)[:, None, None]
+
+
+# An image already at the size that covers the 32 x 32 crop is not resized, so the output is
+# exactly the crop: a 15-pixel overhang starts it at round(7.5) = 8 or floor 7; a 13-pixel one
+# at round(6.5) = 6 = floor; an even one halves exactly.
+@pytest.mark.parametrize("long_side, offsets", [(47, {"round": 8, "floor": 7}),
+                                                (45, {"round": 6, "floor": 6}),
+                                                (46, {"round": 7, "floor": 7})])
+@pytest.mark.parametrize("portrait", [False, True], ids=["landscape", "portrait"])
+@pytest.mark.parametrize("kind", ["pil", "tensor"])
+def test_crop_offset_rounding(long_side, offsets, portrait, kind):
+    height, width = (long_side, 32) if portrait else (32, long_side)
+    rgb = np.asarray(noise_image(height, width, seed=long_side))
+    image = Image.fromarray(rgb) if kind == "pil" else torch.from_numpy(rgb / 255.0).permute(
+        2, 0, 1)
+    source = torch.from_numpy(rgb / 255.0).permute(2, 0, 1).float()
+    for rounding, offset in offsets.items():
+        proc = ImageProcessor(size=32, crop_rounding=rounding)
+        crop = source[:, offset:offset + 32] if portrait else source[:, :, offset:offset + 32]
+        torch.testing.assert_close(proc(image)[0], normalise(proc, crop), atol=1e-6, rtol=0)
+
+
+def photos_427x640() -> list[Image.Image]:
+    """``skimage.data.rocket()`` (640 x 427) and ``coffee()`` resized to 640 x 427, landscape
+    and portrait: at 336 the long side becomes 503, the overhang 167, the offset 83.5."""
+    data = pytest.importorskip("skimage.data")
+    rocket = Image.fromarray(data.rocket())
+    coffee = Image.fromarray(data.coffee()).resize((640, 427), Image.Resampling.BICUBIC)
+    return [image for photo in (rocket, coffee)
+            for image in (photo, photo.transpose(Image.Transpose.TRANSPOSE))]
+
+
+# (size, whether round and floor disagree): 336 overhangs 167 (83.5 -> 84 or 83); 300
+# overhangs 149 (74.5 -> 74 either way).
+ROUNDING_SIZES = [(336, True), (300, False)]
+
+
+@pytest.mark.parametrize("size, differ", ROUNDING_SIZES)
+def test_floor_matches_transformers_on_photos(size, differ):
+    transformers = pytest.importorskip("transformers")
+    settings = dict(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+    floor = ImageProcessor.for_family("clip", size=size, crop_rounding="floor")
+    rounded = ImageProcessor.for_family("clip", size=size, crop_rounding="round")
+    for photo in photos_427x640():
+        ours = floor(photo)
+        theirs = transformers.CLIPImageProcessorPil(**settings)(
+            images=photo, return_tensors="pt").pixel_values
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+        assert (rounded(photo) - ours).abs().max().item() > 0.1 if differ else \
+            torch.equal(rounded(photo), ours)
+        # The default (torchvision) backend resizes with other arithmetic than PIL; given the
+        # image at the size it resizes to, it only crops, and crops as the PIL backend does.
+        short, long = sorted(photo.size)
+        scaled = (size, int(size * long / short))  # (width, height) of a portrait photo
+        resized = photo.resize(scaled if photo.width < photo.height else scaled[::-1],
+                               Image.Resampling.BICUBIC)
+        fast = transformers.CLIPImageProcessor(**settings, do_resize=False)(
+            images=resized, return_tensors="pt").pixel_values
+        torch.testing.assert_close(floor(resized), fast, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("size, differ", ROUNDING_SIZES)
+def test_round_matches_torchvision_on_photos(size, differ):
+    transforms = pytest.importorskip("torchvision.transforms")
+    bicubic = transforms.InterpolationMode.BICUBIC
+    proc = ImageProcessor.for_family("clip", size=size, crop_rounding="round")
+    pil_reference = transforms.Compose([  # OpenAI CLIP's and open_clip's eval transform
+        transforms.Resize(size, interpolation=bicubic), transforms.CenterCrop(size),
+        transforms.ToTensor(), transforms.Normalize(proc.mean, proc.std)])
+    tensor_reference = transforms.Compose([
+        transforms.Resize(size, interpolation=bicubic, antialias=True),
+        transforms.CenterCrop(size)])
+    for photo in photos_427x640():
+        torch.testing.assert_close(proc(photo)[0], pil_reference(photo), atol=1e-5, rtol=0)
+        pixels = torch.from_numpy(np.array(photo)).permute(2, 0, 1) / 255.0
+        # float tensors take the interpolate path, which clamps bicubic's overshoot to [0, 1]
+        expected = normalise(proc, tensor_reference(pixels).clamp(0, 1))
+        torch.testing.assert_close(proc(pixels)[0], expected, atol=1e-5, rtol=0)
+
+
 # ---- PIL modes and EXIF ----------------------------------------------------------------
 
 
@@ -349,6 +435,19 @@ def test_save_and_load_round_trip(tmp_path):
     assert ImageProcessor.from_dict(proc.to_dict()) == proc
 
 
+def test_crop_rounding_is_saved_and_old_configs_round(tmp_path):
+    proc = ImageProcessor(size=32, crop_rounding="floor")
+    assert proc.to_dict()["crop_rounding"] == "floor"
+    assert ImageProcessor.from_dict(proc.to_dict()) == proc
+    proc.save_pretrained(tmp_path)
+    assert ImageProcessor.from_pretrained(tmp_path) == proc
+    # A config written before the field existed: torchvision's rounding, as then.
+    old = {k: v for k, v in proc.to_dict().items() if k != "crop_rounding"}
+    (tmp_path / PROCESSOR_CONFIG_NAME).write_text(json.dumps(old))
+    assert ImageProcessor.from_pretrained(tmp_path).crop_rounding == "round"
+    assert ImageProcessor.from_dict(old) == ImageProcessor(size=32)
+
+
 def test_config_errors_name_key_and_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=PROCESSOR_CONFIG_NAME):
         ImageProcessor.from_pretrained(tmp_path)
@@ -374,6 +473,7 @@ def test_config_errors_name_key_and_file(tmp_path):
     ({"mean": (0.5, 0.5)}, "3 values"),
     ({"max_pixels": 0}, "max_pixels"),
     ({"background": (0, 0, 256)}, "background"),
+    ({"crop_rounding": "ceil"}, r"crop_rounding 'ceil' is not one of \('round', 'floor'\)"),
 ])
 def test_invalid_settings(kwargs, text):
     with pytest.raises(ValueError, match=text):

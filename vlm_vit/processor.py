@@ -33,6 +33,7 @@ NORMALIZATION: dict[str, tuple[tuple[float, float, float], tuple[float, float, f
     "inception": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
 }
 RESIZE_MODES = ("shortest_edge", "squash")
+CROP_ROUNDINGS = ("round", "floor")
 _PIL_RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
 _ALPHA_MODES = frozenset({"LA", "La", "PA", "RGBA", "RGBa"})
 
@@ -83,6 +84,10 @@ class ImageProcessor:
         std: Per-channel standard deviation divided by after subtracting ``mean``.
         max_pixels: Larger images are refused before decoding; None disables the check.
         background: RGB colour (0..255) that transparent pixels are composited onto.
+        crop_rounding: How a centre crop's offset ``(resized - size) / 2`` drops a .5:
+            ``"round"`` rounds half to even like torchvision's ``center_crop`` (OpenAI CLIP,
+            open_clip, timm); ``"floor"`` floors like transformers' ``center_crop``
+            (``CLIPImageProcessor``, LLaVA), so an exported model sees our pixels.
     """
 
     size: tuple[int, int] = (224, 224)
@@ -92,6 +97,7 @@ class ImageProcessor:
     std: tuple[float, float, float] = NORMALIZATION["imagenet"][1]
     max_pixels: int | None = 89_478_485  # PIL.Image.MAX_IMAGE_PIXELS
     background: tuple[int, int, int] = (255, 255, 255)
+    crop_rounding: str = "round"  # torchvision's; "floor" for transformers' processors
 
     def __post_init__(self) -> None:
         size = (self.size, self.size) if isinstance(self.size, int) else tuple(self.size)
@@ -101,6 +107,9 @@ class ImageProcessor:
             raise ValueError(f"resize_mode {self.resize_mode!r} is not one of {RESIZE_MODES}")
         if self.resample not in _PIL_RESAMPLE:
             raise ValueError(f"resample {self.resample!r} is not one of {tuple(_PIL_RESAMPLE)}")
+        if self.crop_rounding not in CROP_ROUNDINGS:
+            raise ValueError(f"crop_rounding {self.crop_rounding!r} is not one of "
+                             f"{CROP_ROUNDINGS}")
         mean, std = tuple(float(m) for m in self.mean), tuple(float(s) for s in self.std)
         if len(mean) != 3 or len(std) != 3:
             raise ValueError(f"mean and std need 3 values, got mean={mean} std={std}")
@@ -357,6 +366,12 @@ class ImageProcessor:
             return th, max(tw, int(th * width / height))
         return max(th, int(tw * height / width)), tw
 
+    def _crop_offset(self, overhang: int) -> int:
+        """Where a centre crop starts, given how many pixels it leaves out on one axis."""
+        if self.crop_rounding == "floor":
+            return overhang // 2  # transformers' center_crop
+        return int(round(overhang / 2.0))  # torchvision's center_crop: .5 rounds to even
+
     def _finish(self, image: Image.Image | torch.Tensor) -> torch.Tensor:
         """Resizes, centre crops and normalises to ``float32 [3, height, width]``."""
         if isinstance(image, Image.Image):
@@ -370,7 +385,7 @@ class ImageProcessor:
                                       align_corners=False, antialias=True)[0].clamp_(0, 1)
             x = image
         th, tw = self.size
-        top, left = int(round((h - th) / 2.0)), int(round((w - tw) / 2.0))  # torchvision
+        top, left = self._crop_offset(h - th), self._crop_offset(w - tw)
         x = x[:, top:top + th, left:left + tw]
         x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
         mean = torch.tensor(self.mean, dtype=torch.float32)[:, None, None]

@@ -85,6 +85,7 @@ def test_detection_and_default_processor(tmp_path):
     converted = FORMATS.get("hf_clip").to_native(checkpoint)
     assert (converted.pooler.name, converted.pooler.weights) == ("cls", {})
     assert converted.processor.size == (32, 32)
+    assert converted.processor.crop_rounding == "floor"  # CLIPImageProcessor's centre crop
     assert converted.processor.mean == pytest.approx((0.48145466, 0.4578275, 0.40821073))
     assert any("preprocessor_config.json" in rule for rule in converted.rules)
 
@@ -156,8 +157,8 @@ def test_siglip_vision_model_matches_transformers(tmp_path):
     close(out.tokens, expected.last_hidden_state)  # SigLIP's post_layernorm covers every token
     close(pooled, expected.pooler_output)
     processor = load_processor(tmp_path)
-    assert (processor.resize_mode, processor.mean, processor.std) == \
-        ("squash", (0.5,) * 3, (0.5,) * 3)
+    assert (processor.resize_mode, processor.mean, processor.std, processor.crop_rounding) == \
+        ("squash", (0.5,) * 3, (0.5,) * 3, "floor")
 
 
 def test_siglip_model_drops_the_text_tower(tmp_path):
@@ -244,11 +245,14 @@ def test_processor_from_preprocessor_config(tmp_path):
     clip_vision(tmp_path)
     transformers.CLIPImageProcessor(**settings).save_pretrained(tmp_path)
     ours = load_processor(tmp_path)
-    assert (ours.size, ours.resize_mode, ours.resample, ours.mean, ours.std) == \
-        ((64, 64), "shortest_edge", "bicubic", mean, std)
+    assert (ours.size, ours.resize_mode, ours.resample, ours.mean, ours.std,
+            ours.crop_rounding) == ((64, 64), "shortest_edge", "bicubic", mean, std, "floor")
     image = astronaut()
-    # Non-square too: resize, then a centre crop whose offset is even (see below).
-    for photo in (image, image.crop((0, 0, 512, 300))):
+    # Non-square too, both ways: 512 x 300 overhangs the crop by 45 pixels (22.5: torchvision
+    # and transformers both start at 22); 333 x 300 and 300 x 333 by 7 (3.5: torchvision
+    # rounds to 4, transformers floors to 3, and so do we here).
+    for photo in (image, image.crop((0, 0, 512, 300)), image.crop((0, 0, 333, 300)),
+                  image.crop((0, 0, 300, 333))):
         expected = transformers.CLIPImageProcessorPil(**settings)(
             images=photo, return_tensors="pt").pixel_values
         torch.testing.assert_close(ours(photo), expected, atol=1e-5, rtol=0)
@@ -259,9 +263,21 @@ def test_processor_from_preprocessor_config(tmp_path):
             images=photo, return_tensors="pt").pixel_values
         difference = (ours(photo) - default).abs()
         assert difference.max() <= 1 / 255 / min(std) + 1e-5 and difference.mean() < 1e-3
-    # Not tested: when the centre crop's offset is odd (the overhang is 3 mod 4 pixels),
-    # ImageProcessor rounds it like torchvision (half to even) and transformers floors it,
-    # so the crop moves one pixel (e.g. a 333 x 300 photo at 64).
+
+
+def test_writer_refuses_a_crop_transformers_rounds_otherwise(tmp_path):
+    rounded = ImageProcessor.for_family("clip", size=32)  # torchvision's crop rounding
+    for write in (lambda: save_hf_clip(clip_shaped_encoder(), tmp_path / "out",
+                                       processor=rounded),
+                  lambda: FORMATS.get("hf_clip").write(  # what `vlm-vit convert` calls
+                      clip_shaped_encoder(), tmp_path / "out", processor=rounded)):
+        with pytest.raises(ValueError, match="crop_rounding='round'.*crop_rounding='floor'"):
+            write()
+        assert not (tmp_path / "out").exists()
+    # Without a crop the rounding never applies: a squash processor is written either way.
+    squash = ImageProcessor.for_family("clip", size=32, resize_mode="squash")
+    save_hf_clip(clip_shaped_encoder(), tmp_path / "squash", processor=squash)
+    assert load_processor(tmp_path / "squash").size == (32, 32)
 
 
 def test_siglip_processor_from_preprocessor_config(tmp_path):

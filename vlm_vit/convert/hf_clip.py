@@ -150,9 +150,10 @@ def processor_from_hf(settings: dict[str, Any], fallback: ImageProcessor,
                       rules: list[str]) -> ImageProcessor:
     """An `ImageProcessor` from a Hugging Face `preprocessor_config.json`.
 
-    `CLIPImageProcessor` resizes the shortest edge, then centre crops; `SiglipImageProcessor`
-    resizes to `{height, width}`, ignoring the aspect ratio. What `ImageProcessor` cannot
-    express is approximated, with a rule saying how.
+    `CLIPImageProcessor` resizes the shortest edge, then centre crops (flooring the crop's
+    offset: `crop_rounding="floor"`); `SiglipImageProcessor` resizes to `{height, width}`,
+    ignoring the aspect ratio. What `ImageProcessor` cannot express is approximated, with a
+    rule saying how.
 
     Args:
         settings: the parsed JSON.
@@ -191,6 +192,7 @@ def processor_from_hf(settings: dict[str, Any], fallback: ImageProcessor,
         resample=PIL_RESAMPLE.get(settings.get("resample", 3), "bicubic"),
         mean=settings.get("image_mean", fallback.mean) if normalized else (0.0, 0.0, 0.0),
         std=settings.get("image_std", fallback.std) if normalized else (1.0, 1.0, 1.0),
+        crop_rounding="floor",  # transformers' center_crop
     )
 
 
@@ -291,7 +293,8 @@ class HFClipFormat(HFVisionFormat):
                             {"bias": False}, head)
 
     def default_processor(self, image_size: tuple[int, int]) -> ImageProcessor:
-        return ImageProcessor.for_family("clip", size=image_size)
+        # CLIPImageProcessor's, which floors the crop offset like every transformers processor.
+        return ImageProcessor.for_family("clip", size=image_size, crop_rounding="floor")
 
     def from_native(self, encoder: VisionEncoder,
                     pooler: nn.Module | None = None) -> dict[str, torch.Tensor]:
@@ -329,7 +332,8 @@ class HFSiglipFormat(HFVisionFormat):
 
     def default_processor(self, image_size: tuple[int, int]) -> ImageProcessor:
         # SiglipImageProcessor: a plain resize to the square, mean and std 0.5.
-        return ImageProcessor.for_family("inception", size=image_size, resize_mode="squash")
+        return ImageProcessor.for_family("inception", size=image_size, resize_mode="squash",
+                                         crop_rounding="floor")
 
 
 # -- writing ----------------------------------------------------------------------------------
@@ -386,10 +390,12 @@ def hf_clip_tensors(encoder: VisionEncoder,
 
 
 def preprocessor_config(processor: ImageProcessor) -> dict[str, Any]:
-    """`processor` as a `CLIPImageProcessor` config.
+    """`processor` as a `CLIPImageProcessor` config that gives the same pixels.
 
     Raises:
-        ValueError: for a non-square shortest-edge resize, which CLIP's processor cannot do.
+        ValueError: for a non-square shortest-edge resize, which CLIP's processor cannot do,
+            or a shortest-edge resize with `crop_rounding="round"`: transformers floors the
+            centre crop's offset, so some images would be cropped one pixel off.
     """
     height, width = processor.size
     shortest_edge = processor.resize_mode == "shortest_edge"
@@ -397,6 +403,13 @@ def preprocessor_config(processor: ImageProcessor) -> dict[str, Any]:
         raise ValueError(f"processor size {processor.size} with resize_mode 'shortest_edge': "
                          f"CLIPImageProcessor resizes the shortest edge and crops; use a "
                          f"square size or resize_mode 'squash'")
+    if shortest_edge and processor.crop_rounding != "floor":
+        raise ValueError(f"processor crop_rounding={processor.crop_rounding!r} with resize_mode "
+                         f"'shortest_edge': CLIPImageProcessor floors the centre crop's offset, "
+                         f"so images that overhang the crop by 3 mod 4 pixels would be cropped "
+                         f"one pixel off; use crop_rounding='floor' (dataclasses.replace("
+                         f"processor, crop_rounding='floor'), or \"crop_rounding\": \"floor\" "
+                         f"in processor_config.json) or resize_mode 'squash'")
     crop = {"height": height, "width": width}
     codes = {name: code for code, name in PIL_RESAMPLE.items()}
     return {

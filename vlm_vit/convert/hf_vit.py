@@ -135,7 +135,7 @@ def image_processor(settings: dict[str, Any] | None, image_size: tuple[int, int]
         rule = (f"no {PREPROCESSOR_CONFIG}: ViTImageProcessor's defaults (squash resize, "
                 f"bilinear, mean/std 0.5) at the model's image size {image_size}")
         return ImageProcessor(size=image_size, resize_mode="squash", resample="bilinear",
-                              mean=mean, std=std), [rule]
+                              mean=mean, std=std, crop_rounding="floor"), [rule]
     size = settings.get("size", {"height": 224, "width": 224})
     size = (size, size) if isinstance(size, int) else (size.get("height"), size.get("width"))
     if None in size:
@@ -156,7 +156,8 @@ def image_processor(settings: dict[str, Any] | None, image_size: tuple[int, int]
         mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
     try:
         processor = ImageProcessor(size=size, resize_mode="squash",
-                                   resample=PIL_RESAMPLE[resample], mean=mean, std=std)
+                                   resample=PIL_RESAMPLE[resample], mean=mean, std=std,
+                                   crop_rounding="floor")  # transformers', were it to crop
     except (TypeError, ValueError) as error:
         raise ValueError(f"{source}: unusable {PREPROCESSOR_CONFIG}: {error}") from error
     return processor, []
