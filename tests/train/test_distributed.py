@@ -29,6 +29,37 @@ def test_ranks_split_each_global_batch_without_padding_or_overlap():
     assert list(GlobalBatchSampler(22, 8, seed=3, epoch=2)) != single
 
 
+def test_length_grouping_keeps_every_sample_once_and_batches_alike():
+    lengths = torch.randint(1, 500, (200,), generator=torch.Generator().manual_seed(0))
+    lengths[::7] *= -1  # another modality (text-only records): sorts after every positive
+    plain = list(GlobalBatchSampler(200, 8, seed=1, epoch=0))
+    grouped = list(GlobalBatchSampler(200, 8, seed=1, epoch=0, lengths=lengths,
+                                      group_batches=5))
+    assert len(grouped) == len(plain) == 25
+    assert sorted(sum(grouped, [])) == sorted(sum(plain, [])) == list(range(200))
+
+    def spread(batches):  # mean over batches of (longest - shortest) among positive lengths
+        ranges = [int(lengths[b].max() - lengths[b].min()) for b in batches]
+        return sum(ranges) / len(ranges)
+
+    assert spread(grouped) < spread(plain) / 3
+    mixed = sum(1 for b in grouped if (lengths[b] > 0).any() and (lengths[b] < 0).any())
+    assert mixed <= 5  # at most one batch per window straddles the two modalities
+    # Windows come from the seeded permutation: the same seed gives the same batches, another
+    # epoch others; resuming yields the remaining ones.
+    assert grouped == list(GlobalBatchSampler(200, 8, seed=1, epoch=0, lengths=lengths,
+                                              group_batches=5))
+    assert grouped != list(GlobalBatchSampler(200, 8, seed=1, epoch=1, lengths=lengths,
+                                              group_batches=5))
+    assert list(GlobalBatchSampler(200, 8, seed=1, epoch=0, lengths=lengths, group_batches=5,
+                                   start_batch=3)) == grouped[3:]
+    ranks = [list(GlobalBatchSampler(200, 8, seed=1, epoch=0, lengths=lengths,
+                                     group_batches=5, rank=r, world_size=2)) for r in range(2)]
+    assert [a + b for a, b in zip(*ranks, strict=True)] == grouped
+    with pytest.raises(ValueError, match="199 lengths for 200 samples"):
+        GlobalBatchSampler(200, 8, seed=1, lengths=lengths[:199])
+
+
 def test_batch_must_divide_over_processes_and_micro_batches():
     assert split_batch(16, 2, 4) == (8, 2)
     with pytest.raises(ValueError, match=r"batch_size 12 .* world_size 4 x grad_accumulation 2"):

@@ -282,3 +282,57 @@ def test_an_objective_with_export_writes_its_own_result(data, tmp_path):
     assert written == [run_dir]
     assert (run_dir / "mine" / "config.json").is_file()
     assert not (run_dir / "encoder").exists() and not (run_dir / "objective.pt").exists()
+
+
+class SelfCheckpointing(nn.Module):
+    """An objective that sets gradient checkpointing up itself, as the LLM bridge does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = toy_objective()
+        self.encoder = self.inner.encoder
+        self.requested: list[bool] = []
+
+    def set_gradient_checkpointing(self, enabled: bool) -> None:
+        self.requested.append(enabled)
+
+    def forward(self, pixel_values):
+        return self.inner(pixel_values)
+
+
+def test_an_objective_may_set_gradient_checkpointing_up_itself(data, tmp_path):
+    objective = SelfCheckpointing()
+    Trainer(objective, image_folder(data), config(steps=1, grad_checkpointing=True),
+            tmp_path / "run").fit()
+    assert objective.requested == [True]
+    # ... and the trainer leaves its modules alone
+    assert all(not getattr(m, "gradient_checkpointing", False) for m in objective.modules())
+
+
+class RecordingFolder(torch.utils.data.Dataset):
+    """An image folder whose sample i has length i, recording the order it is read in."""
+
+    def __init__(self, folder) -> None:
+        self.folder, self.read = folder, []
+        self.lengths = list(range(len(folder)))
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, index: int):
+        self.read.append(index)
+        return self.folder[index]
+
+
+def test_group_by_length_needs_lengths_and_then_groups(data, tmp_path):
+    with pytest.raises(ValueError, match="group_by_length needs a dataset with `lengths`; "
+                                         "ImageFolder has none"):
+        Trainer(toy_objective(), image_folder(data), config(group_by_length=True),
+                tmp_path / "bare").fit()
+    assert not (tmp_path / "bare" / "checkpoints").exists()
+    folder = RecordingFolder(image_folder(data))
+    Trainer(toy_objective(), folder, config(steps=5, group_by_length=True, checkpoint_every=0),
+            tmp_path / "grouped").fit()
+    # One window holds the whole epoch: sorted by length and cut, each batch is 4 neighbours.
+    batches = [sorted(folder.read[i:i + 4]) for i in range(0, 20, 4)]
+    assert sorted(batches) == [list(range(k, k + 4)) for k in range(0, 20, 4)]

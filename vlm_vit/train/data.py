@@ -43,15 +43,19 @@ class ImageBatch:
     """A collated batch of training images.
 
     Attributes:
-        pixel_values: `[B, 3, H, W]` float32, B the images that decoded.
-        undecodable: the dropped files (path "<unknown>" for a bare None from the dataset).
+        pixel_values: `[B, 3, H, W]` float32, B the images that decoded; or any batch of B
+            samples with `len`, `.to(device)` and `.tensor_split(n)` (the LLM bridge's
+            conversations, with several images or none per sample), handed to the objective
+            as it is.
+        undecodable: the dropped files (path "<unknown>" for a bare None from the dataset),
+            or dropped samples, each named with the reason.
         labels: what the objective gets as `labels=`, split with the images over
             micro-batches along the first axis: `[B]` class indices for labelled data
             (`collate_labelled`), or `[B, L]` target token ids padded with -100 (the LLM
             bridge's captions).
     """
 
-    pixel_values: torch.Tensor
+    pixel_values: torch.Tensor | Any
     undecodable: list[UndecodableImage] = field(default_factory=list)
     labels: torch.Tensor | None = None
 

@@ -87,6 +87,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     precision: str = "fp32"  # "bf16" autocasts; "fp16" autocasts and scales the loss
     grad_checkpointing: bool = False  # recompute block activations in backward: less memory
+    group_by_length: bool = False  # batches of similar `dataset.lengths`: less padding
     compile: bool = False  # torch.compile the objective's forward (slow first step)
     checkpoint_every: int = 1000  # steps between checkpoints; 0: only the one at the end
     keep_checkpoints: int = 2  # newest checkpoints kept on disk; 0 keeps every one
@@ -362,6 +363,9 @@ class Trainer:
         distributed.split_batch(config.batch_size, context.world_size, config.grad_accumulation)
         steps_per_epoch = distributed.batches_per_epoch(len(self.dataset), config.batch_size)
 
+        if config.group_by_length and getattr(self.dataset, "lengths", None) is None:
+            raise ValueError(f"group_by_length needs a dataset with `lengths`; "
+                             f"{type(self.dataset).__name__} has none")
         found = ckpt.latest_checkpoint(self.run_dir)
         if found is not None and not resume:
             raise FileExistsError(f"{self.run_dir} already holds checkpoints (newest {found}); "
@@ -474,7 +478,7 @@ class Trainer:
         started = time.perf_counter()
         images, undecodable, labels = _unpack(batch)
         lr = optimizer.param_groups[0]["lr"]  # the LR this step uses
-        count = images.shape[0]
+        count = len(images)
         # A rank without a single image cannot join the gradient all-reduce, so such a step
         # is skipped on every rank.
         fewest = int(distributed.all_reduce(torch.tensor([count], dtype=torch.float64),
@@ -499,7 +503,7 @@ class Trainer:
                         output = (model(piece) if label_pieces[index] is None
                                   else model(piece, labels=label_pieces[index]))
                     loss = _scalar_loss(output)
-                    weight = piece.shape[0] / count
+                    weight = len(piece) / count
                     scaler.scale(loss * weight).backward()
                 rank_loss += loss.detach().double().cpu() * weight
                 for name, value in output.metrics.items():
@@ -579,9 +583,9 @@ class Trainer:
             if bad.path not in known:
                 known.add(bad.path)
                 progress.undecodable_paths.append(bad.path)
-                log.warning("skipping undecodable image %s (%s)", bad.path, bad.reason)
+                log.warning("skipping %s (%s)", bad.path, bad.reason)
             else:
-                log.debug("skipping undecodable image %s again", bad.path)
+                log.debug("skipping %s again", bad.path)
 
     # -- pieces -----------------------------------------------------------------------------
 
@@ -593,7 +597,8 @@ class Trainer:
             self.dataset.set_epoch(epoch)  # workers start afresh per loader and copy this
         sampler = distributed.GlobalBatchSampler(
             len(self.dataset), config.batch_size, seed=config.seed, epoch=epoch,
-            start_batch=start_batch, rank=context.rank, world_size=context.world_size)
+            start_batch=start_batch, rank=context.rank, world_size=context.world_size,
+            lengths=self.dataset.lengths if config.group_by_length else None)
         # The loader draws its workers' base seed from this generator; without one it would
         # draw from the global RNG, which the objective's draws must not depend on.
         generator = torch.Generator().manual_seed(mixed_seed(config.seed, epoch, context.rank))
@@ -603,6 +608,12 @@ class Trainer:
             generator=generator)
 
     def _set_grad_checkpointing(self, log: Any) -> None:
+        # An objective that holds models of other libraries (a Hugging Face LLM) sets them
+        # up itself; setting their `gradient_checkpointing` attributes directly would not.
+        own = getattr(self.objective, "set_gradient_checkpointing", None)
+        if callable(own):
+            own(self.config.grad_checkpointing)
+            return
         modules = [m for m in self.objective.modules() if hasattr(m, "gradient_checkpointing")]
         for module in modules:
             module.gradient_checkpointing = self.config.grad_checkpointing
