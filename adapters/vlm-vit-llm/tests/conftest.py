@@ -98,3 +98,72 @@ def photos(count: int = 4, size: int = IMAGE_SIZE) -> list[np.ndarray]:
         image = transform.resize(getattr(data, name)(), (size, size), anti_aliasing=True)
         out.append((image * 255).round().astype(np.uint8))
     return out
+
+
+CHAT_CORPUS = CORPUS + [
+    "USER: what is in the image ASSISTANT: two blue dogs",
+    "A chat between a curious human and an artificial intelligence assistant. The assistant "
+    "gives helpful, detailed, and polite answers to the human's questions.",
+    "How many dogs are there? There are two. Which colour is the tree? It is green.",
+]
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer_dir(tmp_path_factory) -> Path:
+    """A SentencePiece BPE Llama tokenizer with byte fallback (every character has tokens,
+    as in real LLM tokenizers), trained on `CHAT_CORPUS`."""
+    import sentencepiece as spm
+
+    folder = tmp_path_factory.mktemp("chat_tokenizer")
+    text = folder / "corpus.txt"
+    text.write_text("\n".join(CHAT_CORPUS * 10) + "\n")
+    spm.SentencePieceTrainer.train(
+        input=str(text), model_prefix=str(folder / "sp"), vocab_size=400, model_type="bpe",
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, character_coverage=1.0, byte_fallback=True,
+        minloglevel=2)
+    (folder / "sp.model").rename(folder / "tokenizer.model")
+    return folder
+
+
+@pytest.fixture
+def chat_tokenizer(chat_tokenizer_dir):
+    from transformers import LlamaTokenizer
+
+    return LlamaTokenizer.from_pretrained(chat_tokenizer_dir)
+
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chatml_tokenizer_dir(tmp_path_factory) -> Path:
+    """A byte-level BPE tokenizer (built with `tokenizers`, as GPT-2 and Qwen2 are) with a
+    Qwen2-style ChatML chat template and its special tokens, saved as a transformers folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CHAT_CORPUS * 10, trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=specials[1:])
+    wrapped.chat_template = CHATML_TEMPLATE
+    folder = tmp_path_factory.mktemp("chatml_tokenizer")
+    wrapped.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def chatml_tokenizer(chatml_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(chatml_tokenizer_dir)

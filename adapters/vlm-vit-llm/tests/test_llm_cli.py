@@ -68,3 +68,41 @@ def test_generate_refuses_a_prompt_without_its_placeholder(parts, capsys):
     assert main(["llm", "generate", str(parts / "s1" / "model"), "--image",
                  str(parts / "data" / "0.png"), "--prompt", "no placeholder"]) == 1
     assert "0 '<image>' placeholder(s) but 1 image(s)" in capsys.readouterr().err
+
+
+def test_train_on_llava_conversations_then_chat(parts, tmp_path, capsys, chat_tokenizer):
+    from test_conversation_data import BAD, GOOD, write_images, write_records
+
+    tiny_llm(vocab_size=512).save_pretrained(tmp_path / "chat_llm")
+    chat_tokenizer.save_pretrained(tmp_path / "chat_llm")
+    images = write_images(tmp_path / "images")
+    data = write_records(tmp_path / "data.json", [*GOOD, BAD[1][0]], lines=False)
+    common = ["llm", "train", "--data-format", "llava", "--data", str(data), "--image-folder",
+              str(images), "--steps", "2", "--batch-size", "2", "--num-workers", "0",
+              "--device", "cpu"]
+    assert main([*common, "--tower", str(parts / "encoder"), "--llm", str(tmp_path / "chat_llm"),
+                 "--template", "plain", "--out", str(tmp_path / "s1")]) == 0
+    captured = capsys.readouterr()
+    assert "trained stage 1 for 2 steps" in captured.out
+    assert "skipped 1 bad record(s) of 5" in captured.err and "(id many)" in captured.err
+    assert main([*common, "--model", str(tmp_path / "s1" / "model"), "--stage", "2",
+                 "--lora-r", "4", "--template", "vicuna_v1", "--group-by-length",
+                 "--grad-checkpointing", "--max-length", "120",
+                 "--out", str(tmp_path / "s2")]) == 0
+    run_config = json.loads((tmp_path / "s2" / "run_config.json").read_text())
+    assert run_config["train"]["group_by_length"] and run_config["train"]["grad_checkpointing"]
+    capsys.readouterr()
+    assert main(["llm", "generate", str(tmp_path / "s2" / "model"), "--chat", "--image",
+                 str(images / "0.png"), "--prompt", "<image>\nWhat is it?",
+                 "--max-new-tokens", "3"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+
+    # Bad input: one line, exit 1.
+    assert main([*common, "--model", str(tmp_path / "s1" / "model"), "--strict",
+                 "--out", str(tmp_path / "s3")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "(id many): 2 '<image>' placeholder(s) but 1 image(s)" in err[0]
+    no_folder = [a for a in common if a not in ("--image-folder", str(images))]
+    assert main([*no_folder, "--model", str(tmp_path / "s1" / "model"),
+                 "--out", str(tmp_path / "s4")]) == 1
+    assert "--data-format llava needs --image-folder DIR" in capsys.readouterr().err

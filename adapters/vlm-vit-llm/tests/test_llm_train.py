@@ -9,8 +9,8 @@ from PIL import Image
 
 from vlm_vit.train import TrainConfig, Trainer
 from vlm_vit_llm import MultimodalLM
+from vlm_vit_llm.objective import MODEL_DIR
 from vlm_vit_llm.train import (
-    MODEL_DIR,
     CaptionCollate,
     CaptionFolder,
     CaptionObjective,

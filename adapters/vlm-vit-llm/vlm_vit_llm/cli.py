@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 STAGES = (1, 2)
+DATA_FORMATS = ("captions", "llava")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -19,11 +20,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     commands = parser.add_subparsers(dest="llm_command", required=True, metavar="SUBCOMMAND")
 
     train = commands.add_parser(
-        "train", help="LLaVA stage 1 (projector only) or 2 (+ LoRA) on images with captions",
-        description="Trains on a folder of images with a JSON lines captions file "
-        '({"image": "a.jpg", "caption": "..."} per line, optionally with its own "prompt"). '
-        "Starts from --model (a saved multimodal model) or builds one from --tower and --llm. "
-        "Leaves RUN_DIR/model.")
+        "train", help="LLaVA stage 1 (projector only) or 2 (+ LoRA) on conversations or "
+        "captions",
+        description="Trains on LLaVA-format conversations (--data-format llava: --data "
+        "FILE.json or .jsonl, --image-folder DIR; rendered with the tokenizer's chat "
+        "template, the loss on the assistant turns) or captioned images (--data-format "
+        'captions: --data DIR, --captions FILE.jsonl with {"image": "a.jpg", "caption": '
+        '"..."} per line). Starts from --model (a saved multimodal model) or builds one from '
+        "--tower and --llm. Leaves RUN_DIR/model.")
     start = train.add_argument_group("the model")
     start.add_argument("--model", type=Path, metavar="DIR",
                        help="a multimodal model saved by an earlier run (RUN_DIR/model)")
@@ -34,12 +38,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     start.add_argument("--projector", default="mlp2x_gelu", help="pooler for a new tower")
     start.add_argument("--feature-layer", type=int, default=-2,
                        help="hidden state a new tower reads (LLaVA: -2)")
-    train.add_argument("--data", required=True, type=Path, metavar="DIR")
-    train.add_argument("--captions", required=True, type=Path, metavar="FILE.jsonl")
+    train.add_argument("--data", required=True, type=Path, metavar="PATH",
+                       help="llava: the conversations file; captions: the image folder")
+    train.add_argument("--data-format", choices=DATA_FORMATS, default="captions")
     train.add_argument("--out", required=True, type=Path, metavar="RUN_DIR")
     train.add_argument("--stage", type=int, choices=STAGES, default=1)
-    train.add_argument("--prompt", default="<image>\n",
-                       help="what precedes each caption, for lines without their own")
+    llava = train.add_argument_group("conversations (--data-format llava)")
+    llava.add_argument("--image-folder", type=Path, metavar="DIR",
+                       help="where the records' image paths start (LLaVA's --image_folder)")
+    llava.add_argument("--template", default="auto",
+                       help="chat template: auto (the tokenizer's own, else vicuna_v1), "
+                       "plain (LLaVA stage 1), vicuna_v1 or chatml")
+    llava.add_argument("--max-length", type=int, default=None,
+                       help="longest sequence, image tokens included (default: the LLM's "
+                       "context); longer records are truncated, never through an image")
+    llava.add_argument("--strict", action="store_true",
+                       help="stop at the first bad record instead of skipping it")
+    llava.add_argument("--group-by-length", action="store_true",
+                       help="batches of records of similar length (LLaVA's "
+                       "group_by_modality_length): less padding")
+    captions = train.add_argument_group("captions (--data-format captions)")
+    captions.add_argument("--captions", type=Path, metavar="FILE.jsonl")
+    captions.add_argument("--prompt", default="<image>\n",
+                          help="what precedes each caption, for lines without their own")
     train.add_argument("--steps", type=int, default=1000)
     train.add_argument("--batch-size", type=int, default=32)
     train.add_argument("--lr", type=float, default=None, help="default: 1e-3 stage 1, 2e-4 stage 2")
@@ -47,6 +68,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
                        help="default: bf16 on a GPU, fp32 on a CPU")
     train.add_argument("--device", default="auto")
+    train.add_argument("--grad-checkpointing", action="store_true",
+                       help="recompute activations in backward (LLM and encoder): less memory")
     train.add_argument("--num-workers", type=int, default=2)
     train.add_argument("--checkpoint-every", type=int, default=500)
     train.add_argument("--seed", type=int, default=0)
@@ -66,6 +89,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                           help="an image (repeat for several, in placeholder order)")
     generate.add_argument("--prompt", default=None,
                           help="with one <image> per image (default: the placeholders alone)")
+    generate.add_argument("--chat", action="store_true",
+                          help="the prompt is a user message, rendered with the model's chat "
+                          "template (the one it was trained with)")
     generate.add_argument("--max-new-tokens", type=int, default=32)
     generate.set_defaults(run=run_generate)
 
@@ -109,33 +135,79 @@ def run_train(args: argparse.Namespace) -> int:
 
     from vlm_vit.train import TrainConfig, Trainer
     from vlm_vit_llm.model import DEFAULT_LLM_LORA_TARGETS
-    from vlm_vit_llm.train import MODEL_DIR, CaptionCollate, CaptionFolder, CaptionObjective
+    from vlm_vit_llm.objective import MODEL_DIR
 
-    dataset_root = _existing(args.data, "--data")
+    _existing(args.data, "--data")
+    if args.data_format == "captions" and args.captions is None:
+        raise ValueError("--data-format captions needs --captions FILE.jsonl (or use "
+                         "--data-format llava for conversations)")
+    if args.data_format == "llava" and args.image_folder is None:
+        raise ValueError("--data-format llava needs --image-folder DIR")
+    records = _records(args)  # bad data fails before the LLM is loaded
     torch.manual_seed(args.seed)  # the same new projector on every process
     mm = build_model(args)
-    dataset = CaptionFolder(dataset_root, args.captions, mm.processor)
+    dataset, collate, objective_class = _data(args, mm, records)
     if args.stage == 1:
         mm.train_projector_only()
     else:
         mm.add_lora(r=args.lora_r, alpha=args.lora_alpha,
                     llm_targets=args.lora_targets or DEFAULT_LLM_LORA_TARGETS,
                     encoder_targets=args.lora_encoder)
+    objective = objective_class(mm)  # after the stage: it fingerprints the frozen base
     cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size,
         lr=args.lr or (1e-3 if args.stage == 1 else 2e-4), weight_decay=0.0,
         warmup_steps=args.steps // 30 if args.warmup_steps is None else args.warmup_steps,
         precision=args.precision or ("bf16" if cuda else "fp32"),
+        grad_checkpointing=args.grad_checkpointing, group_by_length=args.group_by_length,
         checkpoint_every=args.checkpoint_every, seed=args.seed, num_workers=args.num_workers,
         device=args.device)
     command = shlex.join(["vlm-vit", *sys.argv[1:]]) if sys.argv[1:2] == ["llm"] else None
-    result = Trainer(CaptionObjective(mm), dataset, config, args.out,
-                     collate=CaptionCollate(mm, args.prompt), command=command).fit(
-        resume=args.resume)
+    result = Trainer(objective, dataset, config, args.out, collate=collate,
+                     command=command).fit(resume=args.resume)
     print(f"trained stage {args.stage} for {result.step} steps, final loss "
           f"{result.losses[-1]:.4f}; model in {args.out / MODEL_DIR}")
     return 0
+
+
+def _records(args: argparse.Namespace):
+    """`--data-format llava`'s records, indexed and checked (None for captions)."""
+    if args.data_format == "captions":
+        if args.group_by_length:
+            raise ValueError("--group-by-length needs --data-format llava")
+        return None
+    from vlm_vit.files import read_json
+    from vlm_vit_llm.model import CONFIG_NAME
+    from vlm_vit_llm.records import ConversationRecords
+
+    image_token = "<image>"  # a new model's; a saved one says its own
+    if args.model is not None and (args.model / CONFIG_NAME).is_file():
+        image_token = read_json(args.model / CONFIG_NAME).get("image_token", image_token)
+    records = ConversationRecords(args.data, _existing(args.image_folder, "--image-folder"),
+                                  image_token=image_token, strict=args.strict)
+    if records.skipped.count:
+        print(f"skipped {records.skipped.count} bad record(s) of "
+              f"{len(records) + records.skipped.count} in {args.data} (first: "
+              f"{records.skipped.named[0]}); --strict stops at the first", file=sys.stderr)
+    return records
+
+
+def _data(args: argparse.Namespace, mm, records):
+    """(dataset, collate, objective class) for `--data-format`."""
+    from vlm_vit_llm import train
+
+    if records is None:
+        return (train.CaptionFolder(args.data, _existing(args.captions, "--captions"),
+                                    mm.processor),
+                train.CaptionCollate(mm, args.prompt), train.CaptionObjective)
+    from vlm_vit_llm.chat import adopt_chat_template
+
+    adopt_chat_template(mm.tokenizer, args.template)  # saved with the model
+    dataset = train.ConversationDataset(records, mm.processor,
+                                        image_tokens=mm.tower.num_image_tokens())
+    collate = train.ConversationCollate(mm, max_length=args.max_length)
+    return dataset, collate, train.ConversationObjective
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -144,6 +216,11 @@ def run_generate(args: argparse.Namespace) -> int:
     mm = MultimodalLM.from_pretrained(_existing(args.model, "model"))
     images = [_existing(path, "--image") for path in args.image]
     prompt = args.prompt if args.prompt is not None else mm.image_token * len(images) + "\n"
+    if args.chat:
+        from vlm_vit_llm.chat import chat_prompt, chat_template
+        from vlm_vit_llm.records import Turn
+
+        prompt = chat_prompt(mm.tokenizer, [Turn("user", prompt)], chat_template(mm.tokenizer))
     print(mm.eval().generate([prompt], [images], max_new_tokens=args.max_new_tokens,
                              do_sample=False)[0])
     return 0

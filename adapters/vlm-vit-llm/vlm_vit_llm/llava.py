@@ -1,19 +1,23 @@
 """Export to Hugging Face's LLaVA layout (`LlavaForConditionalGeneration`, CLIP vision).
 
-The weights move by declarative prefix maps; LoRA adapters are merged into a copy first. The
-folder also gets the tokenizer and a `LlavaProcessor` (a `CLIPImageProcessor` with our
-preprocessing), so `AutoProcessor` and `LlavaForConditionalGeneration.from_pretrained` read it
-as they read the published LLaVA-1.5 checkpoints.
+The weights move by declarative prefix maps; LoRA adapters are merged into the written
+tensors one weight at a time, leaving the model as it was. The folder also gets the tokenizer
+and a `LlavaProcessor` (a `CLIPImageProcessor` with our preprocessing), so `AutoProcessor` and
+`LlavaForConditionalGeneration.from_pretrained` read it as they read the published LLaVA-1.5
+checkpoints.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
+from vlm_vit import VisionEncoder
 from vlm_vit.convert.hf_clip import (
     check_expressible,
     hf_clip_config,
@@ -21,6 +25,7 @@ from vlm_vit.convert.hf_clip import (
     preprocessor_config,
 )
 from vlm_vit.files import atomic_directory
+from vlm_vit_llm.model import _split_peft, merged_state
 
 if TYPE_CHECKING:
     from vlm_vit_llm.model import MultimodalLM
@@ -49,6 +54,10 @@ def check_exportable(mm: MultimodalLM) -> None:
         check_expressible(tower.encoder.config)
     except ValueError as error:
         problems.append(str(error))
+    try:  # transformers' CLIPImageProcessor must give our pixels
+        preprocessor_config(mm.processor)
+    except ValueError as error:
+        problems.append(str(error))
     if problems:
         raise ValueError("cannot export to the LLaVA layout: " + "; ".join(problems))
 
@@ -65,27 +74,61 @@ def _renamed(state: dict[str, torch.Tensor], prefixes: dict[str, str]) -> dict[s
 
 def llava_tensors(mm: MultimodalLM, vision_prefix: str = VISION_PREFIX
                   ) -> dict[str, torch.Tensor]:
-    """Every weight under `LlavaForConditionalGeneration`'s names (adapters must be merged).
+    """Every weight under `LlavaForConditionalGeneration`'s names, LoRA adapters merged in.
 
-    `vision_prefix` replaces the `vision_model.` that `hf_clip_tensors` writes.
+    `mm` is not changed: a LoRA-wrapped weight becomes a new tensor (`merged_state`), every
+    other tensor is `mm`'s own. Names an LLM ties to one parameter (the output head of a
+    `tie_word_embeddings` LLM) all map to one tensor object. `vision_prefix` replaces the
+    `vision_model.` that `hf_clip_tensors` writes.
+
+    Raises:
+        ValueError: when LoRA changes one of two tied weights but not the other.
     """
-    llm = mm.llm
-    tensors = _renamed(hf_clip_tensors(mm.tower.encoder), {"vision_model.": vision_prefix})
+    encoder, encoder_adapter = _split_peft(mm.tower.encoder)
+    if encoder_adapter is not None:  # a plain encoder on the merged tensors, nothing copied
+        encoder = VisionEncoder.from_state_dict(merged_state(encoder_adapter), encoder.config)
+    tensors = _renamed(hf_clip_tensors(encoder), {"vision_model.": vision_prefix})
     tensors.update(_renamed(mm.tower.pooler.state_dict(), PROJECTOR_KEYS))
     # The causal LM holds its decoder under `base_model_prefix` and the head beside it.
+    llm = _split_peft(mm.llm)[0]
+    state = merged_state(mm.llm)
+    for alias, name in _tied_names(llm).items():
+        if not _same_values(state[alias], state[name]):
+            raise ValueError(f"the LLM ties {alias!r} to {name!r}, but its LoRA changes them "
+                             "differently; LLaVA's layout holds one tensor for both")
+        state[alias] = state[name]
     prefix = llm.base_model_prefix + "."
-    head = {name: name for name, _ in llm.named_parameters() if not name.startswith(prefix)}
-    tensors.update(_renamed(llm.state_dict(), {prefix: LANGUAGE_PREFIX, **head}))
+    head = {name: name for name in state if not name.startswith(prefix)}
+    tensors.update(_renamed(state, {prefix: LANGUAGE_PREFIX, **head}))
     return tensors
+
+
+def _tied_names(module: nn.Module) -> dict[str, str]:
+    """{a second name of a parameter: its first name}, in plain names (as `_base_state`)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        name = name.replace(".base_layer.", ".")
+        if id(parameter) in first:
+            aliases[name] = first[id(parameter)]
+        else:
+            first[id(parameter)] = name
+    return aliases
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    same_memory = (a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                   and a.stride() == b.stride() and a.dtype == b.dtype)
+    return same_memory or torch.equal(a, b)
 
 
 def llava_config(mm: MultimodalLM):
     """The `LlavaConfig`: CLIP vision config, the LLM's config, the image token and layers."""
     from transformers import CLIPVisionConfig, LlavaConfig
 
-    tower, llm = mm.tower, mm.llm
+    tower, llm = mm.tower, _split_peft(mm.llm)[0]
     return LlavaConfig(
-        vision_config=CLIPVisionConfig(**hf_clip_config(tower.encoder)),
+        vision_config=CLIPVisionConfig(**hf_clip_config(_split_peft(tower.encoder)[0])),
         text_config=llm.config,
         image_token_index=mm.image_token_id,
         image_seq_length=tower.num_image_tokens(),
@@ -108,25 +151,30 @@ def export_llava(mm: MultimodalLM, directory: str | Path) -> Path:
     from transformers import CLIPImageProcessor, LlavaForConditionalGeneration, LlavaProcessor
 
     check_exportable(mm)
-    merged = mm.merged()
-    config = llava_config(merged)
-    settings = preprocessor_config(merged.processor)
+    config = llava_config(mm)
+    settings = preprocessor_config(mm.processor)
     with torch.device("meta"):
         model = LlavaForConditionalGeneration(config)
     nested = any(name.startswith(VISION_PREFIX + "vision_model.") for name in model.state_dict())
-    tensors = llava_tensors(merged, VISION_PREFIX + ("vision_model." if nested else ""))
+    # LoRA is merged into the written tensors one weight at a time, never into a copy of
+    # the whole model (the frozen LLM would be copied with it).
+    tensors = llava_tensors(mm, VISION_PREFIX + ("vision_model." if nested else ""))
     model.load_state_dict(tensors, strict=True, assign=True)  # lists every bad key
+    # `assign` gives each of a tied pair of names its own Parameter (on one storage): tie
+    # them again, so the model written is the one transformers builds from the config.
+    model.tie_weights()
     settings.pop("image_processor_type")
-    tokenizer = merged.tokenizer  # merged's own copy: the caller's tokenizer is left alone
+    encoder_config = _split_peft(mm.tower.encoder)[0].config
+    tokenizer = copy.deepcopy(mm.tokenizer)  # the caller's tokenizer is left alone
     if tokenizer.pad_token is None:  # batched processing needs one; LLaVA-1.5 pads with unk
         tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
         logger.info("the exported tokenizer pads with %r", tokenizer.pad_token)
     processor = LlavaProcessor(
         image_processor=CLIPImageProcessor(**settings), tokenizer=tokenizer,
-        patch_size=merged.tower.encoder.config.patch_size,
+        patch_size=encoder_config.patch_size,
         vision_feature_select_strategy=config.vision_feature_select_strategy,
-        image_token=merged.image_token,
-        num_additional_image_tokens=int(merged.tower.encoder.config.class_token))
+        image_token=mm.image_token,
+        num_additional_image_tokens=int(encoder_config.class_token))
     with atomic_directory(directory) as temp:
         model.save_pretrained(temp)
         processor.save_pretrained(temp)

@@ -69,7 +69,8 @@ class MultimodalLM(nn.Module):
             missing, and the LLM's embeddings grow to match.
         image_token: the placeholder string in prompts.
         processor: turns PIL images and files into pixels; default: CLIP normalisation at
-            the encoder's image size (logged).
+            the encoder's image size with `crop_rounding="floor"`, as LLaVA's transformers
+            processor crops (logged).
 
     Raises:
         ValueError: when the tower returns a vector instead of tokens, or tokens of another
@@ -92,7 +93,9 @@ class MultimodalLM(nn.Module):
         self.tower, self.llm, self.tokenizer = tower, llm, tokenizer
         self.image_token = image_token
         if processor is None:
-            processor = ImageProcessor.for_family("clip", size=tower.encoder.config.image_size)
+            # transformers' crop rounding: the exported LLaVA's CLIPImageProcessor floors.
+            processor = ImageProcessor.for_family("clip", size=tower.encoder.config.image_size,
+                                                  crop_rounding="floor")
             logger.info("no processor given: CLIP normalisation at %s", processor.size)
         self.processor = processor
         self.image_token_id = self._add_image_token()
@@ -108,9 +111,18 @@ class MultimodalLM(nn.Module):
         if len(ids) != 1:
             raise ValueError(f"the tokenizer splits the image token {self.image_token!r} into "
                              f"{len(ids)} tokens; it must be one")
-        embeddings = self.llm.get_input_embeddings()
-        if len(tokenizer) > embeddings.num_embeddings:
-            self.llm.resize_token_embeddings(len(tokenizer))
+        rows = self.llm.get_input_embeddings().num_embeddings
+        if len(tokenizer) > rows:
+            self.llm.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+            # LLaVA's recipe: new rows start at the mean of the old ones, in the input and
+            # the output embeddings. Not random, so every process builds the same model (a
+            # resumed run's frozen base matches its checkpoint's); a tied matrix is one.
+            matrices = {id(m.weight): m.weight for m in (self.llm.get_input_embeddings(),
+                                                         self.llm.get_output_embeddings())
+                        if m is not None}
+            with torch.no_grad():
+                for matrix in matrices.values():  # (V, D)
+                    matrix[rows:] = matrix[:rows].mean(dim=0, keepdim=True)
             logger.info("resized the LLM's embeddings to %d rows", len(tokenizer))
         return ids[0]
 
@@ -164,6 +176,7 @@ class MultimodalLM(nn.Module):
     def prepare(self, texts: Sequence[str | Sequence[int]],
                 images: Sequence[Sequence[Any]] | None = None,
                 targets: Sequence[str | Sequence[int]] | None = None, *,
+                token_labels: Sequence[Sequence[int]] | None = None,
                 padding_side: str = "right") -> MultimodalBatch:
         """Tokenises, expands the placeholders and pads (see `MultimodalBatch`).
 
@@ -174,6 +187,9 @@ class MultimodalLM(nn.Module):
                 or `[C, H, W]` pixel tensors); None or [] for a prompt without images.
             targets: per prompt, the text to learn after it (strings, or token ids from
                 `encode_target`); the loss sees only these.
+            token_labels: instead of `targets`, for prompts given as token ids: per prompt,
+                a label per token (the id where it is learned, `IGNORE_INDEX` elsewhere), as
+                `vlm_vit_llm.chat.tokenize_conversation` gives for multi-turn conversations.
             padding_side: "right" for training, "left" for generation.
 
         Raises:
@@ -187,6 +203,13 @@ class MultimodalLM(nn.Module):
             raise ValueError(f"{len(texts)} prompts but images for {len(images)}")
         if targets is not None and len(targets) != len(texts):
             raise ValueError(f"{len(texts)} prompts but {len(targets)} targets")
+        if token_labels is not None:
+            if targets is not None:
+                raise ValueError("give targets or token_labels, not both")
+            if len(token_labels) != len(texts) or any(
+                    isinstance(text, str) or len(text) != len(row)
+                    for text, row in zip(texts, token_labels, strict=True)):
+                raise ValueError("token_labels need prompts as token ids, one label per token")
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         token_ids = [self._prompt_ids(text, prompt) for prompt, text in enumerate(texts)]
@@ -205,11 +228,16 @@ class MultimodalLM(nn.Module):
 
         sequences, label_rows, image_counts = [], [], iter(counts)
         for prompt, ids in enumerate(token_ids):
-            expanded = []
-            for token in ids:
-                expanded.extend([token] * next(image_counts) if token == self.image_token_id
-                                else [token])
-            labels = [IGNORE_INDEX] * len(expanded)
+            expanded, labels = [], []
+            given = token_labels[prompt] if token_labels is not None else [IGNORE_INDEX] * len(ids)
+            for token, label in zip(ids, given, strict=True):
+                if token == self.image_token_id:  # never learned, whatever the label says
+                    count = next(image_counts)
+                    expanded.extend([token] * count)
+                    labels.extend([IGNORE_INDEX] * count)
+                else:
+                    expanded.append(token)
+                    labels.append(label)
             if targets is not None:
                 target = targets[prompt]
                 target = self.encode_target(target) if isinstance(target, str) else list(target)
@@ -245,7 +273,8 @@ class MultimodalLM(nn.Module):
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
             position_ids=position_ids.to(device), image_mask=image_mask.to(device),
             image_features=image_features.to(device),
-            labels=labels.to(device) if targets is not None else None)
+            labels=labels.to(device) if targets is not None or token_labels is not None
+            else None)
 
     def _prompt_ids(self, text: str | Sequence[int], prompt: int) -> list[int]:
         if not isinstance(text, str):
@@ -269,12 +298,13 @@ class MultimodalLM(nn.Module):
 
     def forward(self, texts: Sequence[str | Sequence[int]],
                 images: Sequence[Sequence[Any]] | None = None,
-                targets: Sequence[str | Sequence[int]] | None = None, **llm_kwargs: Any):
-        """The LLM's output (`.logits`, and `.loss` over the targets when given).
+                targets: Sequence[str | Sequence[int]] | None = None, *,
+                token_labels: Sequence[Sequence[int]] | None = None, **llm_kwargs: Any):
+        """The LLM's output (`.logits`, and `.loss` over the targets or labels when given).
 
         Arguments as in `prepare`; `llm_kwargs` go to the LLM.
         """
-        batch = self.prepare(texts, images, targets)
+        batch = self.prepare(texts, images, targets, token_labels=token_labels)
         return self.llm(inputs_embeds=self.embed(batch), attention_mask=batch.attention_mask,
                         position_ids=batch.position_ids, labels=batch.labels, **llm_kwargs)
 
@@ -451,3 +481,46 @@ def _base_state(module: nn.Module) -> dict[str, torch.Tensor]:
     layers (`x.base_layer.weight`) under their own names again (`x.weight`)."""
     return {name.replace(".base_layer.", "."): tensor
             for name, tensor in module.state_dict().items() if ".lora_" not in name}
+
+
+def merged_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A module's weights with its active LoRA adapters folded in, under the plain module's
+    names (`x.weight`, not `x.base_layer.weight`); `module` itself is not changed.
+
+    Only the weights LoRA wraps are new tensors, `W + scaling * B @ A` one at a time (peft's
+    own `get_delta_weight`, with the layer's own per-adapter `scaling`); every other tensor is
+    the module's own, shared, not copied. A fused qkv under the `attn_qv` preset needs nothing
+    special: its lora_B key rows are zero, so the key rows of the sum are the base's exactly.
+    Dropout acts on the LoRA branch's input while training and has no part in the weight.
+
+    Args:
+        module: a plain module (its state dict is returned), or a peft model on one.
+
+    Raises:
+        ValueError: for an adapter that does not merge by addition (DoRA and other variants).
+    """
+    base, adapter = _split_peft(module)
+    if adapter is None:
+        return module.state_dict()
+    from peft.tuners.lora import LoraLayer
+
+    state = _base_state(base)
+    with torch.no_grad():
+        for name, layer in base.named_modules():
+            if not isinstance(layer, LoraLayer) or layer.disable_adapters:
+                continue
+            for active in layer.active_adapters:
+                if active in layer.merged_adapters or not (
+                        active in layer.lora_A or active in layer.lora_embedding_A):
+                    continue  # merged already (in the base weight), or not on this layer
+                if layer.use_dora.get(active) or active in getattr(layer, "lora_variant", {}):
+                    raise ValueError(f"{name}: adapter {active!r} is not plain LoRA (DoRA or "
+                                     "another variant) and does not merge by addition")
+                weight = state[f"{name}.weight"]
+                # As peft's merge: the sum in the wider dtype, stored in the weight's.
+                state[f"{name}.weight"] = (weight + layer.get_delta_weight(active)).to(weight.dtype)
+                if getattr(layer, "lora_bias", {}).get(active):
+                    bias = state[f"{name}.bias"]
+                    delta = layer.lora_B[active].bias * layer.scaling[active]
+                    state[f"{name}.bias"] = (bias + delta).to(bias.dtype)
+    return state

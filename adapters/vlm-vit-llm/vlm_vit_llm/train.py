@@ -17,18 +17,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
-from torch import nn
 
 from vlm_vit import ImageProcessor
 from vlm_vit.pretrain.base import ObjectiveOutput
 from vlm_vit.train.data import ImageBatch, UndecodableImage
+from vlm_vit_llm.chat import chat_template, tokenize_conversation
 from vlm_vit_llm.model import IGNORE_INDEX, MultimodalLM, target_ids
-
-MODEL_DIR = "model"  # where a run writes the trained multimodal model
+from vlm_vit_llm.objective import BridgeObjective
+from vlm_vit_llm.records import ConversationRecords, Turn
 
 
 class Caption(NamedTuple):
@@ -138,21 +140,14 @@ class CaptionCollate:
         return ImageBatch(torch.stack([item[0] for item in good]), bad, labels)
 
 
-class CaptionObjective(nn.Module):
+class CaptionObjective(BridgeObjective):
     """Caption loss for the trainer, on batches from `CaptionCollate`: each image's prompt,
     then its caption.
 
     Set up the stage on `mm` first (`train_projector_only()` or `add_lora(...)`); frozen parts
-    get no gradients, and a frozen encoder runs without an autograd graph.
+    get no gradients, and a frozen encoder runs without an autograd graph. Checkpoints hold
+    what trains (`BridgeObjective`).
     """
-
-    def __init__(self, mm: MultimodalLM):
-        super().__init__()
-        self.mm = mm
-
-    @property
-    def encoder(self) -> nn.Module:  # what the trainer records in run_config.json
-        return self.mm.tower.encoder
 
     def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> ObjectiveOutput:
         prompts, targets = ([row[row != IGNORE_INDEX].tolist() for row in labels[:, part]]
@@ -161,6 +156,180 @@ class CaptionObjective(nn.Module):
         out = self.mm(prompts, images, targets=targets)
         return ObjectiveOutput(out.loss, {"target_tokens": float(sum(map(len, targets)))})
 
-    def export(self, run_dir: str | Path) -> Path:
-        """Writes the whole multimodal model to `run_dir/model` (the trainer calls this)."""
-        return self.mm.save_pretrained(Path(run_dir) / MODEL_DIR)
+
+# -- conversations (LLaVA's instruction data) ------------------------------------------------
+
+
+class ConversationItem(NamedTuple):
+    """A record with its images preprocessed."""
+
+    where: str
+    turns: list[Turn]
+    pixels: list[torch.Tensor]
+
+
+class ConversationDataset(torch.utils.data.Dataset):
+    """LLaVA-format conversations (`vlm_vit_llm.records`) with their images preprocessed.
+
+    Items are `ConversationItem`s, or an `UndecodableImage` naming the record and the file
+    when one of its images does not decode (the collate drops the record, the trainer counts
+    and names it).
+
+    Args:
+        records: the indexed file.
+        processor: the tower's preprocessing.
+        image_tokens: tokens one image takes in the LLM (for `lengths`).
+
+    Attributes:
+        lengths: `[N]` estimated tokens per record (text characters / 4 plus image tokens),
+            negative for text-only records: what length-grouped batching sorts by (LLaVA's
+            `modality_lengths`).
+    """
+
+    def __init__(self, records: ConversationRecords, processor: ImageProcessor,
+                 image_tokens: int = 0):
+        self.records, self.processor = records, processor
+        self.root = records.path
+        estimate = records.text_lengths // 4 + records.image_counts * image_tokens + 1
+        self.lengths = np.where(records.image_counts > 0, estimate, -estimate)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> ConversationItem | UndecodableImage:
+        record = self.records[index]
+        pixels = []
+        for path in record.images:
+            try:
+                pixels.append(self.processor.preprocess_one(path))
+            except (ValueError, OSError) as error:  # ImageLoadError, ImageTooLargeError, I/O
+                return UndecodableImage(f"{record.where} image {path}", str(error))
+        return ConversationItem(record.where, record.turns, pixels)
+
+
+@dataclass
+class ConversationBatch:
+    """Tokenised conversations for `ConversationObjective`: prompts as token ids (one image
+    token per image), labels aligned with them, and each record's pixels.
+
+    It splits into micro-batches and moves to a device like a tensor, so the trainer handles
+    it as it handles a pixel batch.
+    """
+
+    input_ids: list[list[int]]
+    labels: list[list[int]]
+    images: list[list[torch.Tensor]]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> ConversationBatch:
+        images = [[image.to(device, non_blocking=non_blocking) for image in row]
+                  for row in self.images]
+        return ConversationBatch(self.input_ids, self.labels, images)
+
+    def tensor_split(self, sections: int) -> list[ConversationBatch]:
+        """`sections` near-equal parts in order, as `torch.tensor_split` does."""
+        size, extra = divmod(len(self), sections)
+        parts, start = [], 0
+        for part in range(sections):
+            end = start + size + (part < extra)
+            parts.append(ConversationBatch(self.input_ids[start:end], self.labels[start:end],
+                                           self.images[start:end]))
+            start = end
+        return parts
+
+
+def truncate(ids: list[int], image_token_id: int, image_tokens: int, max_length: int) -> int:
+    """How many leading tokens to keep so the sequence, each image token expanded to
+    `image_tokens` positions, fits in `max_length` without cutting through an image.
+
+    Returns:
+        The number of prompt tokens to keep (all of them when the sequence fits).
+    """
+    length = 0
+    for position, token in enumerate(ids):
+        length += image_tokens if token == image_token_id else 1
+        if length > max_length:
+            return position
+    return len(ids)
+
+
+class ConversationCollate:
+    """Renders and tokenises records with the chat template (`vlm_vit_llm.chat`), truncates
+    them to `max_length` without ever cutting an image, and batches them as an `ImageBatch`
+    holding a `ConversationBatch`. Holds the tokenizer and a few numbers, so it pickles
+    cheaply into DataLoader workers.
+
+    Records are dropped, each named with the reason as an `UndecodableImage` the trainer
+    counts and logs, when: an image does not decode; its images alone do not fit in
+    `max_length`; or truncation leaves no assistant token to learn.
+
+    Args:
+        mm: the model whose tokenizer, image token and tower to use.
+        template: "auto" (the tokenizer's own chat template, else `vicuna_v1`) or a preset
+            name from `vlm_vit_llm.chat.PRESETS`.
+        max_length: the longest sequence, image tokens included (default: the LLM's context).
+        image_size: the preprocessed image size (default: the processor's).
+    """
+
+    def __init__(self, mm: MultimodalLM, template: str = "auto", max_length: int | None = None,
+                 image_size: tuple[int, int] | None = None):
+        self.tokenizer, self.image_token_id = mm.tokenizer, mm.image_token_id
+        self.template = chat_template(mm.tokenizer, template)
+        self.image_tokens = mm.tower.num_image_tokens(image_size or mm.processor.size)
+        context = getattr(getattr(mm.llm, "config", None), "max_position_embeddings", None)
+        self.max_length = max_length or context
+        if self.max_length is None:
+            raise ValueError("give max_length: the LLM's config has no max_position_embeddings")
+        if context is not None and self.max_length > context:
+            raise ValueError(f"max_length {self.max_length} is longer than the LLM's context "
+                             f"of {context}")
+
+    def encode(self, item: ConversationItem) -> tuple[list[int], list[int], list[torch.Tensor]]:
+        """Ids, labels and pixels of one record after truncation.
+
+        Raises:
+            ValueError: naming the record when it cannot be used (see the class docstring).
+        """
+        ids, labels = tokenize_conversation(self.tokenizer, item.turns, self.template)
+        placeholders = ids.count(self.image_token_id)
+        if placeholders != len(item.pixels):
+            raise ValueError(f"the tokenizer reads {placeholders} image tokens for "
+                             f"{len(item.pixels)} image(s)")
+        if len(item.pixels) * self.image_tokens > self.max_length:
+            raise ValueError(f"its {len(item.pixels)} image(s) take "
+                             f"{len(item.pixels) * self.image_tokens} tokens, more than "
+                             f"max_length {self.max_length}")
+        keep = truncate(ids, self.image_token_id, self.image_tokens, self.max_length)
+        ids, labels = ids[:keep], labels[:keep]
+        if all(label == IGNORE_INDEX for label in labels):
+            raise ValueError(f"no assistant token is left within max_length {self.max_length}")
+        return ids, labels, item.pixels[:ids.count(self.image_token_id)]
+
+    def __call__(self, items: Sequence[ConversationItem | UndecodableImage]) -> ImageBatch:
+        dropped = [item for item in items if isinstance(item, UndecodableImage)]
+        rows = []
+        for item in items:
+            if isinstance(item, UndecodableImage):
+                continue
+            try:
+                rows.append(self.encode(item))
+            except ValueError as error:
+                dropped.append(UndecodableImage(item.where, str(error)))
+        batch = ConversationBatch([row[0] for row in rows], [row[1] for row in rows],
+                                  [row[2] for row in rows])
+        return ImageBatch(batch, dropped)
+
+
+class ConversationObjective(BridgeObjective):
+    """The loss on the assistant turns of `ConversationBatch`es (from `ConversationCollate`).
+
+    Set up the stage on `mm` first (`train_projector_only()` or `add_lora(...)`); checkpoints
+    hold what trains (`BridgeObjective`).
+    """
+
+    def forward(self, batch: ConversationBatch) -> ObjectiveOutput:
+        out = self.mm(batch.input_ids, batch.images, token_labels=batch.labels)
+        learned = sum(label != IGNORE_INDEX for row in batch.labels for label in row)
+        return ObjectiveOutput(out.loss, {"target_tokens": float(learned)})

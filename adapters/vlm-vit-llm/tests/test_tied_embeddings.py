@@ -1,0 +1,160 @@
+"""LLMs whose output head is their input embedding matrix (`tie_word_embeddings=True`, as
+Qwen2-0.5B, Gemma and small Llamas): the bridge, its folders and the LLaVA export keep the
+tie, one tensor and not two copies."""
+
+import pytest
+import torch
+from conftest import CORPUS, LLM_WIDTH, perturb_lora, photos, tiny_tower
+from safetensors.torch import load_file
+from transformers import LlavaForConditionalGeneration
+
+from vlm_vit_llm import MultimodalLM, export_llava
+
+PROMPTS = ["<image>\nwhat is in the image", "<image> the dog <image>"]
+KINDS = ["llama", "qwen2"]
+
+
+@pytest.fixture(scope="session")
+def qwen2_tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer, as Qwen2's. Qwen2 gets its own kind: transformers 5 reads a
+    folder whose config says qwen2 with Qwen2's tokenizer class, whatever class was saved."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS * 10, trainer)
+    folder = tmp_path_factory.mktemp("qwen2_tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
+                            pad_token="<|endoftext|>").save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(params=KINDS)
+def kind_and_tokenizer(request, tokenizer):
+    """("llama", the conftest's SentencePiece tokenizer) or ("qwen2", a byte-level BPE)."""
+    if request.param == "llama":
+        return "llama", tokenizer
+    from transformers import AutoTokenizer
+
+    return "qwen2", AutoTokenizer.from_pretrained(request.getfixturevalue("qwen2_tokenizer_dir"))
+
+
+def tied_llm(kind: str, vocab_size: int, seed: int = 0):
+    """A random two-layer LLM of the conftest's width whose head is its embedding matrix."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
+    torch.manual_seed(seed)
+    # Qwen2Config does not tie by default (transformers 5); the small Qwen2 checkpoints do.
+    config = config_class(vocab_size=vocab_size, hidden_size=LLM_WIDTH, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                          tie_word_embeddings=True, initializer_range=0.5)
+    return model_class(config).eval()
+
+
+def assert_tied(llm) -> None:
+    base = llm.get_base_model() if hasattr(llm, "peft_config") else llm
+    assert base.get_output_embeddings().weight is base.get_input_embeddings().weight
+
+
+def tied_mm(kind, tokenizer, lora: bool = False) -> MultimodalLM:
+    """The vocabulary is the tokenizer's exactly, so adding the image token resizes it."""
+    mm = MultimodalLM(tiny_tower(), tied_llm(kind, vocab_size=len(tokenizer)), tokenizer)
+    if lora:
+        mm.add_lora(r=4, encoder_targets="attn")
+        perturb_lora(mm)
+    return mm.eval()
+
+
+def inputs(mm):
+    images = photos(3)
+    per_prompt = [[images[0]], [images[1], images[2]]]
+    pixel_values = torch.stack([mm.processor.preprocess_one(image) for image in images])
+    return per_prompt, pixel_values
+
+
+def test_the_image_token_resize_keeps_the_tie(kind_and_tokenizer):
+    kind, tokenizer = kind_and_tokenizer
+    rows = len(tokenizer)
+    mm = tied_mm(kind, tokenizer)
+    assert mm.llm.get_input_embeddings().num_embeddings == rows + 1 == len(mm.tokenizer)
+    assert_tied(mm.llm)
+    per_prompt, _ = inputs(mm)
+    with torch.no_grad():
+        out = mm(PROMPTS, per_prompt, targets=["a red square", "two blue dogs"])
+    assert out.logits.shape[-1] == rows + 1 and torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_saved_tied_model_loads_tied_with_the_same_logits(tmp_path, kind_and_tokenizer, lora):
+    kind, tokenizer = kind_and_tokenizer
+    mm = tied_mm(kind, tokenizer, lora)
+    mm.save_pretrained(tmp_path / "mm")
+    # `save_pretrained(state_dict=_base_state(...))` writes the shared matrix once.
+    written = load_file(tmp_path / "mm" / "llm" / "model.safetensors")
+    assert [name for name in written if "embed_tokens" in name or "lm_head" in name] == \
+        ["model.embed_tokens.weight"]
+    loaded = MultimodalLM.from_pretrained(tmp_path / "mm").eval()
+    assert_tied(loaded.llm)
+    assert hasattr(loaded.llm, "peft_config") == lora
+    per_prompt, _ = inputs(mm)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(PROMPTS, per_prompt).logits,
+                                   mm(PROMPTS, per_prompt).logits, rtol=0, atol=0)
+
+
+def test_merging_lora_keeps_the_tie(kind_and_tokenizer):
+    kind, tokenizer = kind_and_tokenizer
+    mm = tied_mm(kind, tokenizer, lora=True)
+    merged = mm.merged()
+    assert_tied(merged.llm)
+    per_prompt, _ = inputs(mm)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(PROMPTS, per_prompt).logits,
+                                   mm(PROMPTS, per_prompt).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_llava_export_of_a_tied_llm_is_tied_and_gives_our_logits(tmp_path,
+                                                                      kind_and_tokenizer, lora):
+    kind, tokenizer = kind_and_tokenizer
+    mm = tied_mm(kind, tokenizer, lora)
+    export_llava(mm, tmp_path / "llava")
+    assert_tied(mm.llm)  # ours untouched
+
+    written = load_file(tmp_path / "llava" / "model.safetensors")
+    shared = [name for name in written if "embed_tokens" in name or "lm_head" in name]
+    assert len(shared) == 1, shared  # one matrix on disk, not two copies
+    hf = LlavaForConditionalGeneration.from_pretrained(tmp_path / "llava").eval()
+    assert hf.config.tie_word_embeddings
+    assert hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+
+    per_prompt, pixel_values = inputs(mm)
+    batch = mm.prepare(PROMPTS, per_prompt)
+    with torch.no_grad():
+        ours = mm(PROMPTS, per_prompt).logits
+        theirs = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                    pixel_values=pixel_values).logits
+    mask = batch.attention_mask.bool()
+    torch.testing.assert_close(theirs[mask], ours[mask], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+def test_lora_that_unties_the_head_is_refused(tmp_path, tokenizer):
+    """LoRA on the embeddings alone would leave the tied head behind: LLaVA's layout holds one
+    matrix for both, so the export refuses instead of dropping one side's update."""
+    mm = MultimodalLM(tiny_tower(), tied_llm("llama", len(tokenizer)), tokenizer)
+    mm.add_lora(r=4, llm_targets=["embed_tokens"])
+    with torch.no_grad():  # peft starts an embedding's LoRA with lora_embedding_A at zero
+        for name, parameter in mm.named_parameters():
+            if "lora_embedding_A" in name:
+                parameter.normal_(0, 0.05)
+    with pytest.raises(ValueError, match="ties 'lm_head.weight' to 'model.embed_tokens.weight'"):
+        export_llava(mm, tmp_path / "llava")
+    assert not (tmp_path / "llava").exists()

@@ -1,0 +1,277 @@
+"""LLaVA's conversation data, indexed once and read one record at a time.
+
+    records = ConversationRecords("llava_v1_5_mix665k.json", "images/")
+    records[0]        # Record(id, turns=[Turn("user", "<image>\\nWhat is ..."), ...], images=[...])
+
+The format (LLaVA-Instruct-150K, ShareGPT4V, LLaVA-1.5's 665k mix, LLaVA-OneVision): a JSON
+array of records, or JSON lines with one record per line:
+
+    {"id": "000000033471", "image": "coco/train2017/000000033471.jpg",
+     "conversations": [{"from": "human", "value": "<image>\\nWhat are the colors of the bus?"},
+                       {"from": "gpt", "value": "The bus is white and red."}, ...]}
+
+`image` is one path, a list of paths (in placeholder order) or absent (a text-only record);
+paths are relative to the image folder. Each `<image>` in a human turn stands for the next
+image. Roles are `human`/`user`, `gpt`/`assistant` and `system`; turns may also be spelled
+`{"role": ..., "content": ...}`.
+
+Indexing parses every record once, checks it, and keeps only where it lies in the file (byte
+offsets in numpy arrays), so a 665k-record file is not held as Python objects and forked
+DataLoader workers share the index. A record that fails a check is skipped, counted and
+named (file, line, id), or refused with `strict=True`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+         "system": "system"}
+NAMED_SKIPS = 20  # bad records named one by one in the log; the rest are only counted
+
+
+class Turn(NamedTuple):
+    """One message: `role` is "system", "user" or "assistant"."""
+
+    role: str
+    text: str
+
+
+class Record(NamedTuple):
+    """One conversation.
+
+    Attributes:
+        where: how messages name it (`file:line (id ...)`).
+        turns: the messages in order.
+        images: absolute image paths, in placeholder order.
+    """
+
+    where: str
+    turns: list[Turn]
+    images: list[Path]
+
+
+class BadRecord(ValueError):
+    """A record that cannot be used; the message names it and says why.
+
+    Attributes:
+        where: the record (`file:line (id ...)`).
+        reason: what is wrong with it.
+        kind: a short category, for the counts.
+    """
+
+    def __init__(self, where: str, reason: str, kind: str):
+        super().__init__(f"{where}: {reason}")
+        self.where, self.reason, self.kind = where, reason, kind
+
+
+@dataclass
+class SkippedRecords:
+    """What indexing left out: a count per reason and the first few records by name."""
+
+    count: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+    named: list[str] = field(default_factory=list)
+
+    def add(self, where: str, reason: str, kind: str) -> None:
+        self.count += 1
+        self.by_reason[kind] = self.by_reason.get(kind, 0) + 1
+        if len(self.named) < NAMED_SKIPS:
+            self.named.append(f"{where}: {reason}")
+            logger.warning("skipping %s: %s", where, reason)
+
+
+def parse_record(raw: Any, where: str, image_folder: Path, image_token: str = "<image>",
+                 check_files: bool = True) -> Record:
+    """Checks one parsed record and returns it with roles mapped and paths resolved.
+
+    Raises:
+        BadRecord: naming `where` and what is wrong.
+    """
+
+    def bad(reason: str, kind: str) -> BadRecord:
+        return BadRecord(where, reason, kind)
+
+    if not isinstance(raw, dict):
+        raise bad(f"a record must be a JSON object, got {type(raw).__name__}", "not an object")
+    conversation = raw.get("conversations", raw.get("messages"))
+    if not isinstance(conversation, list) or not conversation:
+        raise bad("'conversations' must be a non-empty list of turns", "empty conversation")
+    turns = []
+    for number, turn in enumerate(conversation):
+        if not isinstance(turn, dict):
+            raise bad(f"turn {number} is not an object", "malformed turn")
+        role = turn.get("from", turn.get("role"))
+        text = turn.get("value", turn.get("content"))
+        if role not in ROLES:
+            raise bad(f"turn {number} has unknown role {role!r} (known: {sorted(ROLES)})",
+                      "unknown role")
+        if not isinstance(text, str):
+            raise bad(f"turn {number} has no text ('value' or 'content' string)",
+                      "malformed turn")
+        if ROLES[role] != "user" and image_token in text:
+            raise bad(f"turn {number} ({role}) holds {image_token!r}; images go in human turns",
+                      "placeholder outside a human turn")
+        turns.append(Turn(ROLES[role], text))
+    if not any(turn.role == "assistant" for turn in turns):
+        raise bad("no assistant ('gpt') turn to learn", "no assistant turn")
+
+    image = raw.get("image", raw.get("images"))
+    names = [] if image is None else [image] if isinstance(image, str) else image
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise bad(f"'image' must be a path or a list of paths, got {image!r:.80}",
+                  "malformed image field")
+    placeholders = sum(turn.text.count(image_token) for turn in turns)
+    if placeholders != len(names):
+        raise bad(f"{placeholders} {image_token!r} placeholder(s) but {len(names)} image(s)",
+                  "placeholders do not match images")
+    paths = [image_folder / name for name in names]
+    if check_files:
+        for path in paths:
+            if not path.is_file():
+                raise bad(f"no image {path}", "missing image")
+    return Record(where, turns, paths)
+
+
+def _where(path: Path, line: int, raw: Any) -> str:
+    record_id = raw.get("id") if isinstance(raw, dict) else None
+    return f"{path}:{line}" + (f" (id {record_id})" if record_id is not None else "")
+
+
+class ConversationRecords:
+    """The checked records of a LLaVA-format JSON or JSON lines file (see the module).
+
+    Args:
+        path: the `.json` (an array of records) or `.jsonl` file; the format is told by the
+            first non-space character.
+        image_folder: where the records' image paths start (LLaVA's `--image_folder`).
+        image_token: the placeholder in human turns.
+        strict: refuse the file at its first bad record instead of skipping it.
+        check_files: check at indexing that every image exists (one `stat` per image).
+
+    Attributes:
+        skipped: what was left out, with reasons.
+        image_counts: `[N]` images per record.
+        text_lengths: `[N]` characters of text per record (for length-grouped batches).
+
+    Raises:
+        FileNotFoundError: for a missing file or image folder.
+        ValueError: for a JSON array that does not parse (naming the line), an empty result,
+            or with `strict`, the first bad record (naming it).
+    """
+
+    def __init__(self, path: str | Path, image_folder: str | Path, *,
+                 image_token: str = "<image>", strict: bool = False, check_files: bool = True):
+        self.path, self.image_folder = Path(path), Path(image_folder)
+        self.image_token, self.check_files = image_token, check_files
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no conversation file {self.path}")
+        if not self.image_folder.is_dir():
+            raise FileNotFoundError(f"no image folder {self.image_folder}")
+        self.skipped = SkippedRecords()
+        spans: list[tuple[int, int, int, int, int]] = []  # start, end, line, images, chars
+        for start, end, line, raw, error in self._scan():
+            where = _where(self.path, line, raw)
+            try:
+                if error is not None:
+                    raise BadRecord(where, f"not JSON ({error})", "not JSON")
+                record = parse_record(raw, where, self.image_folder, image_token, check_files)
+            except BadRecord as bad:
+                if strict:
+                    raise ValueError(str(bad)) from None
+                self.skipped.add(where, bad.reason, bad.kind)
+                continue
+            chars = sum(len(turn.text) for turn in record.turns)
+            spans.append((start, end, line, len(record.images), chars))
+        if not spans:
+            raise ValueError(f"{self.path} holds no usable records"
+                             + (f" ({self.skipped.count} skipped: {self.skipped.by_reason})"
+                                if self.skipped.count else ""))
+        table = np.array(spans, dtype=np.int64)
+        self.starts, self.ends, self.lines = table[:, 0], table[:, 1], table[:, 2]
+        self.image_counts, self.text_lengths = table[:, 3], table[:, 4]
+        if self.skipped.count:
+            logger.warning("%s: using %d records, skipped %d (%s)", self.path, len(self),
+                           self.skipped.count, ", ".join(
+                               f"{n} {k}" for k, n in sorted(self.skipped.by_reason.items())))
+
+    def _scan(self):
+        """Yields (byte start, byte end, line, parsed record or None, JSON error or None)."""
+        with self.path.open("rb") as handle:
+            head = handle.read(4096).lstrip()
+        if head.startswith(b"["):
+            yield from self._scan_array()
+        else:
+            yield from self._scan_lines()
+
+    def _scan_lines(self):
+        offset = 0
+        with self.path.open("rb") as handle:
+            for line, raw in enumerate(handle, 1):
+                start, offset = offset, offset + len(raw)
+                if not raw.strip():
+                    continue
+                try:
+                    yield start, offset, line, json.loads(raw), None
+                except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                    yield start, offset, line, None, error
+
+    def _scan_array(self):
+        """One element at a time with `raw_decode`: each record is parsed, then dropped."""
+        text = self.path.read_text(encoding="utf-8")
+        decoder = json.JSONDecoder()
+        position = text.index("[") + 1
+        byte_position, char_position, line = len(text[:position].encode()), position, 1
+        line += text.count("\n", 0, position)
+
+        def skip(position: int) -> int:
+            while position < len(text) and text[position] in " \t\r\n":
+                position += 1
+            return position
+
+        position = skip(position)
+        if position < len(text) and text[position] == "]":
+            return
+        while True:
+            # Byte offsets follow the characters read so far (the file may not be ASCII).
+            byte_position += len(text[char_position:position].encode())
+            line += text.count("\n", char_position, position)
+            char_position = position
+            try:
+                raw, end = decoder.raw_decode(text, position)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{self.path} is not a JSON array of records: {error}") from None
+            end_bytes = byte_position + len(text[position:end].encode())
+            yield byte_position, end_bytes, line, raw, None
+            position = skip(end)
+            if position < len(text) and text[position] == ",":
+                position = skip(position + 1)
+            elif position < len(text) and text[position] == "]":
+                return
+            else:
+                where = f"line {line + text.count(chr(10), char_position, position)}"
+                raise ValueError(f"{self.path} is not a JSON array of records: expected ',' "
+                                 f"or ']' at {where}")
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def where(self, index: int) -> str:
+        return f"{self.path}:{int(self.lines[index])}"
+
+    def __getitem__(self, index: int) -> Record:
+        """Reads and checks record `index` from the file (cheap: one seek and one parse)."""
+        start, end = int(self.starts[index]), int(self.ends[index])
+        with self.path.open("rb") as handle:
+            handle.seek(start)
+            raw = json.loads(handle.read(end - start))
+        return parse_record(raw, _where(self.path, int(self.lines[index]), raw),
+                            self.image_folder, self.image_token, check_files=False)
