@@ -18,6 +18,8 @@ TINY_ARGS = {
                         "image embeddings [2, 64], max |ours - transformers| = "),
     "llava_stage1.py": (["--image-size", "32", "--steps", "5"],
                         "max |ours - transformers| logits = "),
+    "llava_instruct.py": (["--image-size", "32", "--stage-1-steps", "3", "--stage-2-steps", "3"],
+                          "max |ours - transformers| logits = "),
 }
 
 
@@ -28,7 +30,7 @@ def test_every_example_has_tiny_arguments():
 @pytest.mark.parametrize("name", sorted(TINY_ARGS))
 def test_example_runs(name):
     pytest.importorskip("skimage")
-    if name == "llava_stage1.py":
+    if name.startswith("llava_"):
         pytest.importorskip("vlm_vit_llm")
     arguments, expected = TINY_ARGS[name]
     result = subprocess.run([sys.executable, str(EXAMPLES / name), *arguments],

@@ -12,11 +12,13 @@ themselves, and a prompt whose placeholders do not match its images is refused.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
 import re
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -358,7 +360,8 @@ class MultimodalLM(nn.Module):
         self.requires_grad_(False)
         config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, bias="none",
                                  target_modules=list(llm_targets), task_type="CAUSAL_LM")
-        self.llm = peft.get_peft_model(self.llm, config)
+        with _quiet_peft():
+            self.llm = peft.get_peft_model(self.llm, config)
         if encoder_targets is not None:
             self.tower.encoder = apply_lora(self.tower.encoder, r=r, alpha=alpha,
                                             dropout=dropout, targets=encoder_targets)
@@ -441,8 +444,9 @@ class MultimodalLM(nn.Module):
         if config.get("llm_adapter"):
             from peft import PeftModel
 
-            llm = PeftModel.from_pretrained(llm, str(directory / LLM_ADAPTER_DIR),
-                                            is_trainable=trainable)
+            with _quiet_peft():
+                llm = PeftModel.from_pretrained(llm, str(directory / LLM_ADAPTER_DIR),
+                                                is_trainable=trainable)
         if config.get("vision_adapter"):
             from vlm_vit.lora import load_adapter
 
@@ -481,6 +485,15 @@ def _base_state(module: nn.Module) -> dict[str, torch.Tensor]:
     layers (`x.base_layer.weight`) under their own names again (`x.weight`)."""
     return {name.replace(".base_layer.", "."): tensor
             for name, tensor in module.state_dict().items() if ".lora_" not in name}
+
+
+@contextlib.contextmanager
+def _quiet_peft() -> Iterator[None]:
+    """Wrapping a model, peft reads a property transformers 5 deprecates, with a warning
+    the user can do nothing about."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
+        yield
 
 
 def merged_state(module: nn.Module) -> dict[str, torch.Tensor]:
