@@ -46,15 +46,36 @@ def tokenizer(tokenizer_dir):
     return LlamaTokenizer.from_pretrained(tokenizer_dir)
 
 
-def tiny_llm(vocab_size: int = 128, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llm(vocab_size: int = 128, seed: int = 0, kind: str = "llama", tied: bool = False):
+    """A random two-layer Llama (or Qwen2) of width `LLM_WIDTH`; `tied`: its head is its
+    embedding matrix (`tie_word_embeddings`, as Qwen2-0.5B, Gemma and small Llamas)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=LLM_WIDTH, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-                         tie_word_embeddings=False, initializer_range=0.5)
-    return LlamaForCausalLM(config).eval()
+    config = config_class(vocab_size=vocab_size, hidden_size=LLM_WIDTH, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                          tie_word_embeddings=tied, initializer_range=0.5)
+    return model_class(config).eval()
+
+
+def assert_export_matches(mm, folder: Path, prompts, per_prompt, images):
+    """The `LlavaForConditionalGeneration` in `folder` gives `mm`'s logits (1e-4) on the
+    real tokens; returns it."""
+    from transformers import LlavaForConditionalGeneration
+
+    hf = LlavaForConditionalGeneration.from_pretrained(folder).eval()
+    batch = mm.prepare(prompts, per_prompt)
+    pixel_values = torch.stack([mm.processor.preprocess_one(image) for image in images])
+    with torch.no_grad():
+        ours = mm(prompts, per_prompt).logits
+        theirs = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                    pixel_values=pixel_values).logits
+    mask = batch.attention_mask.bool()
+    torch.testing.assert_close(theirs[mask], ours[mask], rtol=1e-4, atol=1e-4)
+    return hf
 
 
 def tiny_tower(seed: int = 0, feature_layer: int | None = -2) -> VisionTower:

@@ -5,10 +5,9 @@ import copy
 
 import pytest
 import torch
-from conftest import perturb_lora, photos
+from conftest import assert_export_matches, perturb_lora, photos
 from peft.tuners.lora import LoraLayer
 from torch import nn
-from transformers import LlavaForConditionalGeneration
 
 from vlm_vit_llm import MultimodalLM, export_llava
 from vlm_vit_llm.model import merged_state
@@ -60,14 +59,7 @@ def test_export_merges_lora_without_copying_the_model(mm, tmp_path, monkeypatch,
     with torch.no_grad():
         torch.testing.assert_close(mm(PROMPTS, per_prompt).logits, ours, rtol=0, atol=0)
 
-    hf = LlavaForConditionalGeneration.from_pretrained(tmp_path / "llava").eval()
-    batch = mm.prepare(PROMPTS, per_prompt)
-    pixel_values = torch.stack([mm.processor.preprocess_one(image) for image in images])
-    with torch.no_grad():
-        theirs = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                    pixel_values=pixel_values).logits
-    mask = batch.attention_mask.bool()
-    torch.testing.assert_close(theirs[mask], ours[mask], rtol=1e-4, atol=1e-4)
+    assert_export_matches(mm, tmp_path / "llava", PROMPTS, per_prompt, images)
 
 
 @pytest.mark.parametrize("encoder_targets", ["attn", "attn_qv"])

@@ -4,9 +4,8 @@ tie, one tensor and not two copies."""
 
 import pytest
 import torch
-from conftest import CORPUS, LLM_WIDTH, perturb_lora, photos, tiny_tower
+from conftest import CORPUS, assert_export_matches, perturb_lora, photos, tiny_llm, tiny_tower
 from safetensors.torch import load_file
-from transformers import LlavaForConditionalGeneration
 
 from vlm_vit_llm import MultimodalLM, export_llava
 
@@ -43,21 +42,6 @@ def kind_and_tokenizer(request, tokenizer):
     return "qwen2", AutoTokenizer.from_pretrained(request.getfixturevalue("qwen2_tokenizer_dir"))
 
 
-def tied_llm(kind: str, vocab_size: int, seed: int = 0):
-    """A random two-layer LLM of the conftest's width whose head is its embedding matrix."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
-                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
-    torch.manual_seed(seed)
-    # Qwen2Config does not tie by default (transformers 5); the small Qwen2 checkpoints do.
-    config = config_class(vocab_size=vocab_size, hidden_size=LLM_WIDTH, intermediate_size=128,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-                          tie_word_embeddings=True, initializer_range=0.5)
-    return model_class(config).eval()
-
-
 def assert_tied(llm) -> None:
     base = llm.get_base_model() if hasattr(llm, "peft_config") else llm
     assert base.get_output_embeddings().weight is base.get_input_embeddings().weight
@@ -65,7 +49,7 @@ def assert_tied(llm) -> None:
 
 def tied_mm(kind, tokenizer, lora: bool = False) -> MultimodalLM:
     """The vocabulary is the tokenizer's exactly, so adding the image token resizes it."""
-    mm = MultimodalLM(tiny_tower(), tied_llm(kind, vocab_size=len(tokenizer)), tokenizer)
+    mm = MultimodalLM(tiny_tower(), tiny_llm(len(tokenizer), kind=kind, tied=True), tokenizer)
     if lora:
         mm.add_lora(r=4, encoder_targets="attn")
         perturb_lora(mm)
@@ -74,9 +58,7 @@ def tied_mm(kind, tokenizer, lora: bool = False) -> MultimodalLM:
 
 def inputs(mm):
     images = photos(3)
-    per_prompt = [[images[0]], [images[1], images[2]]]
-    pixel_values = torch.stack([mm.processor.preprocess_one(image) for image in images])
-    return per_prompt, pixel_values
+    return [[images[0]], [images[1], images[2]]], images
 
 
 def test_the_image_token_resize_keeps_the_tie(kind_and_tokenizer):
@@ -131,25 +113,17 @@ def test_the_llava_export_of_a_tied_llm_is_tied_and_gives_our_logits(tmp_path,
     written = load_file(tmp_path / "llava" / "model.safetensors")
     shared = [name for name in written if "embed_tokens" in name or "lm_head" in name]
     assert len(shared) == 1, shared  # one matrix on disk, not two copies
-    hf = LlavaForConditionalGeneration.from_pretrained(tmp_path / "llava").eval()
+    per_prompt, images = inputs(mm)
+    hf = assert_export_matches(mm, tmp_path / "llava", PROMPTS, per_prompt, images)
     assert hf.config.tie_word_embeddings
     assert hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
-
-    per_prompt, pixel_values = inputs(mm)
-    batch = mm.prepare(PROMPTS, per_prompt)
-    with torch.no_grad():
-        ours = mm(PROMPTS, per_prompt).logits
-        theirs = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                    pixel_values=pixel_values).logits
-    mask = batch.attention_mask.bool()
-    torch.testing.assert_close(theirs[mask], ours[mask], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
 def test_lora_that_unties_the_head_is_refused(tmp_path, tokenizer):
     """LoRA on the embeddings alone would leave the tied head behind: LLaVA's layout holds one
     matrix for both, so the export refuses instead of dropping one side's update."""
-    mm = MultimodalLM(tiny_tower(), tied_llm("llama", len(tokenizer)), tokenizer)
+    mm = MultimodalLM(tiny_tower(), tiny_llm(len(tokenizer), tied=True), tokenizer)
     mm.add_lora(r=4, llm_targets=["embed_tokens"])
     with torch.no_grad():  # peft starts an embedding's LoRA with lora_embedding_A at zero
         for name, parameter in mm.named_parameters():
