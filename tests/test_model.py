@@ -150,7 +150,7 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, tiny_encoder):
     x = images()
     assert torch.equal(loaded(x).tokens, tiny_encoder(x).tokens)
     assert sorted(p.name for p in (tmp_path / "enc").iterdir()) == [
-        "config.json", "model.safetensors"]  # no temporary file left behind
+        "README.md", "config.json", "model.safetensors"]  # no temporary file left behind
 
 
 def test_load_with_new_image_size_resizes_the_table(tmp_path, tiny_encoder):

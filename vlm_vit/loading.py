@@ -17,17 +17,18 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
+from vlm_vit import hub
 from vlm_vit.convert import FORMATS, Checkpoint, Converted, NativePooler, detect_format
 from vlm_vit.files import read_json, read_safetensors
 from vlm_vit.model import CONFIG_NAME, VisionEncoder, check_state_dict
 from vlm_vit.processor import ImageProcessor
+from vlm_vit.shards import SHARD_INDEX, read_sharded
 
 logger = logging.getLogger(__name__)
 
 # Weight files looked for in a directory, in order (native / Hugging Face, open_clip on the hub).
 WEIGHT_FILES = ("model.safetensors", "open_clip_model.safetensors", "pytorch_model.bin",
                 "open_clip_pytorch_model.bin", "model.npz")
-SHARD_INDEX = "model.safetensors.index.json"
 
 
 def _read_pickled(path: Path) -> dict[str, torch.Tensor]:
@@ -103,30 +104,30 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:
-    """A file or directory as a `Checkpoint`: tensors, config and the JSON files beside them.
+    """A file, directory or model name as a `Checkpoint`: tensors, config and the JSON files
+    beside them. Names (`org/name`, `hf-hub:org/name`, open_clip's `MODEL/TAG`) come from
+    the Hugging Face cache, fetched if needed and allowed (`vlm_vit.hub`).
 
     Raises:
-        FileNotFoundError: when nothing is there, or a directory has no weight file.
+        FileNotFoundError: when nothing is there, or a directory has no weight file;
+            `hub.NotCachedError` for a name neither cached nor reachable.
         ValueError: for malformed files, naming them.
     """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist")
+    location = hub.locate(path)
+    path = location.directory
     if path.is_file():
         return Checkpoint(path=path, tensors=read_tensors(path))
     files = {p.name: read_json(p) for p in sorted(path.glob("*.json"))
              if p.name not in (CONFIG_NAME, SHARD_INDEX)}
     config = read_json(path / CONFIG_NAME) if (path / CONFIG_NAME).is_file() else None
-    if (path / SHARD_INDEX).is_file():
-        index = read_json(path / SHARD_INDEX).get("weight_map", {})
-        tensors = {}
-        for shard in sorted(set(index.values())):
-            tensors.update(read_tensors(path / shard))
+    weight_files = location.weight_files or WEIGHT_FILES
+    if location.weight_files is None and (path / SHARD_INDEX).is_file():
+        tensors = read_sharded(path)
     else:
-        found = next((path / name for name in WEIGHT_FILES if (path / name).is_file()), None)
+        found = next((path / name for name in weight_files if (path / name).is_file()), None)
         if found is None:
             raise FileNotFoundError(f"{path} holds none of the weight files "
-                                    f"{', '.join(WEIGHT_FILES)}")
+                                    f"{', '.join(weight_files)}")
         tensors = read_tensors(found)
     return Checkpoint(path=path, tensors=tensors, config=config, files=files)
 
@@ -149,7 +150,9 @@ def load_encoder(
 
     Args:
         path: a file or directory: native, Hugging Face CLIP / SigLIP / ViT, open_clip or
-            OpenAI CLIP, timm, or a Google `.npz` (see `vlm_vit.convert`).
+            OpenAI CLIP, timm, or a Google `.npz` (see `vlm_vit.convert`); or a model name,
+            `org/name[@revision]`, `hf-hub:org/name` or open_clip's `MODEL/TAG`, read from
+            the Hugging Face cache (see `vlm_vit.hub`).
         format: skip detection and read the checkpoint as this format.
         dtype: cast the weights to this dtype (default: as stored).
         **overrides: `EncoderConfig` fields to change, e.g. ``act="quick_gelu"``;
@@ -225,11 +228,13 @@ def load_tower(path: str | Path, pooler: str | None = None, *, out_dim: int | No
     from vlm_vit.poolers import build_pooler
     from vlm_vit.tower import VisionTower
 
-    if pooler is None and Path(path, CONFIG_NAME).is_file() and \
-            "tower" in read_json(Path(path, CONFIG_NAME)):
-        tower = VisionTower.from_pretrained(path, **overrides)
+    location = hub.locate(path)  # a name is fetched once
+    directory = location.directory
+    if pooler is None and (directory / CONFIG_NAME).is_file() and \
+            "tower" in read_json(directory / CONFIG_NAME):
+        tower = VisionTower.from_pretrained(directory, **overrides)
         return tower.to(dtype) if dtype is not None else tower
-    converted = convert_checkpoint(path, format)
+    converted = convert_checkpoint(location, format)
     encoder = VisionEncoder.from_state_dict(converted.state, converted.config, source=path,
                                             **overrides)
     if pooler is not None:

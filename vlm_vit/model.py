@@ -22,11 +22,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from vlm_vit.config import EncoderConfig
-from vlm_vit.files import atomic_write, read_json, read_safetensors, write_safetensors
+from vlm_vit.files import atomic_write, read_json
 from vlm_vit.layers import Attention, Mlp, PatchEmbed, resample_pos_embed
+from vlm_vit.shards import WEIGHTS_NAME as WEIGHTS_NAME
+from vlm_vit.shards import read_weights, write_weights
 
 CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 MODEL_TYPE = "vlm_vit.encoder"  # marks a native checkpoint in config.json
 
 
@@ -302,13 +303,17 @@ class VisionEncoder(nn.Module):
 
     # -- native format ----------------------------------------------------------------------
 
-    def save_pretrained(self, directory: str | Path, *, extra_config: dict | None = None) -> Path:
+    def save_pretrained(self, directory: str | Path, *, extra_config: dict | None = None,
+                        max_shard_size: int | str = "5GB", model_card: bool = True) -> Path:
         """Writes `config.json` and `model.safetensors` into `directory`, each atomically.
 
         Args:
             directory: created if needed.
             extra_config: further top-level sections for `config.json` (a tower's, say);
                 loading the encoder ignores them.
+            max_shard_size: larger weights are written as shards with an index
+                (`vlm_vit.shards`), as transformers does; "5GB", "500MB", or bytes.
+            model_card: write a `README.md` model card for the Hub, unless one exists.
 
         Returns:
             The directory.
@@ -319,7 +324,11 @@ class VisionEncoder(nn.Module):
                   **(extra_config or {})}
         with atomic_write(directory / CONFIG_NAME, "w") as handle:
             json.dump(config, handle, indent=2)
-        write_safetensors(self.state_dict(), directory / WEIGHTS_NAME)
+        write_weights(self.state_dict(), directory, max_shard_size)
+        if model_card:
+            from vlm_vit.card import write_model_card
+
+            write_model_card(directory, self.config, extra_config)
         return directory
 
     @classmethod
@@ -349,9 +358,8 @@ class VisionEncoder(nn.Module):
             config = EncoderConfig.from_dict(raw["encoder"])
         except (TypeError, ValueError) as error:
             raise ValueError(f"{config_path}: {error}") from error
-        state = read_safetensors(directory / WEIGHTS_NAME)
-        return cls.from_state_dict(state, config, dtype=dtype, source=directory / WEIGHTS_NAME,
-                                   **overrides)
+        state = read_weights(directory)
+        return cls.from_state_dict(state, config, dtype=dtype, source=directory, **overrides)
 
     @classmethod
     def from_state_dict(

@@ -111,9 +111,12 @@ class VisionTower(nn.Module):
 
     # -- saving ------------------------------------------------------------------------------
 
-    def save_pretrained(self, directory: str | Path) -> Path:
+    def save_pretrained(self, directory: str | Path, *, max_shard_size: int | str = "5GB",
+                        model_card: bool = True) -> Path:
         """Writes the encoder (as `VisionEncoder.save_pretrained`, so `load_encoder` still
-        reads it), the selection and pooler spec in `config.json`, and the pooler weights.
+        reads it, sharded above `max_shard_size`, with a model card unless `model_card` is
+        False or one exists), the selection and pooler spec in `config.json`, and the pooler
+        weights.
 
         Raises:
             ValueError: for a pooler not built by `build_pooler` (its spec is unknown).
@@ -125,7 +128,8 @@ class VisionTower(nn.Module):
         directory = Path(directory)
         tower = {"feature_layer": self.feature_layer, "drop_prefix": self.drop_prefix,
                  "pooler": spec}
-        self.encoder.save_pretrained(directory, extra_config={"tower": tower})
+        self.encoder.save_pretrained(directory, extra_config={"tower": tower},
+                                     max_shard_size=max_shard_size, model_card=model_card)
         write_safetensors(self.pooler.state_dict(), directory / POOLER_WEIGHTS_NAME)
         return directory
 

@@ -1,0 +1,134 @@
+"""Sharded safetensors checkpoints (`model.safetensors.index.json`), read and written.
+
+The layout is transformers': shards `model-00001-of-00003.safetensors`, ... and an index
+`{"metadata": {"total_size": bytes}, "weight_map": {tensor name: shard file}}`. Reading goes
+shard by shard, keeping each shard's tensors (the model's own, not a copy), so the peak is
+the model plus the shard being parsed. A shard is named by a plain relative path inside the
+checkpoint's directory: an index that names `../x` or `/x` is refused, never followed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from pathlib import Path, PurePosixPath
+
+import torch
+
+from vlm_vit.files import atomic_write, read_json, read_safetensors, write_safetensors
+
+WEIGHTS_NAME = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # as transformers
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like "5GB" (10**9), "500MB" or "2GiB" (2**30).
+
+    Raises:
+        ValueError: for anything else, or a size below one byte.
+    """
+    if isinstance(size, int):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", str(size), re.IGNORECASE)
+        if match is None or match.group(2).upper() not in _UNITS:
+            raise ValueError(f"shard size {size!r} is not a size like 5GB, 500MB or 2GiB")
+        value = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    if value < 1:
+        raise ValueError(f"shard size {size!r} must be at least one byte")
+    return value
+
+
+def shard_path(directory: Path, name: object, index: Path) -> Path:
+    """`directory / name` for a shard the index names, refusing names that leave it."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{index}: a shard name must be a file name, got {name!r}")
+    pure = PurePosixPath(name.replace("\\", "/"))
+    if pure.is_absolute() or ".." in pure.parts or re.match(r"^[A-Za-z]:", name):
+        raise ValueError(f"{index} names the shard {name!r}, outside {directory}; refused")
+    return directory / pure
+
+
+def read_sharded(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded safetensors checkpoint, read shard by shard.
+
+    Raises:
+        ValueError: for a malformed index, a shard outside the directory, or a tensor the
+            index names but its shard lacks, each naming the file.
+        FileNotFoundError: for a missing shard.
+    """
+    directory = Path(directory)
+    index = directory / SHARD_INDEX
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} has no weight_map of tensor names to shard files")
+    by_shard: dict[str, list[str]] = {}
+    for tensor, shard in weight_map.items():
+        shard_path(directory, shard, index)
+        by_shard.setdefault(shard, []).append(tensor)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard, names in sorted(by_shard.items()):
+        read = read_safetensors(shard_path(directory, shard, index))
+        missing = sorted(set(names) - read.keys())
+        if missing:
+            raise ValueError(f"{index} maps {len(missing)} tensor(s) to {shard}, which does "
+                             f"not hold them: {', '.join(missing[:5])}")
+        tensors.update((name, read[name]) for name in names)
+        del read  # tensors of the shard the map does not name are dropped here
+    return tensors
+
+
+def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """`model.safetensors`, or the shards its index names, from a directory."""
+    directory = Path(directory)
+    if (directory / SHARD_INDEX).is_file():
+        return read_sharded(directory)
+    return read_safetensors(directory / WEIGHTS_NAME)
+
+
+def write_weights(tensors: dict[str, torch.Tensor], directory: str | Path,
+                  max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                  metadata: dict[str, str] | None = None) -> list[Path]:
+    """Writes `model.safetensors`, or shards and their index when the tensors are larger
+    than `max_shard_size`, each file atomically; removes the other layout's stale files.
+
+    Sharding is `huggingface_hub.split_torch_state_dict_into_shards`, as transformers does.
+
+    Returns:
+        The weight files written.
+    """
+    directory = Path(directory)
+    limit = parse_size(max_shard_size)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if total <= limit:
+        write_safetensors(tensors, directory / WEIGHTS_NAME, metadata)
+        _remove_stale(directory, keep=set())  # after: a crash leaves a readable layout
+        return [directory / WEIGHTS_NAME]
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    split = split_torch_state_dict_into_shards(
+        tensors, filename_pattern="model{suffix}.safetensors", max_shard_size=limit)
+    written = []
+    for filename, names in split.filename_to_tensors.items():
+        write_safetensors({name: tensors[name] for name in names}, directory / filename,
+                          metadata)
+        written.append(directory / filename)
+    index = {"metadata": {"total_size": total}, "weight_map": split.tensor_to_filename}
+    with atomic_write(directory / SHARD_INDEX, "w") as handle:
+        json.dump(index, handle, indent=2, sort_keys=True)
+    _remove_stale(directory, keep={path.name for path in written})
+    return written
+
+
+def _remove_stale(directory: Path, keep: set[str]) -> None:
+    stale = [directory / WEIGHTS_NAME] if keep else [directory / SHARD_INDEX]
+    stale += [p for p in directory.glob("model-*-of-*.safetensors")
+              if _SHARD_FILE.match(p.name) and p.name not in keep]
+    for path in stale:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
