@@ -182,11 +182,14 @@ def fetch(repo_id: str, revision: str | None = None, *,
                                       local_files_only=offline()))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as error:
         at = f" at revision {revision!r}" if revision else ""
-        how = (f"fetch it with `vlm-vit download {shown}` or `huggingface-cli download "
-               f"{repo_id}`" + (" after unsetting HF_HUB_OFFLINE" if offline() else ""))
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if offline():
+            reason, how = "HF_HUB_OFFLINE is set", "unset HF_HUB_OFFLINE and run `vlm-vit download"
+        else:
+            first = (str(error).splitlines() or [type(error).__name__])[0][:160]
+            reason, how = f"the Hub could not give it: {first}", "run `vlm-vit download"
         raise NotCachedError(f"{shown} is not a local path, and {repo_id}{at} is not in the "
-                             f"Hugging Face cache at {cache} ({reason}); {how}") from error
+                             f"Hugging Face cache at {cache} ({reason}); to fetch it, {how} "
+                             f"{shown}` or `huggingface-cli download {repo_id}`") from error
 
 
 def push_to_hub(directory: str | Path, repo_id: str, *, private: bool | None = None,
@@ -204,6 +207,14 @@ def push_to_hub(directory: str | Path, repo_id: str, *, private: bool | None = N
                for name in ("config.json", "multimodal_config.json")):
         raise FileNotFoundError(f"{directory} is not a saved vlm-vit model (no config.json); "
                                 f"save_pretrained it first")
+    from vlm_vit.card import CARD_NAME, PLACEHOLDER
+
+    card = directory / CARD_NAME
+    if card.is_file() and PLACEHOLDER in (text := card.read_text()):  # our card: name the repo
+        from vlm_vit.files import atomic_write
+
+        with atomic_write(card, "w") as handle:
+            handle.write(text.replace(PLACEHOLDER, repo_id))
     create_repo(repo_id, private=private, exist_ok=True)
     return str(upload_folder(repo_id=repo_id, folder_path=str(directory),
                              commit_message=commit_message, **kwargs))

@@ -12,7 +12,17 @@ import logging
 import sys
 from importlib import metadata
 
-from vlm_vit.cli import analyze, convert, demo, encode, finetune, info, pretrain, probe
+from vlm_vit.cli import (
+    analyze,
+    convert,
+    demo,
+    download,
+    encode,
+    finetune,
+    info,
+    pretrain,
+    probe,
+)
 from vlm_vit.processor import ImageLoadError, ImageTooLargeError
 from vlm_vit.registry import UnknownNameError
 
@@ -34,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_parser(subparsers)
     encode.add_parser(subparsers)
     convert.add_parser(subparsers)
+    download.add_parser(subparsers)
     probe.add_parser(subparsers)
     pretrain.add_parser(subparsers)
     demo.add_parser(subparsers)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
-from vlm_vit.config import EncoderConfig
+from vlm_vit.config import EncoderConfig, available_variants
 from vlm_vit.model import VisionEncoder
 
 
@@ -17,11 +19,35 @@ def image_size(values: list[int] | None) -> tuple[int, int] | None:
     return (values[0], values[-1])
 
 
-def variant_or_checkpoint(model: str, size: tuple[int, int] | int | None) -> VisionEncoder:
-    """A checkpoint's encoder when `model` is a path, else a named variant at random init."""
-    overrides = {"image_size": size} if size else {}
-    if Path(model).exists():
-        from vlm_vit.loading import load_encoder
+def is_variant(model: str) -> bool:
+    """Whether a command that takes variants and checkpoints reads `model` as a variant: an
+    existing path wins, then a known variant name (`vit-b/16`); anything else, and any
+    `hf-hub:` name, is a checkpoint or a model name (`vlm_vit.hub`)."""
+    return model in available_variants() and not Path(model).exists()
 
+
+def variant_or_checkpoint(model: str, size: tuple[int, int] | int | None) -> VisionEncoder:
+    """A named variant at random init (see `is_variant`), else a checkpoint's encoder."""
+    overrides = {"image_size": size} if size else {}
+    if is_variant(model):
+        return VisionEncoder(EncoderConfig.from_name(model, **overrides))
+    from vlm_vit.loading import load_encoder
+
+    with not_a_variant_either(model):
         return load_encoder(model, **overrides)
-    return VisionEncoder(EncoderConfig.from_name(model, **overrides))
+
+
+@contextlib.contextmanager
+def not_a_variant_either(model: str) -> Iterator[None]:
+    """Adds the variant names to the error of a name that is no path, variant or cached
+    model, since a mistyped variant (`vit-b/17`) ends there too."""
+    from vlm_vit.hub import NotCachedError
+
+    try:
+        yield
+    except NotCachedError as error:
+        try:
+            EncoderConfig.from_name(model)
+        except (KeyError, ValueError) as unknown:  # UnknownNameError, with close matches
+            raise NotCachedError(f"{error}. Nor a variant: {unknown}") from error
+        raise

@@ -9,6 +9,9 @@ from vlm_vit.cli.common import image_size
 from vlm_vit.convert import FORMATS
 from vlm_vit.loading import build_native_pooler, convert_checkpoint
 from vlm_vit.model import VisionEncoder
+from vlm_vit.shards import parse_size
+
+SHARDABLE = ("native", "hf_clip")  # the others' libraries read one weight file
 
 
 def writable_formats() -> list[str]:
@@ -31,6 +34,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="read SRC as this format instead of detecting it")
     parser.add_argument("--image-size", type=int, nargs="+", metavar="SIDE",
                         help="resize the position table to SIDE or HEIGHT WIDTH on the way")
+    parser.add_argument("--max-shard-size", metavar="SIZE", default=None,
+                        help="write larger weights as shards and an index, as transformers "
+                        "does (native and hf-clip; default 5GB)")
     parser.set_defaults(run=run)
 
 
@@ -41,6 +47,12 @@ def run(args: argparse.Namespace) -> int:
                          f"{', '.join(writable_formats())}")
     if args.destination.exists() and Path(args.source).resolve() == args.destination.resolve():
         raise ValueError("SRC and DST are the same path; write to a new place")
+    shards = {}
+    if args.max_shard_size is not None:
+        if target not in SHARDABLE:
+            raise ValueError(f"--max-shard-size: {target} is read from one weight file; "
+                             f"shards are written for {', '.join(SHARDABLE)} only")
+        shards = {"max_shard_size": parse_size(args.max_shard_size)}
     converted = convert_checkpoint(args.source, args.source_format)
     size = image_size(args.image_size)
     overrides = {"image_size": size} if size else {}
@@ -50,11 +62,12 @@ def run(args: argparse.Namespace) -> int:
               if converted.pooler is not None else None)
     processor = converted.processor
     if target == "native":
-        encoder.save_pretrained(args.destination)
+        encoder.save_pretrained(args.destination, **shards)
         if processor is not None:
             processor.save_pretrained(args.destination)
     else:
-        FORMATS.get(target).write(encoder, args.destination, pooler=pooler, processor=processor)
+        FORMATS.get(target).write(encoder, args.destination, pooler=pooler, processor=processor,
+                                  **shards)
     print(f"wrote {args.destination} ({target}, {sum(p.numel() for p in encoder.parameters()):,}"
           f" parameters)")
     return 0

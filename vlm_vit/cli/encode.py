@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from vlm_vit.cli.common import image_size, variant_or_checkpoint
+from vlm_vit.cli.common import image_size, is_variant, not_a_variant_either, variant_or_checkpoint
 from vlm_vit.files import IMAGE_SUFFIXES, image_files, write_safetensors
 from vlm_vit.loading import load_with_processor
 from vlm_vit.model import VisionEncoder
@@ -24,8 +24,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Encode images (files or folders, searched recursively) and write their "
         "tokens to a safetensors file: `tokens` [images, tokens, width] after the final norm, "
         "or one `layer_K` tensor per --layer (raw block outputs, as hidden_states[K]).")
-    parser.add_argument("model", metavar="MODEL", help="a checkpoint directory, or a variant "
-                        "name together with --random-init")
+    parser.add_argument("model", metavar="MODEL", help="a checkpoint, a model name (org/name, "
+                        "hf-hub:org/name, open_clip's MODEL/TAG), or a variant name together "
+                        "with --random-init")
     parser.add_argument("inputs", nargs="+", metavar="IMAGE_OR_DIR")
     parser.add_argument("-o", "--out", required=True, type=Path, help="output .safetensors")
     parser.add_argument("--layer", type=int, action="append", dest="layers", metavar="K",
@@ -66,15 +67,17 @@ def _model_and_processor(args: argparse.Namespace) -> tuple[VisionEncoder, Image
     """The encoder and the preprocessing its checkpoint records (ImageNet normalisation when
     it records none, or for a variant at random init), with --normalize and the size applied."""
     size = image_size(args.image_size)
-    if Path(args.model).exists():
-        encoder, processor = load_with_processor(args.model,
-                                                 **({"image_size": size} if size else {}))
-    elif args.random_init:
+    if is_variant(args.model):
+        if not args.random_init:
+            raise ValueError(f"{args.model} is a variant name, not a checkpoint; to encode with "
+                             f"random weights, add --random-init (hf-hub:{args.model} means "
+                             f"the Hub)")
         encoder = variant_or_checkpoint(args.model, size)
         processor = ImageProcessor.for_family("imagenet", size=encoder.config.image_size)
     else:
-        raise ValueError(f"{args.model} is not a checkpoint; to encode with random weights of "
-                         f"a named variant, add --random-init")
+        with not_a_variant_either(args.model):
+            encoder, processor = load_with_processor(
+                args.model, **({"image_size": size} if size else {}))
     settings = processor.to_dict() | {"size": list(encoder.config.image_size)}
     if args.normalize:
         settings["mean"], settings["std"] = NORMALIZATION[args.normalize]

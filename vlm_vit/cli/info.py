@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 
-from vlm_vit.cli.common import image_size
+from vlm_vit.cli.common import image_size, is_variant, not_a_variant_either
 from vlm_vit.config import EncoderConfig, available_variants
 from vlm_vit.flops import count_macs
 from vlm_vit.model import VisionEncoder
@@ -21,8 +20,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "info", help="parameters, GFLOPs and token counts of a variant or checkpoint",
         description="Show the size and cost of a named variant or a checkpoint directory.")
     parser.add_argument("model", metavar="NAME_OR_PATH",
-                        help=f"a variant name ({', '.join(available_variants())}) or a "
-                        "checkpoint of any supported format")
+                        help=f"a variant name ({', '.join(available_variants())}), a "
+                        "checkpoint of any supported format, or a model name (org/name, "
+                        "hf-hub:org/name, open_clip's MODEL/TAG)")
     parser.add_argument("--image-size", type=int, nargs="+", action="append", default=None,
                         metavar="SIDE", help="a resolution to report: SIDE or HEIGHT WIDTH "
                         "(repeatable; default: native plus common sizes)")
@@ -31,12 +31,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def resolve_config(model: str) -> EncoderConfig:
-    """The config of a variant name or of a checkpoint of any supported format."""
-    if Path(model).exists():
-        from vlm_vit.loading import convert_checkpoint
+    """The config of a variant name, a checkpoint or a model name (see `is_variant`)."""
+    if is_variant(model):
+        return EncoderConfig.from_name(model)
+    from vlm_vit.loading import convert_checkpoint
 
+    with not_a_variant_either(model):
         return convert_checkpoint(model).config
-    return EncoderConfig.from_name(model)
 
 
 def _sizes(config: EncoderConfig, requested: list[list[int]] | None) -> list[tuple[int, int]]:

@@ -35,9 +35,10 @@ from vlm_vit.config import EncoderConfig
 from vlm_vit.convert.base import Checkpoint, Converted, NativePooler, register_format
 from vlm_vit.convert.hf_common import PIL_RESAMPLE, activation
 from vlm_vit.convert.keymap import fuse_qkv, invert, rename, split_qkv
-from vlm_vit.files import atomic_write, write_safetensors
-from vlm_vit.model import CONFIG_NAME, WEIGHTS_NAME, VisionEncoder
+from vlm_vit.files import atomic_write
+from vlm_vit.model import CONFIG_NAME, VisionEncoder
 from vlm_vit.processor import ImageProcessor
+from vlm_vit.shards import DEFAULT_MAX_SHARD_SIZE, write_weights
 
 VISION_PREFIX = "vision_model."  # composite models, and vision-only files before transformers 5
 POOLER_PREFIX = "pooler."  # where renaming parks the pooling head's weights, apart from the encoder
@@ -302,9 +303,11 @@ class HFClipFormat(HFVisionFormat):
         return hf_clip_tensors(encoder, pooler)
 
     def write(self, encoder: VisionEncoder, destination: str | Path, *,
-              pooler: nn.Module | None = None, processor: ImageProcessor | None = None) -> Path:
+              pooler: nn.Module | None = None, processor: ImageProcessor | None = None,
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
         """Writes a Hugging Face directory; see `save_hf_clip`."""
-        return save_hf_clip(encoder, destination, processor=processor, pooler=pooler)
+        return save_hf_clip(encoder, destination, processor=processor, pooler=pooler,
+                            max_shard_size=max_shard_size)
 
 
 class HFSiglipFormat(HFVisionFormat):
@@ -462,7 +465,8 @@ def write_json(data: dict[str, Any], path: Path) -> None:
 
 def save_hf_clip(encoder: VisionEncoder, directory: str | Path, *,
                  processor: ImageProcessor | None = None,
-                 pooler: nn.Module | None = None) -> Path:
+                 pooler: nn.Module | None = None,
+                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Writes `encoder` as a Hugging Face `CLIPVisionModel` directory (no transformers needed).
 
     Args:
@@ -472,6 +476,7 @@ def save_hf_clip(encoder: VisionEncoder, directory: str | Path, *,
         processor: also written, as a `CLIPImageProcessor`'s `preprocessor_config.json`.
         pooler: None or a `cls` pooler for `CLIPVisionModel`; a `cls_linear` without bias or
             activation becomes the projection of a `CLIPVisionModelWithProjection`.
+        max_shard_size: larger weights are written as transformers' shards and index.
 
     Returns:
         The directory.
@@ -487,7 +492,7 @@ def save_hf_clip(encoder: VisionEncoder, directory: str | Path, *,
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     write_json(hf_config, directory / CONFIG_NAME)
-    write_safetensors(tensors, directory / WEIGHTS_NAME)
+    write_weights(tensors, directory, max_shard_size)
     if settings is not None:
         write_json(settings, directory / PREPROCESSOR_NAME)
     return directory

@@ -29,12 +29,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         '"..."} per line). Starts from --model (a saved multimodal model) or builds one from '
         "--tower and --llm. Leaves RUN_DIR/model.")
     start = train.add_argument_group("the model")
-    start.add_argument("--model", type=Path, metavar="DIR",
-                       help="a multimodal model saved by an earlier run (RUN_DIR/model)")
-    start.add_argument("--tower", metavar="PATH",
-                       help="a vision checkpoint or saved tower (with --llm, instead of --model)")
-    start.add_argument("--llm", type=Path, metavar="DIR",
-                       help="a Hugging Face causal LM folder with its tokenizer")
+    start.add_argument("--model", type=Path, metavar="DIR_OR_NAME",
+                       help="a multimodal model saved by an earlier run (RUN_DIR/model), or its "
+                       "Hub name")
+    start.add_argument("--tower", metavar="PATH_OR_NAME",
+                       help="a vision checkpoint, saved tower or model name (with --llm, "
+                       "instead of --model)")
+    start.add_argument("--llm", type=Path, metavar="DIR_OR_NAME",
+                       help="a Hugging Face causal LM folder with its tokenizer, or its name")
     start.add_argument("--projector", default="mlp2x_gelu", help="pooler for a new tower")
     start.add_argument("--feature-layer", type=int, default=-2,
                        help="hidden state a new tower reads (LLaVA: -2)")
@@ -84,7 +86,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     train.set_defaults(run=run_train)
 
     generate = commands.add_parser("generate", help="continue a prompt about images")
-    generate.add_argument("model", type=Path, metavar="MODEL_DIR")
+    generate.add_argument("model", type=Path, metavar="MODEL_DIR_OR_NAME")
     generate.add_argument("--image", type=Path, action="append", default=[], metavar="FILE",
                           help="an image (repeat for several, in placeholder order)")
     generate.add_argument("--prompt", default=None,
@@ -96,7 +98,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     generate.set_defaults(run=run_generate)
 
     export = commands.add_parser("export", help="write the Hugging Face LLaVA layout")
-    export.add_argument("model", type=Path, metavar="MODEL_DIR")
+    export.add_argument("model", type=Path, metavar="MODEL_DIR_OR_NAME")
     export.add_argument("--out", required=True, type=Path, metavar="DIR")
     export.set_defaults(run=run_export)
 
@@ -107,6 +109,20 @@ def _existing(path: Path, what: str) -> Path:
     return path
 
 
+def _model(value: str | Path, what: str) -> Path:
+    """A local path, or a model name (`org/name[@revision]`, `hf-hub:org/name`) from the
+    Hugging Face cache, fetched if allowed (`vlm_vit.hub`): a multimodal model, an LLM and
+    its tokenizer, or a tower."""
+    from vlm_vit import hub
+
+    if Path(value).exists():
+        return Path(value)
+    try:
+        return hub.locate(str(value), patterns=hub.LLM_PATTERNS).directory
+    except FileNotFoundError as error:  # NotCachedError too: one line, naming the flag
+        raise type(error)(f"{what}: {error}") from error
+
+
 def build_model(args: argparse.Namespace):
     """The model to train: `--model`, or a new one from `--tower` and `--llm`."""
     from vlm_vit_llm.model import MultimodalLM
@@ -114,7 +130,7 @@ def build_model(args: argparse.Namespace):
     if args.model is not None:
         if args.tower or args.llm:
             raise ValueError("give --model, or --tower with --llm, not both")
-        return MultimodalLM.from_pretrained(_existing(args.model, "--model"),
+        return MultimodalLM.from_pretrained(_model(args.model, "--model"),
                                             trainable=True)
     if not (args.tower and args.llm):
         raise ValueError("give --model (a saved multimodal model), or both --tower and --llm")
@@ -122,12 +138,19 @@ def build_model(args: argparse.Namespace):
 
     from vlm_vit import load_processor, load_tower
 
-    llm = AutoModelForCausalLM.from_pretrained(_existing(args.llm, "--llm"))
-    tokenizer = AutoTokenizer.from_pretrained(args.llm)
+    llm_dir = _model(args.llm, "--llm")
+    llm = AutoModelForCausalLM.from_pretrained(llm_dir)
+    tokenizer = AutoTokenizer.from_pretrained(llm_dir)
     width = llm.get_input_embeddings().embedding_dim
-    tower = load_tower(_existing(Path(args.tower), "--tower"), args.projector, out_dim=width,
+    from vlm_vit import hub
+
+    try:  # open_clip's MODEL/TAG as well: the Location keeps which weights to read
+        tower_at = hub.locate(str(args.tower))
+    except FileNotFoundError as error:
+        raise type(error)(f"--tower: {error}") from error
+    tower = load_tower(tower_at, args.projector, out_dim=width,
                        feature_layer=args.feature_layer, drop_prefix=True)
-    return MultimodalLM(tower, llm, tokenizer, processor=load_processor(args.tower))
+    return MultimodalLM(tower, llm, tokenizer, processor=load_processor(tower_at))
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -138,6 +161,8 @@ def run_train(args: argparse.Namespace) -> int:
     from vlm_vit_llm.objective import MODEL_DIR
 
     _existing(args.data, "--data")
+    if args.model is not None:
+        args.model = _model(args.model, "--model")  # once: the records read its image token
     if args.data_format == "captions" and args.captions is None:
         raise ValueError("--data-format captions needs --captions FILE.jsonl (or use "
                          "--data-format llava for conversations)")
@@ -213,7 +238,7 @@ def _data(args: argparse.Namespace, mm, records):
 def run_generate(args: argparse.Namespace) -> int:
     from vlm_vit_llm.model import MultimodalLM
 
-    mm = MultimodalLM.from_pretrained(_existing(args.model, "model"))
+    mm = MultimodalLM.from_pretrained(_model(args.model, "MODEL"))
     images = [_existing(path, "--image") for path in args.image]
     prompt = args.prompt if args.prompt is not None else mm.image_token * len(images) + "\n"
     if args.chat:
@@ -230,6 +255,6 @@ def run_export(args: argparse.Namespace) -> int:
     from vlm_vit_llm.llava import export_llava
     from vlm_vit_llm.model import MultimodalLM
 
-    mm = MultimodalLM.from_pretrained(_existing(args.model, "model"))
+    mm = MultimodalLM.from_pretrained(_model(args.model, "MODEL"))
     print(f"wrote {export_llava(mm, args.out)} (LlavaForConditionalGeneration)")
     return 0

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from vlm_vit import ImageProcessor, VisionEncoder, VisionTower
+from vlm_vit.card import PLACEHOLDER, model_card, write_card
 from vlm_vit.files import atomic_directory, atomic_write, read_json
 
 logger = logging.getLogger(__name__)
@@ -415,8 +416,32 @@ class MultimodalLM(nn.Module):
             with atomic_write(temp / CONFIG_NAME, "w") as handle:
                 json.dump(config, handle, indent=2)
                 handle.write("\n")
+            write_card(temp, self._model_card(llm_base))
         logger.info("saved the multimodal model to %s", directory)
         return directory
+
+    def _model_card(self, llm: nn.Module) -> str:
+        """The Hub card of a saved model: what it joins, and how to load it."""
+        base = getattr(getattr(llm, "config", None), "_name_or_path", "") or ""
+        facts = {"LLM": type(llm).__name__ + (f" ({base})" if base else ""),
+                 "vision encoder": f"{self.tower.encoder.config.width} wide, "
+                                   f"{self.tower.encoder.config.depth} blocks",
+                 "projector": getattr(self.tower.pooler, "pooler_spec", {}).get("name"),
+                 "feature layer": self.tower.feature_layer,
+                 "image tokens": self.tower.num_image_tokens(),
+                 "image token": f"`{self.image_token}`",
+                 "LoRA adapters": ", ".join(name for name, on in (
+                     ("LLM", hasattr(self.llm, "peft_config")),
+                     ("encoder", _split_peft(self.tower.encoder)[1] is not None)) if on)
+                                  or "none"}
+        metadata = {"library_name": "vlm-vit", "pipeline_tag": "image-text-to-text",
+                    "tags": ["vlm-vit", "llava", "multimodal"]}
+        if base and not Path(base).exists():  # a Hub name, not a local folder
+            metadata["base_model"] = base
+        usage = ("from vlm_vit_llm import MultimodalLM\n\n"
+                 f"mm = MultimodalLM.from_pretrained(\"{PLACEHOLDER}\")\n"
+                 f"mm.generate([\"{self.image_token}\\nDescribe it.\"], [[\"photo.jpg\"]])")
+        return model_card(metadata, "Multimodal LM (vlm-vit)", facts, usage)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, trainable: bool = False,
@@ -424,7 +449,7 @@ class MultimodalLM(nn.Module):
         """Reads what `save_pretrained` wrote.
 
         Args:
-            directory: the model folder.
+            directory: the model folder, or its Hub name (`vlm_vit.hub`).
             trainable: load the adapters for further training (else for inference).
             dtype: the LLM's dtype (default: as saved).
 
@@ -433,7 +458,9 @@ class MultimodalLM(nn.Module):
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        directory = Path(directory)
+        from vlm_vit import hub
+
+        directory = hub.locate(directory, patterns=hub.LLM_PATTERNS).directory  # or a name
         config = read_json(directory / CONFIG_NAME)
         if config.get("format") != "vlm_vit_llm":
             raise ValueError(f"{directory / CONFIG_NAME} is not a vlm-vit-llm model config")
