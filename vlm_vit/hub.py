@@ -51,11 +51,14 @@ class Location(NamedTuple):
         weight_files: the weight file names to prefer in it, in order; None: the readers'
             default order.
         repo_id: the Hub repository, when it came from one.
+        format: the checkpoint format the name implies (open_clip's pairs: "open_clip",
+            whatever else the repository holds), or None to detect it.
     """
 
     directory: Path
     weight_files: tuple[str, ...] | None = None
     repo_id: str | None = None
+    format: str | None = None
 
 
 def cache_dir() -> Path:
@@ -130,10 +133,10 @@ def locate(name: str | Path | Location, revision: str | None = None, *,
     forced = text.startswith(HUB_PREFIX)
     text, pinned = split_revision(text.removeprefix(HUB_PREFIX))
     revision = revision or pinned
-    weight_files = None
+    weight_files = fmt = None
     repo_id = None if forced else open_clip_repo(text)
     if repo_id is not None:
-        weight_files = OPEN_CLIP_FILES
+        weight_files, fmt = OPEN_CLIP_FILES, "open_clip"
         patterns = ("open_clip_config.json", OPEN_CLIP_FILES[0])
     else:
         repo_id = text
@@ -145,7 +148,7 @@ def locate(name: str | Path | Location, revision: str | None = None, *,
         # No safetensors: the repository's other weight files (never run: weights_only).
         extra = (OPEN_CLIP_FILES[1],) if weight_files else PICKLE_PATTERNS
         directory = fetch(repo_id, revision, patterns=(*patterns, *extra), shown=str(name))
-    return Location(directory, weight_files, repo_id)
+    return Location(directory, weight_files, repo_id, fmt)
 
 
 def resolve(name: str | Path, revision: str | None = None) -> Path:

@@ -132,9 +132,13 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(path=path, tensors=tensors, config=config, files=files)
 
 
-def convert_checkpoint(path: str | Path, format: str | None = None) -> Converted:
-    """Reads a checkpoint and converts it to native terms (no model is built)."""
-    checkpoint = read_checkpoint(path)
+def convert_checkpoint(path: str | Path | hub.Location,
+                       format: str | None = None) -> Converted:
+    """Reads a checkpoint (a path or model name) and converts it to native terms (no model
+    is built)."""
+    location = hub.locate(path)
+    checkpoint = read_checkpoint(location)
+    format = format or location.format
     fmt = FORMATS.get(format) if format else detect_format(checkpoint)
     converted = fmt.to_native(checkpoint)
     for rule in converted.rules:

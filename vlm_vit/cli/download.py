@@ -27,6 +27,6 @@ def run(args: argparse.Namespace) -> int:
     if Path(args.name).exists():
         raise ValueError(f"{args.name} is a local path; download takes a model name")
     location = hub.locate(args.name, args.revision)
-    fmt = detect_format(read_checkpoint(location))
-    print(f"{location.directory}\t{fmt.name}")
+    fmt = location.format or detect_format(read_checkpoint(location)).name
+    print(f"{location.directory}\t{fmt}")
     return 0

@@ -1,0 +1,45 @@
+"""Helpers for testing code that loads model names offline (ours and yours)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+
+def put_in_hub_cache(cache: str | Path, repo_id: str, source: str | Path,
+                     revision: str = "main", commit: str | None = None) -> Path:
+    """Copies every file under `source` into a Hugging Face cache as `huggingface_hub`
+    stores a downloaded snapshot, so `snapshot_download(..., local_files_only=True)` and
+    every vlm-vit loader find it by name with no network.
+
+    The layout: content-addressed `blobs/`, `snapshots/<commit>/<file>` symbolic links to
+    them, and `refs/<revision>` holding the commit.
+
+    Args:
+        cache: the hub cache (`HF_HUB_CACHE`, or `HF_HOME/hub`).
+        repo_id: `org/name`.
+        source: a saved model directory.
+        revision: the branch or tag the snapshot is under.
+        commit: its 40-hex commit id (default: a hash of the content and revision).
+
+    Returns:
+        The snapshot directory.
+    """
+    cache, source = Path(cache), Path(source)
+    storage = cache / f"models--{repo_id.replace('/', '--')}"
+    files = sorted(p for p in source.rglob("*") if p.is_file())
+    commit = commit or hashlib.sha1(
+        b"".join(p.read_bytes() for p in files) + revision.encode()).hexdigest()
+    snapshot = storage / "snapshots" / commit
+    for path in files:
+        data = path.read_bytes()
+        blob = storage / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = snapshot / path.relative_to(source)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (storage / "refs").mkdir(parents=True, exist_ok=True)
+    (storage / "refs" / revision).write_text(commit)
+    return snapshot
