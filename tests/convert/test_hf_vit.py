@@ -163,3 +163,26 @@ def test_weights_without_config_say_what_is_missing(vit_dir):
     directory, _ = vit_dir
     with pytest.raises(ValueError, match="no config.json"):
         load_encoder(directory / "model.safetensors")
+
+
+@pytest.mark.parametrize("cls_name", ["ViTMAEModel", "ViTMAEForPreTraining"])
+def test_vit_mae_encoder_matches_transformers_unmasked(tmp_path, cls_name):
+    """facebook/vit-mae-*: ViTMAE's encoder, every patch kept in order (mask_ratio 0 and
+    ascending noise), is ours; the pretraining decoder is dropped."""
+    config = transformers.ViTMAEConfig(**TINY, mask_ratio=0.0, decoder_hidden_size=16,
+                                       decoder_num_hidden_layers=1,
+                                       decoder_num_attention_heads=2,
+                                       decoder_intermediate_size=32)
+    torch.manual_seed(0)
+    model = perturbed(getattr(transformers, cls_name)(config))
+    model.save_pretrained(tmp_path)
+    ours = load_encoder(tmp_path).eval()
+    vit = model.vit if cls_name == "ViTMAEForPreTraining" else model
+    x = pixels()
+    noise = torch.arange(16, dtype=torch.float32).expand(x.shape[0], 16)  # keeps the order
+    with torch.no_grad():
+        expected = vit(x, noise=noise, output_hidden_states=True)
+        out = ours(x, output_hidden_states=True)
+    assert_close(out.tokens, expected.last_hidden_state)
+    for index in (0, 1, 2):
+        assert_close(out.hidden_states[index], expected.hidden_states[index])

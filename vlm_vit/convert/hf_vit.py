@@ -1,4 +1,5 @@
-"""Hugging Face `ViTModel` and `ViTForImageClassification` directories (model_type "vit").
+"""Hugging Face `ViTModel`, `ViTForImageClassification` and ViTMAE directories (model_type
+"vit", "vit_mae").
 
 The files on disk use the names `save_pretrained` writes (`encoder.layer.N.attention.attention.
 query`, ...), under `vit.` in `ViTForImageClassification`; the names of transformers 5's
@@ -19,6 +20,9 @@ from vlm_vit.convert.keymap import count_blocks, fuse_qkv, rename
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
 
 MODEL_TYPE = "vit"
+# ViTMAE's encoder is ViT's under the same names (its sin-cos position table is stored); the
+# MAE decoder of ViTMAEForPreTraining is dropped like a classifier.
+MODEL_TYPES = (MODEL_TYPE, "vit_mae")
 PREFIX = "vit."  # ViTForImageClassification / ViTForMaskedImageModeling wrap the ViTModel
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 
@@ -170,7 +174,7 @@ class HfVitFormat:
 
     def matches(self, checkpoint: Checkpoint) -> bool:
         if checkpoint.config is not None:
-            return checkpoint.config.get("model_type") == MODEL_TYPE
+            return checkpoint.config.get("model_type") in MODEL_TYPES
         tensors = strip_prefix(checkpoint.tensors)
         return any(key in tensors for key in SIGNATURES)
 
