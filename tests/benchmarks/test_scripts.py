@@ -114,3 +114,18 @@ def test_gpu_suite_tiny_runs_the_bf16_logic_on_cpu(benchmarks, tmp_path, capsys)
     result = json.loads(out.read_text())["results"]["encode clip-vit-l/14-336"]
     assert result["dtype"] == "bfloat16" and result["fraction_of_matmul_peak"] > 0
     assert "MFU" in capsys.readouterr().out
+
+
+def test_sharded_load_memory_runs_at_toy_size(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "shards.json"
+    finished = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "sharded_load_memory.py"), "--variant",
+         "clip-vit-b/32", "--depth", "1", "--shard-size", "200KB", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=BENCHMARKS)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["shards"] > 1
+    assert set(result["peak_mb"]) == {"ours, one file", "ours, sharded",
+                                      "transformers, one file", "transformers, sharded"}
+    assert all(value > 0 for value in result["peak_mb"].values())

@@ -24,7 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "convert", help="convert a checkpoint to another family's format",
         description="Read any supported checkpoint and write it in another format, which "
         "loads in that family's own library.")
-    parser.add_argument("source", metavar="SRC")
+    parser.add_argument("source", metavar="SRC", help="a checkpoint path or model name "
+                        "(org/name, hf-hub:org/name, open_clip's MODEL/TAG)")
     parser.add_argument("destination", metavar="DST", type=Path,
                         help="a directory (native, hf_clip, timm) or a .safetensors file "
                         "(open_clip)")
