@@ -17,7 +17,7 @@ from vlm_vit.config import EncoderConfig
 from vlm_vit.files import write_safetensors
 from vlm_vit.model import VisionEncoder
 from vlm_vit.shards import SHARD_INDEX, parse_size, read_sharded
-from vlm_vit.testing import put_in_hub_cache
+from vlm_vit.testing import offline_hub_cache, put_in_hub_cache
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
 transformers = pytest.importorskip("transformers")
@@ -39,12 +39,7 @@ def put_in_cache(cache: Path, repo_id: str, source: Path, revision: str = "main"
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
     """An empty Hub cache in use, offline."""
-    folder = tmp_path / "hf_home" / "hub"
-    folder.mkdir(parents=True)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return folder
+    return offline_hub_cache(tmp_path / "hf_home", monkeypatch)
 
 
 def randomized(model):

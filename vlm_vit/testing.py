@@ -43,3 +43,19 @@ def put_in_hub_cache(cache: str | Path, repo_id: str, source: str | Path,
     (storage / "refs").mkdir(parents=True, exist_ok=True)
     (storage / "refs" / revision).write_text(commit)
     return snapshot
+
+
+def offline_hub_cache(home: str | Path, monkeypatch) -> Path:
+    """An empty Hub cache under `home` made the one in use (`HF_HOME`), offline
+    (`HF_HUB_OFFLINE=1`), for the length of a test; returns the cache (`home/hub`).
+
+    Args:
+        home: a folder to become `HF_HOME`.
+        monkeypatch: pytest's fixture, which undoes the environment changes.
+    """
+    cache = Path(home) / "hub"
+    cache.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache

@@ -7,21 +7,12 @@ from conftest import photos
 from test_llm_cli import parts, train_args  # noqa: F401  (the fixture)
 
 from vlm_vit.cli import main
-from vlm_vit.testing import put_in_hub_cache
+from vlm_vit.testing import offline_hub_cache, put_in_hub_cache
 from vlm_vit_llm import MultimodalLM
 
 
-def offline_cache(tmp_path, monkeypatch):
-    cache = tmp_path / "hf_home" / "hub"
-    cache.mkdir(parents=True)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return cache
-
-
 def test_train_generate_and_load_by_name(parts, tmp_path, monkeypatch, capsys):  # noqa: F811
-    cache = offline_cache(tmp_path, monkeypatch)
+    cache = offline_hub_cache(tmp_path / "hf_home", monkeypatch)
     put_in_hub_cache(cache, "org/tiny-clip", parts / "encoder")
     put_in_hub_cache(cache, "org/tiny-llm", parts / "llm")
     assert main(train_args(parts, "--tower", "org/tiny-clip", "--llm", "org/tiny-llm",
