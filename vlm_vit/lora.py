@@ -377,6 +377,11 @@ def _to_4bit(bnb, linear: nn.Linear) -> nn.Module:
                                          quant_type="nf4", compress_statistics=True)
     if linear.bias is not None:
         quantized.bias = nn.Parameter(linear.bias.data.clone(), requires_grad=False)
+    if linear.in_features % quantized.weight.blocksize:
+        # bitsandbytes (0.50) repacks 4-bit weights for inference on CPUs with AVX512-BF16,
+        # assuming whole quantisation blocks per row; a narrower layer crashes there
+        # ("shape '[96, 0]' is invalid"), so such a layer keeps the portable kernel.
+        quantized.support_avx512bf16_for_cpu = False
     return quantized.to(device)  # Params4bit quantises when moved, also to its own device
 
 
