@@ -43,6 +43,27 @@ def test_token_count_equals_the_tensor(name, encoder, size):
     assert out.shape == ((2, out.shape[-1]) if count is None else (2, count, out.shape[-1]))
 
 
+@pytest.mark.parametrize("name", available_poolers())
+@pytest.mark.parametrize("encoder", sorted(ENCODERS))
+@pytest.mark.parametrize("feature_layer", [None, [-2, -1]], ids=["final", "two-layers"])
+def test_packed_images_pool_as_each_alone(name, encoder, feature_layer):
+    try:
+        tower = tower_for(name, ENCODERS[encoder], feature_layer=feature_layer)
+    except ValueError as error:  # poolers that read the class token, on encoders without one
+        assert "encoder has none" in str(error)
+        return
+    sizes = [(32, 32), (24, 40), (48, 16), (8, 32)]
+    generator = torch.Generator().manual_seed(2)
+    images = [torch.randn(3, h, w, generator=generator) for h, w in sizes]
+    with torch.no_grad():
+        packed = tower(images)
+        assert isinstance(packed, list) and len(packed) == len(images)
+        for image, size, out in zip(images, sizes, packed, strict=True):
+            torch.testing.assert_close(out, tower(image[None])[0], atol=1e-5, rtol=1e-5)
+            count = tower.num_image_tokens(size)
+            assert out.shape[:-1] == (() if count is None else (count,))
+
+
 def test_llava_selection_layer_minus_two_without_prefix():
     tower = tower_for("mlp2x_gelu", dict(num_register_tokens=1), feature_layer=-2)
     x = torch.randn(2, 3, 32, 32)

@@ -16,6 +16,7 @@ import json
 import operator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vlm_vit.config import EncoderConfig
 from vlm_vit.files import atomic_write, read_json
-from vlm_vit.layers import Attention, Mlp, PatchEmbed, resample_pos_embed
+from vlm_vit.layers import Attention, Mlp, PatchEmbed, Segments, resample_pos_embed
 from vlm_vit.shards import WEIGHTS_NAME as WEIGHTS_NAME
 from vlm_vit.shards import read_weights, write_weights
 
@@ -61,6 +62,15 @@ class EncoderOutput:
     attentions: tuple[torch.Tensor, ...] | None = None
 
 
+class BlocksOutput(NamedTuple):
+    """What `VisionEncoder.run_blocks` returns (see `EncoderOutput` for each field)."""
+
+    tokens: torch.Tensor | None
+    hidden_states: tuple[torch.Tensor, ...] | None
+    features: tuple[torch.Tensor, ...] | None
+    attentions: tuple | None
+
+
 class Block(nn.Module):
     """One pre-norm Transformer block (eqs. 2 and 3)."""
 
@@ -72,9 +82,10 @@ class Block(nn.Module):
         self.mlp = Mlp(config.width, config.mlp_width, act=config.act)
 
     def forward(
-        self, x: torch.Tensor, need_weights: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attended, weights = self.attn(self.norm1(x), need_weights=need_weights)
+        self, x: torch.Tensor, need_weights: bool = False, segments: Segments | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...] | None]:
+        attended, weights = self.attn(self.norm1(x), need_weights=need_weights,
+                                      segments=segments)
         x = add_residual(x, attended)
         x = add_residual(x, self.mlp(self.norm2(x)))
         return x, weights
@@ -229,7 +240,7 @@ class VisionEncoder(nn.Module):
 
     def forward(
         self,
-        pixel_values: torch.Tensor,
+        pixel_values: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...],
         *,
         feature_layers: list[int] | tuple[int, ...] | int | None = None,
         output_hidden_states: bool = False,
@@ -242,7 +253,9 @@ class VisionEncoder(nn.Module):
         """Encodes images.
 
         Args:
-            pixel_values: `[B, C, H, W]`, H and W multiples of the patch size.
+            pixel_values: `[B, C, H, W]`, H and W multiples of the patch size; or a list of
+                `[C, H_i, W_i]` images of any sizes, encoded in one packed pass
+                (`vlm_vit.packing.encode_packed`, which returns a `PackedOutput`).
             feature_layers: hidden-state indices whose raw tokens to return in `features`
                 (`[-2]` for LLaVA). Alone, they stop the run after the deepest one.
             output_hidden_states: return every hidden state.
@@ -252,11 +265,54 @@ class VisionEncoder(nn.Module):
                 patches, in `keep`'s order.
 
         Returns:
-            An `EncoderOutput`.
+            An `EncoderOutput` (a `PackedOutput` for a list).
 
         Raises:
             ValueError: for a bad shape, a side that is not a multiple of the patch size, or
                 a feature layer out of range.
+        """
+        if isinstance(pixel_values, (list, tuple)):
+            if any(t is not None for t in (mask, mask_token, source_index, keep)):
+                raise ValueError("masking (mask, source_index, keep) takes a [B, C, H, W] "
+                                 "batch of one size, not a list of images")
+            from vlm_vit.packing import encode_packed
+
+            return encode_packed(self, pixel_values, feature_layers=feature_layers,
+                                 output_hidden_states=output_hidden_states,
+                                 output_attentions=output_attentions)
+        x, grid = self.prepare_tokens(pixel_values, mask=mask, mask_token=mask_token,
+                                      source_index=source_index, keep=keep)
+        run = self.run_blocks(x, feature_layers=feature_layers,
+                              output_hidden_states=output_hidden_states,
+                              output_attentions=output_attentions)
+        tokens = run.tokens
+        return EncoderOutput(
+            tokens=tokens,
+            patch_tokens=tokens[:, self.num_prefix_tokens:] if tokens is not None else None,
+            cls_token=tokens[:, 0] if tokens is not None and self.cls_token is not None
+            else None,
+            num_prefix_tokens=self.num_prefix_tokens,
+            grid=grid,
+            hidden_states=run.hidden_states,
+            features=run.features,
+            attentions=run.attentions,
+        )
+
+    def run_blocks(
+        self,
+        x: torch.Tensor,
+        *,
+        feature_layers: list[int] | tuple[int, ...] | int | None = None,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+        segments: Segments | None = None,
+    ) -> BlocksOutput:
+        """Eqs. 2 to 4 on prepared tokens `[B, T, D]` (z_0 before the pre-norm).
+
+        Args:
+            x: the tokens; with `segments`, `[1, T, D]` holding several images end to end.
+            feature_layers, output_hidden_states, output_attentions: as in `forward`.
+            segments: the images of a packed sequence; attention stays within each.
         """
         if isinstance(feature_layers, int):
             feature_layers = [feature_layers]
@@ -265,8 +321,6 @@ class VisionEncoder(nn.Module):
         run_to = max(wanted) if wanted and not (output_hidden_states or output_attentions) \
             else depth
 
-        x, grid = self.prepare_tokens(pixel_values, mask=mask, mask_token=mask_token,
-                                      source_index=source_index, keep=keep)
         if self.norm_pre is not None:
             x = self.norm_pre(x)
         hidden_states = [x] if output_hidden_states else None
@@ -275,9 +329,10 @@ class VisionEncoder(nn.Module):
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for index, block in enumerate(self.blocks[:run_to], start=1):
             if checkpointing:  # recompute activations in backward; non-reentrant, so LoRA works
-                x, weights = checkpoint(block, x, output_attentions, use_reentrant=False)
+                x, weights = checkpoint(block, x, output_attentions, segments,
+                                        use_reentrant=False)
             else:
-                x, weights = block(x, need_weights=output_attentions)
+                x, weights = block(x, need_weights=output_attentions, segments=segments)
             if hidden_states is not None:
                 hidden_states.append(x)
             if attentions is not None:
@@ -285,17 +340,11 @@ class VisionEncoder(nn.Module):
             if index in wanted:
                 kept[index] = x
 
-        tokens = patch_tokens = cls_token = None
+        tokens = None
         if run_to == depth:
             tokens = self.norm(x) if self.norm is not None else x
-            patch_tokens = tokens[:, self.num_prefix_tokens:]
-            cls_token = tokens[:, 0] if self.cls_token is not None else None
-        return EncoderOutput(
+        return BlocksOutput(
             tokens=tokens,
-            patch_tokens=patch_tokens,
-            cls_token=cls_token,
-            num_prefix_tokens=self.num_prefix_tokens,
-            grid=grid,
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
             features=tuple(kept[i] for i in wanted) if feature_layers else None,
             attentions=tuple(attentions) if attentions is not None else None,

@@ -10,7 +10,7 @@ from torch import nn
 
 from vlm_vit.files import read_json, read_safetensors, write_safetensors
 from vlm_vit.model import CONFIG_NAME, VisionEncoder, check_state_dict
-from vlm_vit.poolers import build_pooler
+from vlm_vit.poolers import build_pooler, pool_packed
 
 POOLER_WEIGHTS_NAME = "pooler.safetensors"
 
@@ -92,8 +92,31 @@ class VisionTower(nn.Module):
             tokens = tokens[:, out.num_prefix_tokens:]
         return tokens, out.grid
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Pixels `[B, C, H, W]` to `[B, M, out_dim]` tokens (or `[B, out_dim]` vectors)."""
+    def select_packed(self, images: list[torch.Tensor] | tuple[torch.Tensor, ...]
+                      ) -> tuple[torch.Tensor, tuple[int, ...], tuple[tuple[int, int], ...]]:
+        """For a list of `[C, H_i, W_i]` images, encoded in one packed pass: the tokens
+        handed to the pooler `[total, feature_dim]`, tokens per image, and the grids."""
+        with no_graph_if_frozen(self.encoder):
+            out = self.encoder(list(images), feature_layers=self._layers)
+        tokens = out.tokens if self._layers is None else torch.cat(out.features, dim=-1)
+        lengths = out.lengths
+        if self.drop_prefix and out.num_prefix_tokens:
+            tokens = tokens[out.patch_mask()]
+            lengths = tuple(length - out.num_prefix_tokens for length in lengths)
+        return tokens, lengths, out.grids
+
+    def forward(self, pixel_values: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]
+                ) -> torch.Tensor | list[torch.Tensor]:
+        """Pixels `[B, C, H, W]` to `[B, M, out_dim]` tokens (or `[B, out_dim]` vectors).
+
+        A list of `[C, H_i, W_i]` images of any sizes is encoded in one packed pass and
+        pooled image by image (`vlm_vit.poolers.pool_packed`): a list of `[M_i, out_dim]`
+        tensors, M_i = `num_image_tokens((H_i, W_i))` (or of `[out_dim]` vectors).
+        """
+        if isinstance(pixel_values, (list, tuple)):
+            tokens, lengths, grids = self.select_packed(pixel_values)
+            return pool_packed(self.pooler, tokens, lengths=lengths, grids=grids,
+                               num_prefix_tokens=self.num_prefix_tokens)
         tokens, grid = self.select(pixel_values)
         return self.pooler(tokens, num_prefix_tokens=self.num_prefix_tokens, grid=grid)
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from vlm_vit import available_poolers, build_pooler
+from vlm_vit.poolers import pool_packed
 
 IN_DIM = 32
 GRIDS = [(4, 4), (3, 5), (1, 2)]
@@ -80,3 +81,33 @@ def test_wrong_token_count_is_refused(name):
     pooler = build(name)
     with pytest.raises(ValueError, match=r"4x5|\(4, 5\)"):  # the message names the grid
         pooler(tokens_for((4, 4), 1), num_prefix_tokens=1, grid=(4, 5))
+
+
+@pytest.mark.parametrize("name", available_poolers())
+@pytest.mark.parametrize("prefix", [0, 1])
+def test_packed_tokens_pool_as_each_image_alone(name, prefix):
+    pooler = build(name).eval()
+    if getattr(pooler, "requires_class_token", False) and prefix == 0:
+        pytest.skip("needs a class token")
+    grids = [(4, 4), (3, 5), (1, 2), (2, 1)]
+    images = [tokens_for(grid, prefix, batch=1) for grid in grids]
+    packed = torch.cat([image[0] for image in images])  # [total, D]
+    with torch.no_grad():
+        pooled = pool_packed(pooler, packed, lengths=[image.shape[1] for image in images],
+                             grids=grids, num_prefix_tokens=prefix)
+        assert len(pooled) == len(grids)
+        for image, grid, out in zip(images, grids, pooled, strict=True):
+            alone = pooler(image, num_prefix_tokens=prefix, grid=grid)[0]
+            torch.testing.assert_close(out, alone, atol=1e-5, rtol=1e-5)
+            count = pooler.num_output_tokens(grid, num_prefix_tokens=prefix)
+            assert out.shape == ((pooler.out_dim,) if count is None else (count, pooler.out_dim))
+
+
+def test_packed_lengths_that_do_not_fit_the_grids_are_refused():
+    pooler = build("mean")
+    with pytest.raises(ValueError, match="image 1: 5 tokens do not fit 1 prefix tokens and a 2x3"):
+        pool_packed(pooler, torch.zeros(10, IN_DIM), lengths=[5, 5], grids=[(2, 2), (2, 3)],
+                    num_prefix_tokens=1)
+    with pytest.raises(ValueError, match=r"packed tokens must be \[10, D\]"):
+        pool_packed(pooler, torch.zeros(9, IN_DIM), lengths=[5, 5], grids=[(2, 2), (2, 2)],
+                    num_prefix_tokens=1)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_vit.layers.varlen import Segments, varlen_attention
+
 
 class Attention(nn.Module):
     """Multi-head self-attention.
@@ -25,18 +27,28 @@ class Attention(nn.Module):
         self.proj = nn.Linear(width, width)
 
     def forward(
-        self, x: torch.Tensor, need_weights: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attends every token to every token.
+        self, x: torch.Tensor, need_weights: bool = False, segments: Segments | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...] | None]:
+        """Attends every token to every token (of its own image, with `segments`).
 
         Args:
-            x: tokens `[B, T, D]`.
+            x: tokens `[B, T, D]`; with `segments`, `[1, T, D]`, several images end to end.
             need_weights: also return the attention maps.
+            segments: the images of a packed sequence (`vlm_vit.layers.varlen`): attention
+                stays within each; the projections still run once on all T tokens.
 
         Returns:
-            The output `[B, T, D]` and the maps `[B, heads, T, T]` (or None).
+            The output `[B, T, D]` and the maps `[B, heads, T, T]` (with `segments`: one
+            `[heads, L_i, L_i]` per image), or None.
         """
         batch, tokens, width = x.shape
+        if segments is not None:
+            if batch != 1:
+                raise ValueError(f"a packed sequence is [1, T, D], got {list(x.shape)}")
+            # (T, 3, heads, head_dim) -> three (T, heads, head_dim)
+            q, k, v = self.qkv(x[0]).reshape(tokens, 3, self.heads, self.head_dim).unbind(1)
+            out, maps = varlen_attention(q, k, v, segments, need_weights)
+            return self.proj(out.reshape(1, tokens, width)), maps
         # (B, T, 3, heads, head_dim) -> (3, B, heads, T, head_dim)
         qkv = self.qkv(x).reshape(batch, tokens, 3, self.heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)

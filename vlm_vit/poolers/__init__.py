@@ -6,7 +6,9 @@ from vlm_vit.poolers.base import (
     Pooler,
     available_poolers,
     build_pooler,
+    pool_packed,
     register_pooler,
 )
 
-__all__ = ["POOLERS", "Pooler", "available_poolers", "build_pooler", "register_pooler"]
+__all__ = ["POOLERS", "Pooler", "available_poolers", "build_pooler", "pool_packed",
+           "register_pooler"]

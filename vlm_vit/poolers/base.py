@@ -6,6 +6,10 @@ wants: a fixed number of tokens of the LLM's width, or one vector. It is an `nn.
     pooler(tokens, *, num_prefix_tokens, grid)   # [B, prefix + N, D] -> [B, M, out] or [B, out]
     pooler.num_output_tokens(grid, num_prefix_tokens=0)  # M, or None for a vector
 
+Packed input (images of different sizes end to end, `vlm_vit.packing`) goes through
+`pool_packed`: a pooler with a `forward_packed` method takes the whole `[total, D]` matrix
+at once (the per-token projectors do); any other runs once per image, automatically.
+
 Built-ins register with `@register_pooler(name)`; other installed distributions add theirs
 through the entry-point group `vlm_vit.poolers` (the entry's name is the pooler's name, its
 object the class or a factory taking `in_dim`, `out_dim=None` and options).
@@ -104,6 +108,58 @@ def split_tokens(
     if in_dim is not None and tokens.shape[-1] != in_dim:
         raise ValueError(f"tokens have width {tokens.shape[-1]}, the pooler expects {in_dim}")
     return tokens[:, :num_prefix_tokens], tokens[:, num_prefix_tokens:]
+
+
+def pool_packed(
+    pooler: nn.Module, tokens: torch.Tensor, *, lengths: tuple[int, ...] | list[int],
+    grids: tuple[tuple[int, int], ...] | list[tuple[int, int]], num_prefix_tokens: int,
+) -> list[torch.Tensor]:
+    """Pools packed tokens image by image.
+
+    Args:
+        pooler: any pooler.
+        tokens: `[total, D]`, each image's `prefix + rows * cols` tokens end to end.
+        lengths: tokens per image.
+        grids: each image's patch grid.
+        num_prefix_tokens: prefix tokens at the front of each image.
+
+    Returns:
+        One `[M_i, out]` tensor per image (`[out]` for a pooler that returns a vector).
+
+    Raises:
+        ValueError: when lengths, grids and tokens disagree.
+    """
+    if len(lengths) != len(grids):
+        raise ValueError(f"{len(lengths)} lengths for {len(grids)} grids")
+    for index, (length, (rows, cols)) in enumerate(zip(lengths, grids, strict=True)):
+        if length != num_prefix_tokens + rows * cols:
+            raise ValueError(f"image {index}: {length} tokens do not fit {num_prefix_tokens} "
+                             f"prefix tokens and a {rows}x{cols} grid")
+    if tokens.ndim != 2 or tokens.shape[0] != sum(lengths):
+        raise ValueError(f"packed tokens must be [{sum(lengths)}, D], got {list(tokens.shape)}")
+    forward_packed = getattr(pooler, "forward_packed", None)
+    if forward_packed is not None:
+        return forward_packed(tokens, lengths=tuple(lengths), grids=tuple(grids),
+                              num_prefix_tokens=num_prefix_tokens)
+    return [pooler(part[None], num_prefix_tokens=num_prefix_tokens, grid=grid)[0]
+            for part, grid in zip(tokens.split(list(lengths)), grids, strict=True)]
+
+
+class TokenWise:
+    """For poolers that map every token on its own (`map_tokens`, `[..., D] -> [..., out]`):
+    packed tokens go through in one call, every token kept."""
+
+    def map_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_packed(self, tokens: torch.Tensor, *, lengths: tuple[int, ...],
+                       grids: tuple[tuple[int, int], ...],
+                       num_prefix_tokens: int) -> list[torch.Tensor]:
+        """`[total, D]` to one `[L_i, out]` tensor per image (see `pool_packed`)."""
+        if tokens.shape[-1] != self.in_dim:
+            raise ValueError(f"tokens have width {tokens.shape[-1]}, the pooler expects "
+                             f"{self.in_dim}")
+        return list(self.map_tokens(tokens).split(list(lengths)))
 
 
 def default_heads(width: int, most: int = 16) -> int:

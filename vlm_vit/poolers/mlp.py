@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlm_vit.poolers.base import register_pooler, split_tokens
+from vlm_vit.poolers.base import TokenWise, register_pooler, split_tokens
 
 
 @register_pooler("linear")
-class LinearProjector(nn.Linear):
+class LinearProjector(TokenWise, nn.Linear):
     """One linear layer on every token (LLaVA v1, Liu et al. 2023)."""
 
     def __init__(self, in_dim: int, out_dim: int | None = None):
@@ -21,14 +21,17 @@ class LinearProjector(nn.Linear):
 
     def forward(self, tokens, *, num_prefix_tokens: int, grid: tuple[int, int]) -> torch.Tensor:
         split_tokens(tokens, num_prefix_tokens, grid, self.in_dim)
-        return super().forward(tokens)  # [B, prefix + N, out]
+        return self.map_tokens(tokens)  # [B, prefix + N, out]
+
+    def map_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return nn.Linear.forward(self, tokens)
 
     def num_output_tokens(self, grid, *, num_prefix_tokens: int = 0) -> int:
         return num_prefix_tokens + grid[0] * grid[1]
 
 
 @register_pooler("mlp2x_gelu")
-class MLPProjector(nn.Sequential):
+class MLPProjector(TokenWise, nn.Sequential):
     """Linear, then (GELU, Linear) x (depth - 1), on every token (LLaVA-1.5, Liu et al. 2024).
 
     `build_pooler("mlp{N}x_gelu")` gives depth N.
@@ -46,7 +49,10 @@ class MLPProjector(nn.Sequential):
 
     def forward(self, tokens, *, num_prefix_tokens: int, grid: tuple[int, int]) -> torch.Tensor:
         split_tokens(tokens, num_prefix_tokens, grid, self.in_dim)
-        return super().forward(tokens)  # [B, prefix + N, out]
+        return self.map_tokens(tokens)  # [B, prefix + N, out]
+
+    def map_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return nn.Sequential.forward(self, tokens)
 
     def num_output_tokens(self, grid, *, num_prefix_tokens: int = 0) -> int:
         return num_prefix_tokens + grid[0] * grid[1]

@@ -1,0 +1,195 @@
+"""Native resolution: images of different sizes encoded in one packed pass (NaViT, Dehghani
+et al. 2023, "Patch n' Pack: NaViT, a Vision Transformer for any Aspect Ratio and
+Resolution").
+
+Each image is embedded as it would be alone (its own patch grid, its own resize of E_pos,
+paper section 3.2, with the encoder's cache, its own class and register tokens); the token
+sequences are then laid end to end in one `[1, total, D]` tensor, and every block runs once
+over it, attention restricted to each image (`vlm_vit.layers.varlen`). So each image's
+tokens equal `encoder(image[None])` for that image alone, while the Linears, norms and MLPs,
+most of the FLOPs, run as one matrix with no padding.
+
+    out = encoder([image_0, image_1, ...])   # [C, H_i, W_i] each -> PackedOutput
+    out.tokens                               # [total, D]
+    out.split()                              # one EncoderOutput per image
+
+Masked pretraining stays on fixed-size batches (`VisionEncoder.forward`'s masks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import TYPE_CHECKING
+
+import torch
+
+from vlm_vit.layers.varlen import Segments
+from vlm_vit.model import EncoderOutput
+
+if TYPE_CHECKING:
+    from vlm_vit.model import VisionEncoder
+
+
+@dataclass
+class PackedOutput:
+    """What the encoder returns for a list of images: every image's tokens, end to end.
+
+    Attributes:
+        tokens: every token after the final norm, `[total, D]`, image after image, each
+            image's prefix tokens first; None when `feature_layers` stopped the run early.
+        lengths: tokens per image (prefix + rows * cols).
+        grids: each image's patch grid (rows, cols).
+        num_prefix_tokens: class token plus register tokens at the front of each image.
+        hidden_states: when asked, depth + 1 tensors `[total, D]` (as `EncoderOutput`).
+        features: the raw tokens `[total, D]` of each of `feature_layers`, in the order asked.
+        attentions: when asked, per block a tuple of one `[heads, L_i, L_i]` map per image.
+    """
+
+    tokens: torch.Tensor | None
+    lengths: tuple[int, ...]
+    grids: tuple[tuple[int, int], ...]
+    num_prefix_tokens: int
+    has_class_token: bool
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    features: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[tuple[torch.Tensor, ...], ...] | None = None
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Where each image starts, and the total at the end: 0, L_0, L_0 + L_1, ..."""
+        return Segments(self.lengths).offsets
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """`offsets` as FlashAttention takes them, int32 `[n + 1]`."""
+        return Segments(self.lengths).cu_seqlens()
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def split(self) -> list[EncoderOutput]:
+        """One `EncoderOutput` per image, batch size 1, as `encoder(image[None])` gives."""
+        prefix = self.num_prefix_tokens
+        outputs = []
+        for index, (start, stop) in enumerate(pairwise(self.offsets)):
+            def part(x: torch.Tensor | None, start=start, stop=stop) -> torch.Tensor | None:
+                return None if x is None else x[start:stop][None]
+
+            tokens = part(self.tokens)
+            outputs.append(EncoderOutput(
+                tokens=tokens,
+                patch_tokens=tokens[:, prefix:] if tokens is not None else None,
+                cls_token=tokens[:, 0] if tokens is not None and self.has_class_token else None,
+                num_prefix_tokens=prefix,
+                grid=self.grids[index],
+                hidden_states=tuple(part(h) for h in self.hidden_states)
+                if self.hidden_states is not None else None,
+                features=tuple(part(f) for f in self.features)
+                if self.features is not None else None,
+                attentions=tuple(maps[index][None] for maps in self.attentions)
+                if self.attentions is not None else None,
+            ))
+        return outputs
+
+    def patch_mask(self) -> torch.Tensor:
+        """`[total]` bool: True at patch tokens, False at each image's prefix tokens."""
+        device = next(t.device for t in (self.tokens, *(self.features or ()),
+                                         *(self.hidden_states or ())) if t is not None)
+        mask = torch.ones(self.offsets[-1], dtype=torch.bool, device=device)
+        for start in self.offsets[:-1]:
+            mask[start:start + self.num_prefix_tokens] = False
+        return mask
+
+
+def check_images(encoder: VisionEncoder, images: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                 *, max_tokens: int | None = None,
+                 max_grid: tuple[int, int] | None = None) -> list[tuple[int, int]]:
+    """Checks a list of images for packing; returns their patch grids.
+
+    Raises:
+        ValueError: for an empty list, an image that is not `[C, H, W]` with the encoder's
+            channels, a side that is not a positive multiple of the patch size, a grid over
+            `max_grid`, or a pack over `max_tokens`, naming the image index and its size.
+    """
+    if not isinstance(images, (list, tuple)) or not images:
+        raise ValueError("packed encoding needs a non-empty list of [C, H, W] images")
+    channels, patch = encoder.config.in_channels, encoder.config.patch_size
+    grids, total = [], 0
+    for index, image in enumerate(images):
+        if not isinstance(image, torch.Tensor) or image.ndim != 3:
+            shape = list(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
+            raise ValueError(f"image {index} must be a [C, H, W] tensor, got {shape}")
+        if image.shape[0] != channels:
+            raise ValueError(f"image {index} has {image.shape[0]} channels "
+                             f"({list(image.shape)}); the encoder takes {channels}")
+        height, width = image.shape[1:]
+        if height % patch or width % patch or height == 0 or width == 0:
+            raise ValueError(f"image {index} is {height}x{width}: each side must be a positive "
+                             f"multiple of the patch size {patch}")
+        grid = (height // patch, width // patch)
+        if max_grid is not None and (grid[0] > max_grid[0] or grid[1] > max_grid[1]):
+            raise ValueError(f"image {index} is {height}x{width}, a {grid[0]}x{grid[1]} grid, "
+                             f"over the maximum grid {max_grid[0]}x{max_grid[1]}")
+        grids.append(grid)
+        total += encoder.num_prefix_tokens + grid[0] * grid[1]
+    if max_tokens is not None and total > max_tokens:
+        raise ValueError(f"the {len(images)} images make {total} tokens, over the budget of "
+                         f"{max_tokens} (sizes: {[tuple(i.shape[1:]) for i in images]})")
+    return grids
+
+
+def encode_packed(
+    encoder: VisionEncoder,
+    images: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    *,
+    feature_layers: list[int] | tuple[int, ...] | int | None = None,
+    output_hidden_states: bool = False,
+    output_attentions: bool = False,
+    backend: str = "auto",
+    max_tokens: int | None = None,
+    max_grid: tuple[int, int] | None = None,
+) -> PackedOutput:
+    """Encodes images of different sizes in one packed pass (see the module docstring).
+
+    Args:
+        encoder: a `VisionEncoder`.
+        images: `[C, H_i, W_i]` tensors, each side a multiple of the patch size.
+        feature_layers, output_hidden_states: as in `VisionEncoder.forward`; the run stops
+            after the deepest feature layer when only features are asked for.
+        output_attentions: return each image's attention maps per block.
+        backend: the attention backend (`vlm_vit.layers.varlen.BACKENDS`; "auto" picks
+            FlashAttention's varlen kernel or nested-tensor SDPA on CUDA, per-image SDPA on
+            a CPU).
+        max_tokens: refuse a pack of more tokens than this.
+        max_grid: refuse an image whose patch grid (rows, cols) exceeds this.
+
+    Returns:
+        A `PackedOutput`.
+
+    Raises:
+        ValueError: for a bad list (see `check_images`) or feature layer.
+    """
+    grids = check_images(encoder, images, max_tokens=max_tokens, max_grid=max_grid)
+    # z_0 per image, exactly as for that image alone: (1, L_i, D) each.
+    parts = [encoder.prepare_tokens(image[None])[0] for image in images]
+    segments = Segments(tuple(p.shape[1] for p in parts), backend=backend)
+    x = torch.cat(parts, dim=1)  # (1, total, D)
+    run = encoder.run_blocks(x, feature_layers=feature_layers,
+                             output_hidden_states=output_hidden_states,
+                             output_attentions=output_attentions, segments=segments)
+
+    def flat(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[0]  # (total, D)
+
+    return PackedOutput(
+        tokens=flat(run.tokens),
+        lengths=segments.lengths,
+        grids=tuple(grids),
+        num_prefix_tokens=encoder.num_prefix_tokens,
+        has_class_token=encoder.cls_token is not None,
+        hidden_states=tuple(flat(h) for h in run.hidden_states)
+        if run.hidden_states is not None else None,
+        features=tuple(flat(f) for f in run.features) if run.features is not None else None,
+        attentions=run.attentions,
+    )
