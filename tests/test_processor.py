@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
+import hypothesis
 import numpy as np
 import pytest
 import torch
+from hypothesis import strategies as st
 from PIL import Image, ImageFile
 
 from vlm_vit.processor import (
@@ -16,6 +19,7 @@ from vlm_vit.processor import (
     ImageLoadError,
     ImageProcessor,
     ImageTooLargeError,
+    native_size,
 )
 
 RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
@@ -493,3 +497,210 @@ def test_for_family():
     assert proc.size == (336, 336)
     with pytest.raises(ValueError, match="clip.*imagenet.*inception"):
         ImageProcessor.for_family("dino")
+
+
+# ---- native resolution ---------------------------------------------------------------
+
+
+def native(**kwargs) -> ImageProcessor:
+    return ImageProcessor(**{"resize_mode": "native", "patch_multiple": 14, **kwargs})
+
+
+def test_native_size_worked_numbers():
+    # The numbers in native_size's docstring.
+    assert native_size(1080, 1920, multiple=14, max_pixels=1_003_520) == (742, 1330)
+    assert native_size(1080, 1920, multiple=28, max_pixels=1_003_520) == (728, 1316)
+    assert native_size(400, 600, multiple=16) == (400, 608)
+    assert native_size(20, 30, multiple=14, min_pixels=3136) == (56, 70)
+    # By hand: rounding alone (38.57 -> 39, 68.57 -> 69 multiples of 28) when in bounds;
+    # 30.5 rounds half to even, to 30, as Python's round in smart_resize; a side under half
+    # a multiple becomes one multiple.
+    assert native_size(1080, 1920, multiple=28) == (39 * 28, 69 * 28)
+    assert native_size(427, 640, multiple=14) == (30 * 14, 46 * 14)
+    assert native_size(3, 100, multiple=16) == (16, 96)
+    # At the bound exactly nothing is scaled: 32 x 32 = 1024.
+    assert native_size(32, 32, multiple=16, min_pixels=1024, max_pixels=1024) == (32, 32)
+
+
+def _in_one_multiple_of_one_scale(height, width, out_h, out_w, multiple) -> bool:
+    """Some scale s puts both sides within one multiple: |out - s * side| <= multiple."""
+    low = max((out_h - multiple) / height, (out_w - multiple) / width)
+    high = min((out_h + multiple) / height, (out_w + multiple) / width)
+    return low <= high + 1e-12
+
+
+@hypothesis.settings(max_examples=500, deadline=None)
+@hypothesis.given(height=st.integers(1, 5000), width=st.integers(1, 5000),
+       multiple=st.sampled_from([8, 14, 16, 28, 32]),
+       min_pixels=st.one_of(st.none(), st.integers(1, 200_000)),
+       extra=st.one_of(st.none(), st.integers(0, 2_000_000)))
+def test_native_size_properties(height, width, multiple, min_pixels, extra):
+    max_pixels = None if extra is None else (min_pixels or 1) + extra
+    try:
+        out_h, out_w = native_size(height, width, multiple=multiple, min_pixels=min_pixels,
+                                   max_pixels=max_pixels)
+    except ValueError as e:  # only a too-thin image, refused with its size
+        assert f"height {height} and width {width}" in str(e)
+        assert "aspect ratio" in str(e) or "outside" in str(e)
+        return
+    assert out_h > 0 and out_w > 0 and out_h % multiple == 0 and out_w % multiple == 0
+    assert max_pixels is None or out_h * out_w <= max_pixels
+    assert min_pixels is None or out_h * out_w >= min_pixels
+    assert _in_one_multiple_of_one_scale(height, width, out_h, out_w, multiple)
+
+
+def test_native_size_over_a_grid_of_photo_shapes_never_refuses():
+    # Aspect ratios up to 4 with Qwen2-VL's bounds: every image fits.
+    sides = list(range(20, 4001, 37))
+    for height in sides:
+        for width in sides:
+            if max(height, width) > 4 * min(height, width):
+                continue
+            out_h, out_w = native_size(height, width, multiple=28, min_pixels=3136,
+                                       max_pixels=1_003_520)
+            assert out_h % 28 == 0 and out_w % 28 == 0
+            assert 3136 <= out_h * out_w <= 1_003_520, (height, width)
+            assert _in_one_multiple_of_one_scale(height, width, out_h, out_w, 28)
+            # Without bounds each side is only rounded: within half a multiple.
+            rounded_h, rounded_w = native_size(height, width, multiple=28)
+            assert abs(rounded_h - height) <= 14 and abs(rounded_w - width) <= 14
+
+
+def test_native_size_refuses_extreme_aspect_and_thin_strips():
+    with pytest.raises(ValueError, match="height 10 and width 2010 has aspect ratio 201, "
+                                         "more than the maximum 200"):
+        native_size(10, 2010, multiple=14)
+    assert native_size(10, 2000, multiple=14) == (14, 2002)  # exactly 200: accepted
+    with pytest.raises(ValueError, match="aspect ratio 3.25, more than the maximum 3"):
+        native_size(1300, 400, multiple=14, max_aspect=3)
+    # The short side cannot go below one multiple, so the strip stays over the budget.
+    with pytest.raises(ValueError, match=r"height 28 and width 5600 would be resized to "
+                                         r"28 x 784 = 21952 pixels \(multiples of 28\), "
+                                         r"outside max_pixels 3136"):
+        native_size(28, 5600, multiple=28, max_pixels=3136)
+    for kwargs, text in [({"multiple": 0}, "multiple must be a positive int, got 0"),
+                         ({"multiple": 14, "max_pixels": 0}, "max_pixels must be a positive "
+                                                            "int or None, got 0"),
+                         ({"multiple": 14, "min_pixels": 10, "max_pixels": 5},
+                          "min_pixels 10 is more than max_pixels 5")]:
+        with pytest.raises(ValueError, match=text):
+            native_size(100, 100, **kwargs)
+    with pytest.raises(ValueError, match="height must be a positive int, got 0"):
+        native_size(0, 100, multiple=14)
+
+
+def test_processor_refuses_extreme_aspect_naming_the_image(tmp_path):
+    proc = native()
+    strip = np.zeros((10, 2010, 3), dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"^images\[1\]: image of height 10 and width 2010 "
+                                         r"has aspect ratio 201"):
+        proc([np.zeros((20, 20, 3), dtype=np.uint8), strip])
+    Image.fromarray(strip).save(tmp_path / "strip.png")
+    with pytest.raises(ValueError, match=r"^images\[0\] \(file '.*strip.png'\): image of "
+                                         r"height 10 and width 2010"):
+        proc([tmp_path / "strip.png"])
+    with pytest.raises(ValueError, match=r"^image: .*height 28 and width 5600 would be "
+                                         r"resized to 28 x 784"):
+        native(patch_multiple=28, max_output_pixels=3136).preprocess_one(
+            torch.rand(3, 28, 5600))
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({"patch_multiple": 16}, {"astronaut": (512, 512), "coffee": (400, 608),
+                              "rocket": (432, 640)}),
+    # 427 / 14 = 30.5 rounds half to even: 420.
+    ({"patch_multiple": 14, "max_output_pixels": 1_003_520},
+     {"astronaut": (518, 518), "coffee": (406, 602), "rocket": (420, 644)}),
+    # A 256-patch budget at patch 16: beta = 2 for the astronaut; ~1.91 and ~2.04 for the
+    # others, whose sides floor to 13 x 19 patches.
+    ({"patch_multiple": 16, "max_output_pixels": 256 * 16 * 16},
+     {"astronaut": (256, 256), "coffee": (208, 304), "rocket": (208, 304)}),
+    ({"patch_multiple": 28, "min_output_pixels": 3136, "max_output_pixels": 1_003_520},
+     {"astronaut": (504, 504), "coffee": (392, 588), "rocket": (420, 644)}),
+])
+def test_photos_get_their_native_sizes(kwargs, expected):
+    data = pytest.importorskip("skimage.data")
+    photos = {name: getattr(data, name)() for name in expected}
+    assert {name: photo.shape for name, photo in photos.items()} == {
+        "astronaut": (512, 512, 3), "coffee": (400, 600, 3), "rocket": (427, 640, 3)}
+    proc = native(**kwargs)
+    out = proc(list(photos.values()))
+    assert isinstance(out, list) and len(out) == 3
+    for (name, photo), pixels in zip(photos.items(), out):
+        assert pixels.shape == (3, *expected[name]), name
+        assert pixels.dtype == torch.float32 and pixels.is_contiguous()
+        # No crop: the same pixels as squashing the whole photo to that size.
+        squash = dataclasses.replace(proc, resize_mode="squash", size=expected[name])
+        assert torch.equal(pixels, squash(photo)[0]), name
+        assert torch.equal(proc.preprocess_one(photo), pixels)
+
+
+def test_native_returns_a_list_in_input_order():
+    proc = native(patch_multiple=16)
+    items = [noise_image(40, 30), torch.rand(2, 3, 20, 50), np.random.default_rng(0).random(
+        (70, 33, 3)), noise_image(16, 16)]
+    out = proc(items)
+    assert isinstance(out, list)
+    # 40 / 16 = 2.5 rounds half to even: 32; the batch of two expands in place.
+    assert [tuple(t.shape) for t in out] == [(3, 32, 32), (3, 16, 48), (3, 16, 48),
+                                             (3, 64, 32), (3, 16, 16)]
+    assert all(t.dtype == torch.float32 for t in out)
+    single = proc(noise_image(40, 30))  # one image: a list of one
+    assert isinstance(single, list) and len(single) == 1 and torch.equal(single[0], out[0])
+    assert torch.equal(proc.preprocess_one(items[2]), out[3])
+    # Float inputs are resized with interpolate at the native size, as in squash mode.
+    squash = dataclasses.replace(proc, resize_mode="squash", size=(64, 32))
+    assert torch.equal(out[3], squash(items[2])[0])
+    # Other modes still stack.
+    assert ImageProcessor(size=16)(items).shape == (5, 3, 16, 16)
+
+
+def test_native_fields_round_trip(tmp_path):
+    proc = ImageProcessor.for_family("clip", resize_mode="native", patch_multiple=28,
+                                     min_output_pixels=3136, max_output_pixels=1_003_520,
+                                     max_aspect_ratio=50)
+    assert proc.max_aspect_ratio == 50.0 and isinstance(proc.max_aspect_ratio, float)
+    saved = proc.to_dict()
+    assert {k: saved[k] for k in ("resize_mode", "patch_multiple", "min_output_pixels",
+                                     "max_output_pixels", "max_aspect_ratio")} == {
+        "resize_mode": "native", "patch_multiple": 28, "min_output_pixels": 3136,
+        "max_output_pixels": 1_003_520, "max_aspect_ratio": 50.0}
+    assert ImageProcessor.from_dict(saved) == proc
+    path = proc.save_pretrained(tmp_path)
+    assert json.loads(path.read_text())["patch_multiple"] == 28
+    assert ImageProcessor.from_pretrained(tmp_path) == proc
+
+
+def test_configs_without_native_fields_load_unchanged(tmp_path):
+    new = ("patch_multiple", "min_output_pixels", "max_output_pixels", "max_aspect_ratio")
+    proc = ImageProcessor(size=(64, 48), resize_mode="squash", crop_rounding="floor")
+    old = {k: v for k, v in proc.to_dict().items() if k not in new}
+    (tmp_path / PROCESSOR_CONFIG_NAME).write_text(json.dumps(old))
+    loaded = ImageProcessor.from_pretrained(tmp_path)
+    assert loaded == proc == ImageProcessor.from_dict(old)
+    assert (loaded.patch_multiple, loaded.min_output_pixels, loaded.max_output_pixels,
+            loaded.max_aspect_ratio) == (None, None, None, 200.0)
+    image = noise_image(40, 30)
+    assert torch.equal(loaded(image), proc(image)) and loaded(image).shape == (1, 3, 64, 48)
+    # The native fields are unused outside native mode.
+    ignored = dataclasses.replace(proc, patch_multiple=14, max_output_pixels=1000)
+    assert torch.equal(ignored(image), proc(image))
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    ({"resize_mode": "native"}, "resize_mode 'native' needs patch_multiple"),
+    ({"patch_multiple": 0}, "patch_multiple must be a positive int or None, got 0"),
+    ({"patch_multiple": 14.0}, "patch_multiple must be a positive int or None, got 14.0"),
+    ({"min_output_pixels": -1}, "min_output_pixels must be a positive int or None, got -1"),
+    ({"max_output_pixels": True}, "max_output_pixels must be a positive int or None"),
+    ({"min_output_pixels": 5000, "max_output_pixels": 4000},
+     "min_output_pixels 5000 is more than max_output_pixels 4000"),
+    ({"patch_multiple": 28, "max_output_pixels": 700},
+     r"max_output_pixels 700 is less than one patch_multiple squared, 28\*\*2 = 784"),
+    ({"max_aspect_ratio": 0.5}, "max_aspect_ratio must be a finite number >= 1, got 0.5"),
+    ({"max_aspect_ratio": float("inf")}, "max_aspect_ratio must be a finite number >= 1"),
+    ({"max_aspect_ratio": "200"}, "max_aspect_ratio must be a finite number >= 1, got '200'"),
+])
+def test_invalid_native_settings_name_the_field(kwargs, text):
+    with pytest.raises(ValueError, match=text):
+        ImageProcessor(**kwargs)

@@ -4,6 +4,10 @@ The pipeline is: decode (files) -> EXIF orientation -> RGB (alpha composited ont
 background) -> resize -> centre crop -> [0, 1] -> (x - mean) / std. uint8 inputs are
 resized with PIL so results match the CLIP and Hugging Face processors; float inputs are
 resized with ``torch.nn.functional.interpolate`` (antialiased) to keep their precision.
+
+``resize_mode="native"`` keeps each image's aspect ratio instead (NaViT, Qwen2-VL): no
+crop, each side rounded to a multiple of ``patch_multiple`` within a pixel budget (see
+``native_size``), so a list of images becomes a list of differently sized tensors.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -32,7 +37,7 @@ NORMALIZATION: dict[str, tuple[tuple[float, float, float], tuple[float, float, f
     "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
     "inception": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
 }
-RESIZE_MODES = ("shortest_edge", "squash")
+RESIZE_MODES = ("shortest_edge", "squash", "native")
 CROP_ROUNDINGS = ("round", "floor")
 _PIL_RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
 _ALPHA_MODES = frozenset({"LA", "La", "PA", "RGBA", "RGBa"})
@@ -55,6 +60,83 @@ def _composite(rgba: np.ndarray, background: np.ndarray) -> np.ndarray:
     return np.round(out).astype(np.uint8) if rgba.dtype == np.uint8 else out
 
 
+def native_size(height: int, width: int, *, multiple: int, min_pixels: int | None = None,
+                max_pixels: int | None = None, max_aspect: float = 200.0) -> tuple[int, int]:
+    """The (height, width) an image is resized to at native resolution.
+
+    Each side is rounded to the nearest multiple of ``multiple`` (at least one multiple).
+    If that area is over ``max_pixels``, both sides are scaled by ``1 / beta`` with
+    ``beta = sqrt(height * width / max_pixels)`` and floored to multiples; if under
+    ``min_pixels``, scaled by ``beta = sqrt(min_pixels / (height * width))`` and ceiled. The
+    aspect ratio is kept to within one multiple per side. This is the rule of Qwen2-VL's
+    ``smart_resize`` (which uses multiple 28 = patch 14 x merge 2, ``min_pixels`` 3,136 and
+    ``max_pixels`` 1,003,520), except that a side shorter than half a multiple becomes one
+    multiple instead of being refused.
+
+    Worked numbers, (height, width) -> (height, width):
+
+    - A 1080 x 1920 photo, multiple 14, max 1,003,520 pixels: rounding gives 1078 x 1918
+      (2,067,604 pixels, too many); beta = 1.4375, so 751.3 x 1335.7 floors to 742 x 1330
+      (986,860 pixels; 53 x 95 = 5,035 patches of 14).
+    - The same photo with multiple 28 (Qwen2-VL's): 728 x 1316 (958,048 pixels; 26 x 47 =
+      1,222 tokens after a 2 x 2 merge).
+    - ``skimage.data.coffee()``, 400 x 600, multiple 16, no bounds: 400 x 608.
+    - A 20 x 30 icon, multiple 14, min 3,136 pixels: rounding gives 14 x 28 (392 pixels,
+      too few); beta = 2.2862, so 45.7 x 68.6 ceils to 56 x 70 (3,920 pixels).
+
+    Args:
+        height: The image's height in pixels.
+        width: The image's width in pixels.
+        multiple: Every output side is a positive multiple of this: the patch size, or
+            patch size x merge for a pixel-shuffle pooler.
+        min_pixels: Smaller results are scaled up to at least this many pixels; None: no
+            lower bound beyond one multiple per side.
+        max_pixels: Larger results are scaled down to at most this many pixels; None: no
+            upper bound.
+        max_aspect: The largest long side / short side accepted.
+
+    Returns:
+        (height, width), each a positive multiple of ``multiple``.
+
+    Raises:
+        ValueError: If a size or bound is not a positive int, the bounds are crossed, the
+            aspect ratio is over ``max_aspect``, or the result would still be outside the
+            bounds (a very thin image whose short side cannot shrink below one multiple).
+    """
+    for label, value in [("height", height), ("width", width), ("multiple", multiple),
+                         ("min_pixels", min_pixels), ("max_pixels", max_pixels)]:
+        optional = label.endswith("_pixels")
+        if not ((optional and value is None) or (_is_int(value) and value > 0)):
+            expected = "a positive int or None" if optional else "a positive int"
+            raise ValueError(f"{label} must be {expected}, got {value!r}")
+    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+        raise ValueError(f"min_pixels {min_pixels} is more than max_pixels {max_pixels}")
+    height, width, multiple = int(height), int(width), int(multiple)
+    aspect = max(height, width) / min(height, width)
+    if aspect > max_aspect:
+        raise ValueError(f"image of height {height} and width {width} has aspect ratio "
+                         f"{aspect:.4g}, more than the maximum {max_aspect:g}")
+    # Python's round (half to even), as smart_resize; a side under half a multiple -> one.
+    out_h = max(1, round(height / multiple)) * multiple
+    out_w = max(1, round(width / multiple)) * multiple
+    if max_pixels is not None and out_h * out_w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        out_h = max(1, math.floor(height / beta / multiple)) * multiple
+        out_w = max(1, math.floor(width / beta / multiple)) * multiple
+    elif min_pixels is not None and out_h * out_w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        out_h = math.ceil(height * beta / multiple) * multiple
+        out_w = math.ceil(width * beta / multiple) * multiple
+    too_many = max_pixels is not None and out_h * out_w > max_pixels
+    too_few = min_pixels is not None and out_h * out_w < min_pixels
+    if too_many or too_few:
+        bound = f"max_pixels {max_pixels}" if too_many else f"min_pixels {min_pixels}"
+        raise ValueError(f"image of height {height} and width {width} would be resized to "
+                         f"{out_h} x {out_w} = {out_h * out_w} pixels (multiples of "
+                         f"{multiple}), outside {bound}")
+    return out_h, out_w
+
+
 def _gray_to_uint8(arr: np.ndarray, mode: str, name: str) -> np.ndarray:
     """Scales a 16-bit, 32-bit int or float grayscale ``[H, W]`` array to 0..255."""
     values = arr.astype(np.float64)
@@ -74,11 +156,15 @@ def _gray_to_uint8(arr: np.ndarray, mode: str, name: str) -> np.ndarray:
 class ImageProcessor:
     """Turns images into a normalised ``float32`` batch ``[B, 3, H, W]``.
 
+    In ``"native"`` resize mode each image keeps its own aspect ratio and size (within the
+    pixel bounds), so the result is a list of ``[3, H_i, W_i]`` tensors instead.
+
     Attributes:
-        size: Output (height, width); an int means a square.
+        size: Output (height, width); an int means a square. Unused in native mode.
         resize_mode: ``"shortest_edge"`` scales the image to cover ``size`` keeping its
             aspect ratio, then centre crops (CLIP / timm eval); ``"squash"`` resizes
-            straight to ``size`` (Google ViT).
+            straight to ``size`` (Google ViT); ``"native"`` resizes each image to
+            ``native_size`` of its own size, without a crop (NaViT, Qwen2-VL).
         resample: ``"bicubic"`` or ``"bilinear"``.
         mean: Per-channel mean subtracted after scaling to [0, 1].
         std: Per-channel standard deviation divided by after subtracting ``mean``.
@@ -88,6 +174,16 @@ class ImageProcessor:
             ``"round"`` rounds half to even like torchvision's ``center_crop`` (OpenAI CLIP,
             open_clip, timm); ``"floor"`` floors like transformers' ``center_crop``
             (``CLIPImageProcessor``, LLaVA), so an exported model sees our pixels.
+        patch_multiple: Native mode (where it is required): every output side is a multiple
+            of this, the encoder's patch size or patch size x merge for a pixel-shuffle
+            pooler (Qwen2-VL: 14 x 2 = 28).
+        min_output_pixels: Native mode: smaller images are scaled up to at least this many
+            pixels after resizing; None: at least one ``patch_multiple`` per side.
+        max_output_pixels: Native mode: larger images are scaled down to at most this many
+            pixels after resizing (a token budget: at most ``max_output_pixels / P**2``
+            patches of side P); None: no bound. Not ``max_pixels``, which bounds the input.
+        max_aspect_ratio: Native mode: images whose long side / short side is over this are
+            refused (Qwen2-VL's 200; a thin strip would otherwise end one patch wide).
     """
 
     size: tuple[int, int] = (224, 224)
@@ -98,6 +194,10 @@ class ImageProcessor:
     max_pixels: int | None = 89_478_485  # PIL.Image.MAX_IMAGE_PIXELS
     background: tuple[int, int, int] = (255, 255, 255)
     crop_rounding: str = "round"  # torchvision's; "floor" for transformers' processors
+    patch_multiple: int | None = None
+    min_output_pixels: int | None = None
+    max_output_pixels: int | None = None
+    max_aspect_ratio: float = 200.0
 
     def __post_init__(self) -> None:
         size = (self.size, self.size) if isinstance(self.size, int) else tuple(self.size)
@@ -120,9 +220,33 @@ class ImageProcessor:
         background = tuple(self.background)
         if len(background) != 3 or not all(_is_int(c) and 0 <= c <= 255 for c in background):
             raise ValueError(f"background must be 3 ints in 0..255, got {self.background!r}")
+        max_aspect_ratio = self._check_native_fields()
         for name, value in [("size", size), ("mean", mean), ("std", std),
-                            ("background", background)]:
+                            ("background", background), ("max_aspect_ratio", max_aspect_ratio)]:
             object.__setattr__(self, name, value)  # frozen: normalise lists to tuples once
+
+    def _check_native_fields(self) -> float:
+        """Validates the native-mode fields; returns ``max_aspect_ratio`` as a float."""
+        for name in ("patch_multiple", "min_output_pixels", "max_output_pixels"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and value > 0):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if self.resize_mode == "native" and self.patch_multiple is None:
+            raise ValueError("resize_mode 'native' needs patch_multiple (the patch size, or "
+                             "patch size x merge for a pixel-shuffle pooler), got None")
+        low, high = self.min_output_pixels, self.max_output_pixels
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"min_output_pixels {low} is more than max_output_pixels {high}")
+        if high is not None and self.patch_multiple is not None \
+                and high < self.patch_multiple ** 2:
+            raise ValueError(f"max_output_pixels {high} is less than one patch_multiple "
+                             f"squared, {self.patch_multiple}**2 = {self.patch_multiple ** 2}")
+        ratio = self.max_aspect_ratio
+        is_real = isinstance(ratio, (int, float, np.integer, np.floating)) \
+            and not isinstance(ratio, bool)
+        if not (is_real and math.isfinite(ratio) and ratio >= 1):
+            raise ValueError(f"max_aspect_ratio must be a finite number >= 1, got {ratio!r}")
+        return float(ratio)
 
     @classmethod
     def for_family(cls, name: str, size: int | tuple[int, int] = (224, 224),
@@ -214,7 +338,8 @@ class ImageProcessor:
 
     # ---- preprocessing ----------------------------------------------------------------
 
-    def __call__(self, images: ImageInput | list[ImageInput]) -> torch.Tensor:
+    def __call__(self, images: ImageInput | list[ImageInput]
+                 ) -> torch.Tensor | list[torch.Tensor]:
         """Preprocesses one image or a list of images.
 
         Args:
@@ -223,12 +348,15 @@ class ImageProcessor:
                 file path, or a list mixing these.
 
         Returns:
-            ``float32`` contiguous ``pixel_values`` of shape ``[B, 3, height, width]``.
+            ``float32`` contiguous ``pixel_values`` of shape ``[B, 3, height, width]``. In
+            native mode, where sizes differ, a list of B ``float32`` ``[3, H_i, W_i]``
+            tensors in input order (a list of one for a single image).
 
         Raises:
             ImageLoadError: If a file cannot be read as an image.
             ImageTooLargeError: If an image has more than ``max_pixels`` pixels.
-            ValueError: If an array or tensor has an unsupported shape or values.
+            ValueError: If an array or tensor has an unsupported shape or values, or, in
+                native mode, an image's aspect ratio or resized size is out of bounds.
             TypeError: If an input has an unsupported type or dtype.
         """
         items = list(images) if isinstance(images, (list, tuple)) else [images]
@@ -238,12 +366,14 @@ class ImageProcessor:
         for i, item in enumerate(items):
             name = f"images[{i}]" if isinstance(images, (list, tuple)) else "image"
             if isinstance(item, torch.Tensor) and item.ndim == 4:
-                out.extend(self._finish(self._from_tensor(t, f"{name}[{b}]"))
+                out.extend(self._finish(self._from_tensor(t, f"{name}[{b}]"), f"{name}[{b}]")
                            for b, t in enumerate(item))
             else:
-                out.append(self._finish(self.load(item, name)))
+                out.append(self._finish(self.load(item, name), _label(item, name)))
         if not out:
             raise ValueError("got a tensor batch with 0 images")
+        if self.resize_mode == "native":
+            return out  # sizes differ: no stack
         return torch.stack(out).contiguous()
 
     def preprocess_one(self, image: ImageInput) -> torch.Tensor:
@@ -253,9 +383,10 @@ class ImageProcessor:
             image: Any single input ``__call__`` accepts.
 
         Returns:
-            ``float32`` ``[3, height, width]``.
+            ``float32`` ``[3, height, width]``; in native mode ``[3, H, W]`` with H, W from
+            ``native_size``.
         """
-        return self._finish(self.load(image, "image"))
+        return self._finish(self.load(image, "image"), _label(image, "image"))
 
     def _check_pixels(self, height: int, width: int, name: str) -> None:
         if self.max_pixels is not None and height * width > self.max_pixels:
@@ -356,7 +487,15 @@ class ImageProcessor:
             return Image.fromarray(np.ascontiguousarray(arr))
         return torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1)  # [3, H, W]
 
-    def _resized_size(self, height: int, width: int) -> tuple[int, int]:
+    def _resized_size(self, height: int, width: int, name: str) -> tuple[int, int]:
+        if self.resize_mode == "native":
+            try:
+                return native_size(height, width, multiple=self.patch_multiple,
+                                   min_pixels=self.min_output_pixels,
+                                   max_pixels=self.max_output_pixels,
+                                   max_aspect=self.max_aspect_ratio)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from e
         th, tw = self.size
         if self.resize_mode == "squash":
             return th, tw
@@ -372,25 +511,30 @@ class ImageProcessor:
             return overhang // 2  # transformers' center_crop
         return int(round(overhang / 2.0))  # torchvision's center_crop: .5 rounds to even
 
-    def _finish(self, image: Image.Image | torch.Tensor) -> torch.Tensor:
+    def _finish(self, image: Image.Image | torch.Tensor, name: str) -> torch.Tensor:
         """Resizes, centre crops and normalises to ``float32 [3, height, width]``."""
         if isinstance(image, Image.Image):
-            h, w = self._resized_size(image.height, image.width)
+            h, w = self._resized_size(image.height, image.width, name)
             image = image.resize((w, h), resample=_PIL_RESAMPLE[self.resample])
             x = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1)
         else:
-            h, w = self._resized_size(*image.shape[1:])
+            h, w = self._resized_size(*image.shape[1:], name)
             if (h, w) != tuple(image.shape[1:]):
                 image = F.interpolate(image[None], size=(h, w), mode=self.resample,
                                       align_corners=False, antialias=True)[0].clamp_(0, 1)
             x = image
-        th, tw = self.size
+        th, tw = (h, w) if self.resize_mode == "native" else self.size  # native: no crop
         top, left = self._crop_offset(h - th), self._crop_offset(w - tw)
         x = x[:, top:top + th, left:left + tw]
         x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
         mean = torch.tensor(self.mean, dtype=torch.float32)[:, None, None]
         std = torch.tensor(self.std, dtype=torch.float32)[:, None, None]
         return ((x - mean) / std).contiguous()
+
+
+def _label(image: Any, name: str) -> str:
+    """How errors after decoding name an input: its position, and its file if it has one."""
+    return f"{name} (file {str(image)!r})" if isinstance(image, (str, os.PathLike)) else name
 
 
 def _is_int(value: Any) -> bool:

@@ -280,6 +280,13 @@ def test_writer_refuses_a_crop_transformers_rounds_otherwise(tmp_path):
     assert load_processor(tmp_path / "squash").size == (32, 32)
 
 
+def test_writer_refuses_a_native_resolution_processor(tmp_path):
+    native = ImageProcessor.for_family("clip", resize_mode="native", patch_multiple=16)
+    with pytest.raises(ValueError, match="resize_mode 'native'"):
+        save_hf_clip(clip_shaped_encoder(), tmp_path / "out", processor=native)
+    assert not (tmp_path / "out").exists()
+
+
 def test_siglip_processor_from_preprocessor_config(tmp_path):
     settings = dict(size={"height": 48, "width": 40}, resample=2)
     siglip_vision(tmp_path)

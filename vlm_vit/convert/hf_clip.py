@@ -398,8 +398,13 @@ def preprocessor_config(processor: ImageProcessor) -> dict[str, Any]:
     Raises:
         ValueError: for a non-square shortest-edge resize, which CLIP's processor cannot do,
             or a shortest-edge resize with `crop_rounding="round"`: transformers floors the
-            centre crop's offset, so some images would be cropped one pixel off.
+            centre crop's offset, so some images would be cropped one pixel off; or a
+            native-resolution processor, which CLIPImageProcessor has no setting for.
     """
+    if processor.resize_mode == "native":
+        raise ValueError("processor resize_mode 'native' keeps each image's size, which "
+                         "CLIPImageProcessor cannot do (it always ends at one size); use "
+                         "resize_mode 'shortest_edge' or 'squash'")
     height, width = processor.size
     shortest_edge = processor.resize_mode == "shortest_edge"
     if shortest_edge and height != width:

@@ -1,4 +1,5 @@
-"""Training: the loop (`Trainer`), image folders, checkpoints and data-parallel support.
+"""Training: the loop (`Trainer`), image folders, checkpoints, data-parallel support and
+token-budget batches of variable-size images.
 
 A library, not a recipe: scripts that build an objective and call `Trainer.fit` live
 outside the package. Importing it loads no optional dependency (torchvision, tqdm and
@@ -15,6 +16,7 @@ from vlm_vit.train.data import (
     collate_labelled,
 )
 from vlm_vit.train.distributed import GlobalBatchSampler
+from vlm_vit.train.token_budget import TokenBudgetBatchSampler
 from vlm_vit.train.trainer import (
     NonFiniteLossError,
     TrainConfig,
@@ -31,6 +33,7 @@ __all__ = [
     "ImageFolder",
     "LabelledImageFolder",
     "NonFiniteLossError",
+    "TokenBudgetBatchSampler",
     "TrainConfig",
     "TrainResult",
     "Trainer",
