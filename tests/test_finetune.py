@@ -7,6 +7,7 @@ from PIL import Image
 
 from vlm_vit import EncoderConfig, VisionEncoder, VisionTower, build_pooler
 from vlm_vit.finetune import ImageClassifier
+from vlm_vit.packing import PackedImages
 
 SIZES = dict(image_size=32, patch_size=8, width=32, depth=2, heads=4, mlp_width=64)
 
@@ -33,6 +34,56 @@ def test_pooling_choices():
                                    out.patch_tokens.mean(1))
     with pytest.raises(ValueError, match="needs a class token"):
         ImageClassifier(encoder(class_token=False), 3)
+
+
+PACKED_SIZES = [(32, 32), (24, 40), (48, 16), (8, 32)]
+
+
+def packed_classifiers(backbone: str, pooling: str):
+    """Two identical classifiers (head randomised, so gradients reach the encoder)."""
+    made = []
+    for _ in range(2):
+        if backbone == "tower":
+            torch.manual_seed(1)
+            model = VisionTower(encoder(), build_pooler("attention_pool", in_dim=32, out_dim=16))
+        else:
+            model = encoder()
+        classifier = ImageClassifier(model, 3, pooling=pooling)
+        torch.manual_seed(2)
+        classifier.head.weight.data.normal_(std=0.1)
+        made.append(classifier)
+    return made
+
+
+@pytest.mark.parametrize("backbone, pooling", [("encoder", "cls"), ("encoder", "mean"),
+                                               ("tower", "cls")])
+def test_packed_batches_give_the_per_image_loss_and_gradients(backbone, pooling):
+    generator = torch.Generator().manual_seed(3)
+    images = PackedImages(torch.randn(3, h, w, generator=generator) for h, w in PACKED_SIZES)
+    labels = torch.tensor([0, 2, 1, 2])
+    packed, alone = packed_classifiers(backbone, pooling)
+    out = packed(images, labels=labels)
+    out.loss.backward()
+    # The same mean loss, one image at a time.
+    losses = [torch.nn.functional.cross_entropy(alone(image[None]), label[None])
+              for image, label in zip(images, labels, strict=True)]
+    expected = torch.stack(losses).mean()
+    expected.backward()
+    torch.testing.assert_close(out.loss, expected, atol=1e-6, rtol=1e-6)
+    named = dict(alone.named_parameters())
+    for name, parameter in packed.named_parameters():
+        assert parameter.grad is not None, name
+        torch.testing.assert_close(parameter.grad, named[name].grad, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_images_move_and_split_like_a_batch():
+    images = PackedImages(torch.zeros(3, h, w) for h, w in PACKED_SIZES)
+    assert len(images) == 4 and images.num_tokens(8, num_prefix_tokens=1) == 16 + 15 + 12 + 4 + 4
+    halves = images.tensor_split(3)
+    assert [len(p) for p in halves] == [2, 1, 1]
+    assert all(isinstance(p, PackedImages) for p in halves)
+    assert halves[0][1] is images[1]
+    assert images.to(torch.float64)[2].dtype == torch.float64
 
 
 def test_a_frozen_encoder_keeps_no_graph_and_gets_no_gradient():

@@ -4,6 +4,8 @@ on an encoder or a tower, fully, with LoRA (`vlm_vit.lora`), or with the encoder
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,18 +54,30 @@ class ImageClassifier(nn.Module):
         if freeze_encoder:
             self.encoder.requires_grad_(False)
 
-    def features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """`[B, width]` features for the head."""
+    def features(self, pixel_values: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        """`[B, width]` features for the head; a list of `[C, H_i, W_i]` images of any sizes
+        (or `vlm_vit.packing.PackedImages`) is encoded in one packed pass."""
+        packed = isinstance(pixel_values, (list, tuple))
         if isinstance(self.backbone, VisionTower):
             out = self.backbone(pixel_values)  # the tower skips the graph of a frozen encoder
+            if packed:
+                return torch.stack([o.mean(dim=0) if o.ndim == 2 else o for o in out])
             return out.mean(dim=1) if out.ndim == 3 else out
         with no_graph_if_frozen(self.encoder):
             out = self.backbone(pixel_values)
+        if packed:
+            starts = torch.tensor(out.offsets[:-1], device=out.tokens.device)
+            if self.pooling == "cls":
+                return out.tokens[starts]  # each image's class token
+            prefix = out.num_prefix_tokens
+            return torch.stack([part[prefix:].mean(dim=0) for part in
+                                out.tokens.split(list(out.lengths))])
         return out.cls_token if self.pooling == "cls" else out.patch_tokens.mean(dim=1)
 
-    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None
-                ) -> ObjectiveOutput | torch.Tensor:
-        """Logits `[B, K]`; with `labels`, the cross-entropy loss and accuracy."""
+    def forward(self, pixel_values: torch.Tensor | Sequence[torch.Tensor],
+                labels: torch.Tensor | None = None) -> ObjectiveOutput | torch.Tensor:
+        """Logits `[B, K]`; with `labels`, the cross-entropy loss and accuracy. Images of
+        different sizes come as a list (see `features`)."""
         logits = self.head(self.features(pixel_values)).float()
         if labels is None:
             return logits

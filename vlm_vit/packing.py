@@ -102,6 +102,27 @@ class PackedOutput:
         return mask
 
 
+class PackedImages(tuple):
+    """A batch of `[C, H_i, W_i]` images of different sizes, for packed encoding: a tuple
+    with what the trainer asks of a batch (`len`, `.to(device)`, `.tensor_split(n)`), so
+    packed batches train like stacked ones (see `vlm_vit.train.token_budget`)."""
+
+    def to(self, *args, **kwargs) -> PackedImages:
+        """Every image moved or cast as `torch.Tensor.to` does."""
+        return PackedImages(image.to(*args, **kwargs) for image in self)
+
+    def tensor_split(self, sections: int) -> tuple[PackedImages, ...]:
+        """`sections` consecutive parts of near-equal image counts, as `torch.tensor_split`."""
+        bounds = torch.arange(len(self)).tensor_split(sections)
+        return tuple(PackedImages(self[int(b[0]):int(b[-1]) + 1] if len(b) else ())
+                     for b in bounds)
+
+    def num_tokens(self, patch_size: int, num_prefix_tokens: int = 0) -> int:
+        """The tokens the images make: `prefix + (H_i / P) * (W_i / P)` each."""
+        return sum(num_prefix_tokens + (image.shape[-2] // patch_size)
+                   * (image.shape[-1] // patch_size) for image in self)
+
+
 def check_images(encoder: VisionEncoder, images: list[torch.Tensor] | tuple[torch.Tensor, ...],
                  *, max_tokens: int | None = None,
                  max_grid: tuple[int, int] | None = None) -> list[tuple[int, int]]:
