@@ -104,6 +104,44 @@ def test_images_of_different_sizes_get_their_own_token_counts(mm):
     torch.testing.assert_close(mm.embed(batch)[batch.image_mask], expected)
 
 
+def per_image_features(mm):
+    """The reference: one tower call per image, each alone."""
+    return lambda pixels: [mm.tower(image[None])[0] for image in pixels]
+
+
+def test_images_of_several_sizes_run_in_one_packed_encoder_call(mm, monkeypatch):
+    sizes = [(IMAGE_SIZE, IMAGE_SIZE), (IMAGE_SIZE, 2 * IMAGE_SIZE), (2 * IMAGE_SIZE, IMAGE_SIZE)]
+    images = [pixels(1, seed=i, height=h, width=w)[0] for i, (h, w) in enumerate(sizes)]
+    prompts, per_prompt = ["<image> and <image>", "<image>\nwhat"], [images[:2], images[2:]]
+    calls = []
+    mm.tower.encoder.register_forward_hook(lambda module, args, out: calls.append(args[0]))
+    with torch.no_grad():
+        packed = mm(prompts, per_prompt).logits
+        assert len(calls) == 1 and isinstance(calls[0], list) and len(calls[0]) == 3
+        monkeypatch.setattr(mm, "image_features", per_image_features(mm))
+        alone = mm(prompts, per_prompt).logits
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_training_on_packed_images_gives_the_per_image_gradients(tokenizer, monkeypatch):
+    sizes = [(IMAGE_SIZE, 2 * IMAGE_SIZE), (IMAGE_SIZE, IMAGE_SIZE)]
+    images = [pixels(1, seed=i, height=h, width=w)[0] for i, (h, w) in enumerate(sizes)]
+    grads = []
+    for reference in (False, True):
+        mm = MultimodalLM(tiny_tower(), tiny_llm(), tokenizer)
+        mm.add_lora(r=4, encoder_targets="attn")
+        perturb_lora(mm)
+        if reference:
+            monkeypatch.setattr(mm, "image_features", per_image_features(mm))
+        out = mm(["<image> then <image>"], [images], targets=["two squares"])
+        out.loss.backward()
+        grads.append({n: p.grad for n, p in mm.named_parameters() if p.grad is not None})
+    packed, alone = grads
+    assert packed.keys() == alone.keys() and any("tower.encoder" in n for n in packed)
+    for name, grad in packed.items():
+        torch.testing.assert_close(grad, alone[name], atol=1e-5, rtol=1e-5)
+
+
 def test_pil_images_and_arrays_go_through_the_processor(mm):
     from PIL import Image
 

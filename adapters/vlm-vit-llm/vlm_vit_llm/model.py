@@ -157,22 +157,22 @@ class MultimodalLM(nn.Module):
         return self.processor.preprocess_one(image)
 
     def image_features(self, pixels: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The projected tokens of each image, `[M_i, D]`, batching images of one size."""
+        """The projected tokens of each image, `[M_i, D]`, from one tower call: a stacked
+        batch when the images share a size, else one packed pass over all of them
+        (`vlm_vit.packing`: each image's tokens as if it were alone)."""
         parameter = next(self.tower.parameters())
-        by_size: dict[tuple[int, ...], list[int]] = {}
-        for index, image in enumerate(pixels):
-            by_size.setdefault(tuple(image.shape), []).append(index)
-        features: list[torch.Tensor | None] = [None] * len(pixels)
-        for shape, indices in by_size.items():
-            batch = torch.stack([pixels[i] for i in indices]).to(parameter.device, parameter.dtype)
-            tokens = self.tower(batch)
-            expected = self.tower.num_image_tokens(tuple(shape[1:]))
-            if tokens.shape[1] != expected:  # a pooler that breaks its own contract
-                raise RuntimeError(f"the tower returned {tokens.shape[1]} tokens for a "
-                                   f"{shape[1]}x{shape[2]} image but promised {expected}")
-            for row, index in enumerate(indices):
-                features[index] = tokens[row]
-        return features  # type: ignore[return-value]
+        images = [image.to(parameter.device, parameter.dtype) for image in pixels]
+        if len({tuple(image.shape) for image in images}) == 1:
+            features = list(self.tower(torch.stack(images)))
+        else:
+            features = self.tower(images)
+        for image, tokens in zip(images, features, strict=True):
+            expected = self.tower.num_image_tokens(tuple(image.shape[1:]))
+            if tokens.ndim != 2 or tokens.shape[0] != expected:  # a pooler breaking its contract
+                raise RuntimeError(f"the tower returned {tuple(tokens.shape)} tokens for a "
+                                   f"{image.shape[1]}x{image.shape[2]} image but promised "
+                                   f"{expected}")
+        return features
 
     # -- batches -----------------------------------------------------------------------------
 
