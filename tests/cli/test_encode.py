@@ -86,3 +86,60 @@ def test_console_script_exits_non_zero_without_traceback():
                             capture_output=True, text=True)
     assert result.returncode == 1 and "unknown variant" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.fixture
+def photo_folder(tmp_path):
+    """Real photos of different shapes (scikit-image's), portrait, landscape and square."""
+    data = pytest.importorskip("skimage.data")
+    (tmp_path / "photos").mkdir()
+    for name, array in [("astronaut", data.astronaut()), ("coffee", data.coffee()),
+                        ("rocket", data.rocket()), ("chelsea", data.chelsea())]:
+        Image.fromarray(array).resize((array.shape[1] // 8, array.shape[0] // 8)).save(
+            tmp_path / "photos" / f"{name}.png")
+    return tmp_path / "photos"
+
+
+@pytest.mark.parametrize("drop_prefix", [False, True])
+def test_encode_at_native_resolution_matches_each_image_alone(tmp_path, checkpoint,
+                                                              photo_folder, drop_prefix, capsys):
+    out = tmp_path / "native.safetensors"
+    argv = ["encode", str(checkpoint), str(photo_folder), "-o", str(out), "--native-resolution",
+            "--max-tokens", "120", "--layer", "-2", "--quiet"]
+    assert main(argv + (["--drop-prefix"] if drop_prefix else [])) == 0
+    tensors, metadata = read(out)
+    files = json.loads(metadata["files"])
+    encoder = load_encoder(checkpoint).eval()
+    processor = ImageProcessor.from_dict(ImageProcessor.from_pretrained(checkpoint).to_dict()
+                                         | {"resize_mode": "native", "patch_multiple": 8,
+                                            "max_output_pixels": (120 - 1) * 64})
+    prefix = 0 if drop_prefix else 1
+    start = 0
+    shapes = set()
+    for index, image in enumerate(processor(files)):
+        shapes.add(tuple(image.shape[1:]))
+        with torch.no_grad():
+            expected = encoder(image[None], feature_layers=[-2]).features[0][0, 1 - prefix:]
+        length = int(tensors["lengths"][index])
+        assert length == expected.shape[0]
+        assert tensors["grids"][index].tolist() == [image.shape[1] // 8, image.shape[2] // 8]
+        torch.testing.assert_close(tensors["layer_-2"][start:start + length], expected,
+                                   atol=1e-5, rtol=1e-5)
+        start += length
+    assert start == tensors["layer_-2"].shape[0] and len(shapes) > 2  # really native sizes
+    assert metadata["packed"] == "true" and metadata["num_prefix_tokens"] == str(prefix)
+    packs = int(capsys.readouterr().out.split(" packs ")[0].split()[-1])
+    assert 1 < packs < len(files)  # the budget made packs of several images
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--max-tokens", "1"], "--max-tokens must be more than the 1 prefix tokens"),
+    (["--image-size", "32"], "drop --image-size"),
+])
+def test_native_resolution_user_errors(tmp_path, checkpoint, photo_folder, capsys, extra,
+                                       message):
+    argv = ["encode", str(checkpoint), str(photo_folder), "-o", str(tmp_path / "x.safetensors"),
+            "--native-resolution", "--quiet", *extra]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

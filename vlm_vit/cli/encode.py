@@ -7,14 +7,17 @@ import json
 from pathlib import Path
 
 import torch
+from PIL import Image
 from tqdm import tqdm
 
 from vlm_vit.cli.common import image_size, is_variant, not_a_variant_either, variant_or_checkpoint
 from vlm_vit.files import IMAGE_SUFFIXES, image_files, write_safetensors
 from vlm_vit.loading import load_with_processor
 from vlm_vit.model import VisionEncoder
-from vlm_vit.processor import NORMALIZATION, ImageProcessor
+from vlm_vit.processor import NORMALIZATION, ImageLoadError, ImageProcessor, native_size
+from vlm_vit.train.token_budget import first_fit_decreasing, tokens_for_size
 
+ORIENTATION_TAG = 0x0112  # EXIF
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -42,6 +45,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--random-init", action="store_true",
                         help="allow a variant name: encode with random weights (for testing)")
+    parser.add_argument("--native-resolution", action="store_true",
+                        help="keep each image's aspect ratio and size (sides rounded to the "
+                        "patch size, at most --max-tokens patches), encode packs of images "
+                        "in one packed pass, and write every token end to end with "
+                        "`lengths` and `grids` (see the README)")
+    parser.add_argument("--max-tokens", type=int, default=4096, metavar="N",
+                        help="with --native-resolution: tokens per pack (first-fit "
+                        "decreasing), and so at most N minus the prefix tokens per image")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
 
@@ -89,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.out.suffix != ".safetensors":
         raise ValueError(f"--out must end in .safetensors, got {args.out}")
+    if args.native_resolution and args.image_size:
+        raise ValueError("--native-resolution keeps each image's own size; drop --image-size")
     files = find_images(args.inputs)
     encoder, processor = _model_and_processor(args)
     encoder = encoder.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
@@ -96,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     for layer in layers or []:
         encoder.layer_index(layer)  # a bad layer fails before any image is read
     names = [f"layer_{k}" for k in layers] if layers else ["tokens"]
+    if args.native_resolution:
+        return _run_native(args, files, encoder, processor, layers, names)
     collected: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     grid = None
     batches = range(0, len(files), args.batch_size)
@@ -119,4 +134,74 @@ def run(args: argparse.Namespace) -> int:
     write_safetensors(tensors, args.out, metadata=metadata)
     shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in tensors.items())
     print(f"wrote {len(files)} images to {args.out}: {shapes}")
+    return 0
+
+
+def _native_processor(processor: ImageProcessor, encoder: VisionEncoder,
+                      max_tokens: int) -> ImageProcessor:
+    """The checkpoint's preprocessing in native mode: no crop, sides multiples of the patch
+    size, each image at most the patches a pack of `max_tokens` can hold."""
+    patch, prefix = encoder.config.patch_size, encoder.num_prefix_tokens
+    if max_tokens <= prefix:
+        raise ValueError(f"--max-tokens must be more than the {prefix} prefix tokens, got "
+                         f"{max_tokens}")
+    return ImageProcessor.from_dict(processor.to_dict() | {
+        "resize_mode": "native", "patch_multiple": patch,
+        "max_output_pixels": (max_tokens - prefix) * patch * patch})
+
+
+def _oriented_size(path: Path) -> tuple[int, int]:
+    """(height, width) of an image file after its EXIF orientation, from the header only."""
+    try:
+        with Image.open(path) as image:
+            width, height = image.size
+            # EXIF orientations 5 to 8 turn the image a quarter: the sides swap.
+            if image.getexif().get(ORIENTATION_TAG, 1) in (5, 6, 7, 8):
+                width, height = height, width
+    except (OSError, SyntaxError, ValueError) as error:
+        raise ImageLoadError(f"cannot read image file {str(path)!r}: {error}") from error
+    return height, width
+
+
+def _run_native(args: argparse.Namespace, files: list[Path], encoder: VisionEncoder,
+                processor: ImageProcessor, layers: list[int] | None, names: list[str]) -> int:
+    """Native resolution: packs of whole images by token budget, one packed pass each; the
+    output holds every image's tokens end to end, in file order, with `lengths` and `grids`."""
+    processor = _native_processor(processor, encoder, args.max_tokens)
+    prefix, patch = encoder.num_prefix_tokens, encoder.config.patch_size
+    lengths = []
+    for path in files:  # planned from the headers, so no image is decoded twice
+        height, width = _oriented_size(path)
+        size = native_size(height, width, multiple=patch, max_pixels=processor.max_output_pixels,
+                           max_aspect=processor.max_aspect_ratio)
+        lengths.append(tokens_for_size(size, patch, prefix))
+    packs = first_fit_decreasing(lengths, args.max_tokens)
+    per_image: dict[str, list[torch.Tensor | None]] = {name: [None] * len(files)
+                                                        for name in names}
+    grids: list[tuple[int, int] | None] = [None] * len(files)
+    dtype = DTYPES[args.dtype]
+    with torch.inference_mode(), tqdm(total=len(files), desc="encoding", unit="image",
+                                      disable=args.quiet) as progress:
+        for pack in packs:
+            pixels = [image.to(device=args.device, dtype=dtype)
+                      for image in processor([files[i] for i in pack])]
+            out = encoder(pixels, feature_layers=layers)
+            for name, tensor in zip(names, out.features if layers else [out.tokens],
+                                    strict=True):
+                for index, part in zip(pack, tensor.split(list(out.lengths)), strict=True):
+                    per_image[name][index] = (part[prefix:] if args.drop_prefix else part).cpu()
+            for index, grid in zip(pack, out.grids, strict=True):
+                grids[index] = grid
+            progress.update(len(pack))
+    tensors = {name: torch.cat(parts) for name, parts in per_image.items()}
+    kept = 0 if args.drop_prefix else prefix
+    tensors["lengths"] = torch.tensor([kept + r * c for r, c in grids], dtype=torch.int64)
+    tensors["grids"] = torch.tensor(grids, dtype=torch.int64)
+    metadata = {"files": json.dumps([str(f) for f in files]), "packed": "true",
+                "num_prefix_tokens": str(kept), "model": str(args.model),
+                "max_tokens": str(args.max_tokens)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_safetensors(tensors, args.out, metadata=metadata)
+    shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in tensors.items())
+    print(f"wrote {len(files)} images in {len(packs)} packs to {args.out}: {shapes}")
     return 0
