@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlm_vit.train import TokenBudgetBatchSampler
+from vlm_vit.train import TokenBudgetBatchSampler, collate_packed
 from vlm_vit.train.token_budget import first_fit_decreasing, tokens_for_size
 
 
@@ -218,3 +219,54 @@ def test_tokens_for_size():
 def test_tokens_for_size_refuses_bad_values(args, text):
     with pytest.raises(ValueError, match=text):
         tokens_for_size(*args)
+
+
+class VariableSizeDigits(torch.utils.data.Dataset):
+    """Labelled random images of several shapes (sides multiples of the patch size 8)."""
+
+    SIZES = [(32, 32), (24, 40), (40, 16), (16, 48), (8, 32), (32, 24)]
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int):
+        generator = torch.Generator().manual_seed(index)
+        height, width = self.SIZES[index % len(self.SIZES)]
+        return torch.randn(3, height, width, generator=generator), index % 3
+
+
+def test_collate_packed_keeps_sizes_and_labels():
+    items = [VariableSizeDigits()[i] for i in range(3)]
+    batch = collate_packed(items)
+    assert [tuple(image.shape) for image in batch.pixel_values] == \
+        [(3, 32, 32), (3, 24, 40), (3, 40, 16)]
+    assert batch.labels.tolist() == [0, 1, 2]
+    assert collate_packed([items[0][0]]).labels is None
+    with pytest.raises(TypeError, match="item 1 of type str"):
+        collate_packed([items[0][0], "x"])
+
+
+def test_the_trainer_fine_tunes_on_packed_batches_and_accumulates_exactly(tmp_path):
+    from vlm_vit import EncoderConfig, VisionEncoder
+    from vlm_vit.finetune import ImageClassifier
+    from vlm_vit.train import TrainConfig, Trainer, load_checkpoint
+    from vlm_vit.train.checkpoint import checkpoint_path
+
+    moments = []
+    for accumulation in (1, 2):
+        torch.manual_seed(0)
+        encoder = VisionEncoder(EncoderConfig(image_size=32, patch_size=8, width=32, depth=2,
+                                              heads=4, mlp_width=64))
+        classifier = ImageClassifier(encoder, 3, pooling="mean")
+        config = TrainConfig(steps=1, batch_size=6, lr=1e-3, num_workers=0, device="cpu",
+                             seed=0, log_every=1, checkpoint_every=1,
+                             grad_accumulation=accumulation)
+        run_dir = tmp_path / f"accumulate_{accumulation}"
+        result = Trainer(classifier, VariableSizeDigits(), config, run_dir,
+                         collate=collate_packed).fit()
+        assert result.losses[0] == pytest.approx(math.log(3))  # zero head: chance
+        state = load_checkpoint(checkpoint_path(run_dir, 1))["optimizer"]["state"]
+        moments.append({index: s["exp_avg"] for index, s in state.items()})
+    assert moments[0].keys() == moments[1].keys()
+    for index, moment in moments[0].items():
+        torch.testing.assert_close(moment, moments[1][index], atol=1e-7, rtol=1e-5)

@@ -16,7 +16,7 @@ from vlm_vit.train.data import (
     collate_labelled,
 )
 from vlm_vit.train.distributed import GlobalBatchSampler
-from vlm_vit.train.token_budget import TokenBudgetBatchSampler
+from vlm_vit.train.token_budget import TokenBudgetBatchSampler, collate_packed
 from vlm_vit.train.trainer import (
     NonFiniteLossError,
     TrainConfig,
@@ -41,6 +41,7 @@ __all__ = [
     "build_scheduler",
     "collate_images",
     "collate_labelled",
+    "collate_packed",
     "latest_checkpoint",
     "learning_rate",
     "load_checkpoint",

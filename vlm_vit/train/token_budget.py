@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlm_vit.train.data import mixed_seed
+from vlm_vit.train.data import ImageBatch, mixed_seed
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +169,32 @@ class TokenBudgetBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self.packs)
+
+
+def collate_packed(items: Sequence[torch.Tensor | tuple[torch.Tensor, int]]) -> ImageBatch:
+    """Collates `[3, H_i, W_i]` images of different sizes (or `(image, label)` pairs) into a
+    batch the trainer hands on whole: `pixel_values` a `vlm_vit.packing.PackedImages`, which
+    the encoder, `ImageClassifier` and the LLM bridge encode in one packed pass.
+
+    Raises:
+        TypeError: for an item that is neither an image tensor nor an (image, label) pair.
+    """
+    from vlm_vit.packing import PackedImages
+
+    images, labels = [], []
+    for index, item in enumerate(items):
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], torch.Tensor):
+            images.append(item[0])
+            labels.append(int(item[1]))
+        elif isinstance(item, torch.Tensor):
+            images.append(item)
+        else:
+            raise TypeError(f"collate_packed got item {index} of type {type(item).__name__}; "
+                            "expected a [3, H, W] tensor or an (image, label) pair")
+    if labels and len(labels) != len(images):
+        raise TypeError("collate_packed got a mix of labelled and unlabelled items")
+    return ImageBatch(PackedImages(images), [],
+                      torch.tensor(labels, dtype=torch.long) if labels else None)
 
 
 def _checked_lengths(lengths: Sequence[int], max_tokens: int) -> list[int]:
