@@ -56,6 +56,12 @@ BENCHMARKS = {
         ("step_memory_ratio_vlm_vit_over_transformers", "stage-1 step memory vs HF LLaVA",
          "")]),
     "scaling": ("scaling.py", []),
+    "packed vs padded": ("packed_vs_padded.py", [
+        ("ratio_packed_over_naflexvit", "speed vs timm NaFlexVit (padded)", ">= 1.3"),
+        ("ratio_packed_over_one_at_a_time", "speed vs one image at a time", ">= 1.2"),
+        ("ratio_packed_over_padded", "speed vs ours padded with a mask", ""),
+        ("memory_ratio_packed_over_padded", "peak memory vs ours padded", "<= 1.0"),
+        ("memory_ratio_packed_over_naflexvit", "peak memory vs timm NaFlexVit", "<= 1.0")]),
 }
 
 _TINY = ["--depth", "1", "--image-size", "32", "--batch-size", "2", "--repeats", "1"]
@@ -70,6 +76,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "lora step": [],
         "llava step": [],
         "scaling": [],
+        "packed vs padded": [],
     },
     "quick": {
         "encode vit-b/16": ["--variant", "vit-s/16", "--anchors", "timm", "--repeats", "5"],
@@ -80,6 +87,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "lora step": ["--variant", "vit-s/16", "--batch-size", "4", "--repeats", "3"],
         "llava step": ["--variant", "clip-vit-b/32", "--llm-layers", "2", "--repeats", "3"],
         "scaling": ["--variant", "vit-ti/16", "--repeats", "2"],
+        "packed vs padded": ["--variant", "vit-s/16", "--images", "16", "--repeats", "3"],
     },
     "tiny": {
         "encode vit-b/16": ["--variant", "vit-ti/16", "--anchors", "timm", *_TINY,
@@ -98,6 +106,8 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                        "--llm-layers", "1", "--batch-size", "1", "--repeats", "1"],
         "scaling": ["--variant", "vit-ti/16", "--depth", "1", "--batches", "1", "2",
                     "--sides", "32", "48", "--repeats", "1"],
+        "packed vs padded": ["--variant", "vit-ti/16", "--depth", "1", "--images", "6",
+                             "--shrink", "4", "--repeats", "1"],
     },
     "gpu": {  # gpu_suite.py: bf16 under autocast, sized to finish in one call of < 8 minutes
         "encode vit-b/16": ["--variant", "vit-b/16", "--anchors", "timm", "--batch-size", "256",

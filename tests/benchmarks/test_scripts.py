@@ -68,6 +68,34 @@ def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
         assert result["max_abs_logit_difference"] < 1e-4
 
 
+def test_packed_vs_padded_runs(benchmarks, monkeypatch, tmp_path):
+    # Memory children are left out here (the child test below runs one).
+    result = run_script(benchmarks, monkeypatch, tmp_path, "packed vs padded", ("--no-memory",))
+    candidates = {"packed", "one at a time", "padded", "naflexvit"}
+    assert set(result["images_per_second"]) == set(result["tokens_per_second"]) == candidates
+    rates = [*result["images_per_second"].values(), *result["tokens_per_second"].values()]
+    assert all(math.isfinite(value) and value > 0 for value in rates)
+    assert all(0 < share < 1 for share in result["padding_waste_share"].values())
+    # every candidate encodes the same model: checked in the script, reported here
+    assert max(result["max_abs_difference"].values()) < 1e-4
+    assert set(result["max_abs_difference"]) == (candidates - {"one at a time"}) | {
+        "naflexvit_native"}
+    rows = benchmarks("run_all").headline_rows({"packed vs padded": result})
+    speed = [field for field, *_ in benchmarks("run_all").BENCHMARKS["packed vs padded"][1]
+             if not field.startswith("memory_ratio")]
+    assert len(rows) == len(speed)
+    assert all(math.isfinite(value) and value > 0 for _, _, value, _ in rows)
+
+
+def test_packed_vs_padded_memory_child_prints_a_number():
+    finished = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "packed_vs_padded.py"), "--child", "padded",
+         "--variant", "vit-ti/16", "--depth", "1", "--images", "4", "--shrink", "4"],
+        capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert float(finished.stdout.strip().splitlines()[-1]) >= 0
+
+
 def test_peak_memory_child_prints_a_number():
     # The full fine-tune's child: no peft import, so a few seconds.
     finished = subprocess.run(
