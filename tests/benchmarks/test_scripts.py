@@ -87,21 +87,16 @@ def test_packed_vs_padded_runs(benchmarks, monkeypatch, tmp_path):
     assert all(math.isfinite(value) and value > 0 for _, _, value, _ in rows)
 
 
-def test_packed_vs_padded_memory_child_prints_a_number():
-    finished = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "packed_vs_padded.py"), "--child", "padded",
-         "--variant", "vit-ti/16", "--depth", "1", "--images", "4", "--shrink", "4"],
-        capture_output=True, text=True, timeout=300)
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    assert float(finished.stdout.strip().splitlines()[-1]) >= 0
-
-
-def test_peak_memory_child_prints_a_number():
+@pytest.mark.parametrize("script, arguments", [
     # The full fine-tune's child: no peft import, so a few seconds.
-    finished = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "lora_step_vs_full.py"), "--child", "full",
-         "--variant", "vit-ti/16", "--depth", "1", "--image-size", "32", "--batch-size", "2"],
-        capture_output=True, text=True, timeout=300)
+    ("lora_step_vs_full.py", ["--child", "full", "--variant", "vit-ti/16", "--depth", "1",
+                              "--image-size", "32", "--batch-size", "2"]),
+    ("packed_vs_padded.py", ["--child", "padded", "--variant", "vit-ti/16", "--depth", "1",
+                             "--images", "4", "--shrink", "4"]),
+])
+def test_peak_memory_child_prints_a_number(script, arguments):
+    finished = subprocess.run([sys.executable, str(BENCHMARKS / script), *arguments],
+                              capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert float(finished.stdout.strip().splitlines()[-1]) >= 0
 
