@@ -336,3 +336,20 @@ def test_group_by_length_needs_lengths_and_then_groups(data, tmp_path):
     # One window holds the whole epoch: sorted by length and cut, each batch is 4 neighbours.
     batches = [sorted(folder.read[i:i + 4]) for i in range(0, 20, 4)]
     assert sorted(batches) == [list(range(k, k + 4)) for k in range(0, 20, 4)]
+
+
+def flushes_denormals() -> bool:
+    """Whether this process treats denormal floats as zero now."""
+    return (torch.tensor([1e-39], dtype=torch.float32) * 1.0).item() == 0.0
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_denormals_are_flushed_during_a_cpu_run_only_when_asked(data, tmp_path, flush):
+    objective = toy_objective()
+    seen = []
+    objective.register_forward_pre_hook(lambda *_: seen.append(flushes_denormals()))
+    assert not flushes_denormals()
+    Trainer(objective, image_folder(data), config(steps=2, flush_denormal=flush),
+            tmp_path / "run").fit()
+    assert seen == [flush, flush]
+    assert not flushes_denormals()  # the process-wide flag is cleared after the run

@@ -96,6 +96,11 @@ class TrainConfig:
     num_workers: int = 4  # DataLoader worker processes per training process
     max_bad_steps: int = 10  # consecutive non-finite losses or gradients before aborting
     device: str = "auto"  # "auto" is CUDA when available, else CPU
+    # Treat denormal floats as zero while training on a CPU (torch.set_flush_denormal):
+    # gradients and Adam moments drift into that range, where x86 arithmetic is up to a
+    # hundred times slower (random-data steps measured 4-25x slower without). GPUs are
+    # unaffected. The flag is process-wide; `fit` sets it for the run and clears it after.
+    flush_denormal: bool = True
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)
@@ -352,9 +357,13 @@ class Trainer:
                 the dataset is smaller than one batch.
         """
         context = distributed.setup(self.config.device)
+        flushing = self.config.flush_denormal and context.device.type == "cpu" \
+            and torch.set_flush_denormal(True)  # False where the CPU cannot (no SSE3)
         try:
             return self._fit(context, resume)
         finally:
+            if flushing:
+                torch.set_flush_denormal(False)
             distributed.teardown(context)
 
     def _fit(self, context: DistributedContext, resume: bool) -> TrainResult:
