@@ -30,11 +30,18 @@ class ImageClassifier(nn.Module):
         num_classes: K.
         pooling: for an encoder, "cls" (the class token) or "mean" (the patch tokens).
         freeze_encoder: freeze the encoder; it then runs without an autograd graph.
+        layer_decay: layer-wise learning-rate decay for the trainer (BEiT, MAE fine-tuning):
+            block i of L trains at lr * layer_decay ** (L - i), the embeddings at
+            lr * layer_decay ** (L + 1), the head and final norm at lr; 1.0: one LR.
     """
 
     def __init__(self, backbone: VisionEncoder | VisionTower, num_classes: int, *,
-                 pooling: str = "cls", freeze_encoder: bool = False) -> None:
+                 pooling: str = "cls", freeze_encoder: bool = False,
+                 layer_decay: float = 1.0) -> None:
         super().__init__()
+        if not 0 < layer_decay <= 1:
+            raise ValueError(f"layer_decay must lie in (0, 1], got {layer_decay}")
+        self.layer_decay = layer_decay
         if num_classes < 2:
             raise ValueError(f"a classifier needs at least 2 classes, got {num_classes}")
         if pooling not in POOLINGS:
@@ -53,6 +60,23 @@ class ImageClassifier(nn.Module):
         nn.init.zeros_(self.head.bias)
         if freeze_encoder:
             self.encoder.requires_grad_(False)
+
+    def parameter_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW groups for the trainer: `train.parameter_groups`'s decay split, each group
+        further split by layer with its `lr_scale` (see `layer_decay`)."""
+        from vlm_vit.train.trainer import parameter_groups
+
+        depth = self.encoder.config.depth
+        groups: dict[tuple[float, float], dict] = {}
+        for group in parameter_groups(self, weight_decay):
+            for name, parameter in zip(group["names"], group["params"], strict=True):
+                scale = self.layer_decay ** (depth + 1 - _layer_id(name, depth))
+                entry = groups.setdefault((group["weight_decay"], scale), {
+                    "params": [], "names": [], "weight_decay": group["weight_decay"],
+                    "lr_scale": scale})
+                entry["params"].append(parameter)
+                entry["names"].append(name)
+        return list(groups.values())
 
     def features(self, pixel_values: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """`[B, width]` features for the head; a list of `[C, H_i, W_i]` images of any sizes
@@ -84,3 +108,15 @@ class ImageClassifier(nn.Module):
         accuracy = (logits.argmax(-1) == labels).float().mean().item()
         return ObjectiveOutput(loss=F.cross_entropy(logits, labels),
                                metrics={"accuracy": accuracy})
+
+
+_EMBEDDINGS = frozenset({"patch_embed", "cls_token", "reg_token", "pos_embed", "norm_pre"})
+
+
+def _layer_id(name: str, depth: int) -> int:
+    """0 for the embeddings, i for block i - 1, depth + 1 for the rest (final norm, pooler,
+    head)."""
+    parts = name.split(".")
+    if "blocks" in parts:
+        return int(parts[parts.index("blocks") + 1]) + 1
+    return 0 if _EMBEDDINGS.intersection(parts) else depth + 1

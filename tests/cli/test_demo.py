@@ -1,29 +1,99 @@
+import contextlib
+import io
 import json
 
+import numpy as np
 import pytest
 from PIL import Image
 
 from vlm_vit import load_encoder
 from vlm_vit.cli import main
+from vlm_vit.cli.demo import demo_splits
+from vlm_vit.label_efficiency import fingerprint
 
 pytest.importorskip("sklearn")
 pytest.importorskip("skimage")
 pytest.importorskip("torchvision")
 
+TINY = ["--steps", "4", "--batch-size", "16", "--images-per-class", "20", "--width", "32",
+        "--depth", "1", "--shots", "2", "--finetune-steps", "120", "--finetune-lr", "1e-2",
+        "--seeds", "2", "--labels", "1", "all", "--quiet"]
 
-def test_demo_runs_end_to_end_at_a_reduced_size(tmp_path, capsys):
-    out = tmp_path / "demo"
-    assert main(["demo", "--out", str(out), "--steps", "4", "--batch-size", "16",
-                 "--images-per-class", "12", "--width", "32", "--depth", "1", "--shots", "2",
-                 "--quiet"]) == 0
-    report = json.loads((out / "report.json").read_text())
-    for name in ("random_init", "pretrained"):
-        assert set(report[name]) == {"few_shot_accuracy", "linear_probe_accuracy"}
-        assert all(0.0 <= value <= 1.0 for value in report[name].values())
-    assert report["test_images"] == 60 and report["pretraining"]["steps"] == 4
-    assert report["photos"] == {"mean": [3, 32], "pixel_shuffle": [3, 16, 32]}
-    assert load_encoder(out / "encoder").config.width == 32
-    with Image.open(out / "loss.png") as plot:
-        assert plot.size == (500, 300)
-    printed = capsys.readouterr().out
-    assert "random init" in printed and "pretrained" in printed
+
+@pytest.fixture(scope="module")
+def tiny_demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "demo"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["demo", "--out", str(out), *TINY]) == 0
+    return out, json.loads((out / "report.json").read_text()), printed.getvalue()
+
+
+def test_the_report_has_every_number_for_both_arms(tiny_demo):
+    out, report, _ = tiny_demo
+    assert report["test_images"] == 100 and report["pretraining"]["steps"] == 4
+    assert report["finetune"]["labels"] == ["1", "all"] and report["finetune"]["seeds"] == 2
+    assert report["labelled_per_class"] == {"1": 1, "all": 8}
+    for arm in ("random_init", "pretrained"):
+        assert set(report[arm]) == {"few_shot_accuracy", "linear_probe_accuracy",
+                                    "finetune_accuracy", "finetune_start_fingerprint"}
+        for key in ("1", "all"):
+            result = report[arm]["finetune_accuracy"][key]
+            assert len(result["per_seed"]) == 2
+            assert result["min"] <= result["median"] <= result["max"]
+            assert result["median"] == pytest.approx(float(np.median(result["per_seed"])))
+    assert report["photos"] == {"mean": [3, 32], "pixel_shuffle": [3, 4, 32]}
+    assert report["evaluated_on"] == "test" and report["scored_images"] == 100
+    for name, size in (("loss.png", (500, 300)), ("label_efficiency.png", (500, 350))):
+        with Image.open(out / name) as plot:
+            assert plot.size == size
+
+
+def test_fine_tuning_from_either_start_beats_chance(tiny_demo):
+    """Not that pretraining wins (a measurement, reported): that fine-tuning works at all."""
+    _, report, _ = tiny_demo
+    for arm in ("random_init", "pretrained"):
+        assert report[arm]["finetune_accuracy"]["all"]["median"] >= 0.1 + 0.15, arm
+
+
+def test_both_arms_start_from_the_weights_they_claim(tiny_demo):
+    out, report, _ = tiny_demo
+    # The random arm starts where pretraining started; the pretrained arm from its result.
+    assert report["random_init"]["finetune_start_fingerprint"] == \
+        report["pretraining"]["start_fingerprint"]
+    assert report["pretrained"]["finetune_start_fingerprint"] == \
+        fingerprint(load_encoder(out / "encoder"))
+    assert report["pretrained"]["finetune_start_fingerprint"] != \
+        report["random_init"]["finetune_start_fingerprint"]
+
+
+def test_the_terminal_table_carries_the_report(tiny_demo):
+    _, report, printed = tiny_demo
+    for key in ("1", "all"):
+        row = next(line for line in printed.splitlines()
+                   if line.startswith(f"fine-tune, {key} per class"))
+        expected = [f"{report[arm]['finetune_accuracy'][key]['median']:.3f}"
+                    for arm in ("random_init", "pretrained")]
+        assert row.split()[4:6] == expected
+    row = next(line for line in printed.splitlines() if line.startswith("frozen linear probe"))
+    assert row.split()[4:6] == [f"{report[arm]['linear_probe_accuracy']:.3f}"
+                                for arm in ("random_init", "pretrained")]
+
+
+def test_the_validation_split_is_inside_the_training_half():
+    labels = np.repeat(np.arange(10), 30)
+    train, pool, validation, test = demo_splits(labels, seed=0)
+    assert not set(validation) & set(test) and not set(pool) & set(test)
+    assert not set(pool) & set(validation)
+    assert set(pool) | set(validation) == set(train)
+    assert len(validation) == 30 and np.bincount(labels[validation]).tolist() == [3] * 10
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--labels", "0"], "--labels takes positive numbers or 'all', got '0'"),
+    (["--seeds", "0"], "--seeds must be at least 1"),
+])
+def test_demo_user_errors(tmp_path, capsys, argv, message):
+    assert main(["demo", "--out", str(tmp_path / "d"), *argv, "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

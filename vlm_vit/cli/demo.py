@@ -1,9 +1,10 @@
 """`vlm-vit demo`: the whole path on a fresh machine, with no downloads.
 
-Pretrains a small ViT with the paper's masked patch prediction on scikit-learn's handwritten
-digits, measures few-shot and linear-probe accuracy of its frozen features against the same
-encoder at random initialisation on held-out digits, encodes scikit-image's photos through two
-poolers, and writes a report with a loss plot.
+Pretrains a small ViT (masked patch prediction or MAE) on the unlabelled half of
+scikit-learn's handwritten digits, then fine-tunes it whole with k labels per class against
+the same fine-tuning from the same random initialisation (the paper's protocol), and reports
+held-out accuracy against k, with the frozen-feature probes beside it; encodes scikit-image's
+photos through two poolers, and writes a report, a label-efficiency figure and a loss plot.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
+
+from tqdm import tqdm
 
 from vlm_vit.config import EncoderConfig
 from vlm_vit.files import atomic_write
@@ -21,18 +25,45 @@ from vlm_vit.processor import NORMALIZATION, ImageProcessor
 
 logger = logging.getLogger(__name__)
 
+# Chosen on the validation split of the training half (see the README's demo section).
+DEFAULTS = {"objective": "mpp", "steps": 1000, "finetune_steps": 300, "finetune_lr": 1e-3,
+            "layer_decay": 1.0, "seeds": 3}
+QUICK = {"steps": 150, "finetune_steps": 100, "seeds": 2}
+VALIDATION_FRACTION = 0.2  # of the training half; the labelled pool is the rest
+MAE_SETTINGS = {"mask_ratio": 0.75, "decoder_width": 64, "decoder_depth": 2}  # sized to the demo
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo", help="pretrain, evaluate and encode on bundled data (no downloads)",
         description=__doc__.splitlines()[0] + " " + " ".join(__doc__.splitlines()[2:6]))
     parser.add_argument("--out", type=Path, default=Path("vlm-vit-demo"), metavar="DIR")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--objective", choices=("mpp", "mae"), default=DEFAULTS["objective"],
+                        help="pretraining objective (default %(default)s; see the README)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a one-minute first look: shorter pretraining and fine-tuning, "
+                        "the same outputs")
+    parser.add_argument("--steps", type=int, help="pretraining steps (default "
+                        f"{DEFAULTS['steps']}, quick {QUICK['steps']})")
+    parser.add_argument("--batch-size", type=int, default=64, help="pretraining batch")
     parser.add_argument("--width", type=int, default=96)
     parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--patch-size", type=int, default=4, help="pixels; images are 32 x 32")
-    parser.add_argument("--shots", type=int, default=10, help="examples per class, few-shot")
+    parser.add_argument("--patch-size", type=int, default=8, help="pixels; images are 32 x 32")
+    parser.add_argument("--finetune-steps", type=int, help="fine-tuning steps per run "
+                        f"(default {DEFAULTS['finetune_steps']}, quick "
+                        f"{QUICK['finetune_steps']})")
+    parser.add_argument("--finetune-lr", type=float, default=DEFAULTS["finetune_lr"])
+    parser.add_argument("--layer-decay", type=float, default=DEFAULTS["layer_decay"],
+                        help="layer-wise learning-rate decay when fine-tuning (1: off)")
+    parser.add_argument("--labels", nargs="+", default=["1", "5", "10", "all"], metavar="K",
+                        help="labels per class to fine-tune with (a number or 'all')")
+    parser.add_argument("--seeds", type=int, help="fine-tuning seeds per k (default "
+                        f"{DEFAULTS['seeds']}, quick {QUICK['seeds']})")
+    parser.add_argument("--shots", type=int, default=10,
+                        help="examples per class for the frozen few-shot probe")
+    parser.add_argument("--eval-on", choices=("test", "validation"), default="test",
+                        help="score on the held-out half (test) or on the validation split "
+                        "of the training half, for choosing settings without the test set")
     parser.add_argument("--images-per-class", type=int, default=None,
                         help="use at most this many digits per class (default: all)")
     parser.add_argument("--seed", type=int, default=0)
@@ -75,20 +106,28 @@ def frozen_accuracy(encoder, files, labels, train, test, processor, shots, seed)
     }
 
 
-def plot_losses(losses: list[float], path: Path) -> bool:
-    """A PNG of the pretraining loss; False when matplotlib is missing."""
+def _pyplot(what: str):
+    """matplotlib's pyplot on the Agg backend, or None (with a warning) when it is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        logger.warning("matplotlib is missing: no loss plot (pip install 'vlm-vit[train]')")
+        logger.warning("matplotlib is missing: no %s (pip install 'vlm-vit[train]')", what)
+        return None
+    return plt
+
+
+def plot_losses(losses: list[float], path: Path, objective: str = "mpp") -> bool:
+    """A PNG of the pretraining loss; False when matplotlib is missing."""
+    plt = _pyplot("loss plot")
+    if plt is None:
         return False
     figure, axes = plt.subplots(figsize=(5, 3), dpi=100)
     axes.plot(range(1, len(losses) + 1), losses, linewidth=1)
     axes.set_xlabel("step")
-    axes.set_ylabel("masked patch prediction loss")
+    axes.set_ylabel(f"{OBJECTIVE_NAMES[objective]} loss")
     axes.set_title("pretraining on digits")
     figure.tight_layout()
     figure.savefig(path)
@@ -96,17 +135,84 @@ def plot_losses(losses: list[float], path: Path) -> bool:
     return True
 
 
+def plot_label_efficiency(report: dict, path: Path) -> bool:
+    """Held-out accuracy against labels per class, pretrained and random init, each with the
+    seeds' range; False when matplotlib is missing."""
+    plt = _pyplot("label-efficiency figure")
+    if plt is None:
+        return False
+    keys = list(report["random_init"]["finetune_accuracy"])
+    counts = [report["labelled_per_class"][key] for key in keys]
+    figure, axes = plt.subplots(figsize=(5, 3.5), dpi=100)
+    for arm, label in (("random_init", "random init"),
+                       ("pretrained", f"pretrained ({report['pretraining']['objective']})")):
+        results = [report[arm]["finetune_accuracy"][key] for key in keys]
+        median = [r["median"] for r in results]
+        axes.plot(counts, median, marker="o", label=label)
+        axes.fill_between(counts, [r["min"] for r in results], [r["max"] for r in results],
+                          alpha=0.25)
+    axes.set_xscale("log")
+    axes.set_xticks(counts, [f"{c}" if k != "all" else f"all ({c})"
+                             for c, k in zip(counts, keys, strict=True)])
+    axes.set_xlabel("labelled examples per class")
+    axes.set_ylabel("held-out accuracy")
+    axes.set_title(f"fine-tuning, median and range over {report['finetune']['seeds']} seeds")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return True
+
+
+OBJECTIVE_NAMES = {"mpp": "masked patch prediction", "mae": "MAE reconstruction"}
+
+
+def demo_splits(labels, seed: int):
+    """Row indices (train, pool, validation, test): the training half (pretrained on,
+    unlabelled), inside it the labelled pool and a validation split, and the held-out half.
+    Settings are chosen on validation; test is scored once."""
+    from vlm_vit.evaluate import stratified_split
+
+    train, test = stratified_split(labels, test_fraction=0.5, seed=seed)
+    pool_part, validation_part = stratified_split(labels[train], VALIDATION_FRACTION, seed=seed)
+    return train, train[pool_part], train[validation_part], test
+
+
+def label_counts(values: list[str]) -> list[int | None]:
+    """`--labels` as ints per class, None for 'all'; errors name the bad value."""
+    counts = []
+    for value in values:
+        if value == "all":
+            counts.append(None)
+        elif value.isdigit() and int(value) > 0:
+            counts.append(int(value))
+        else:
+            raise ValueError(f"--labels takes positive numbers or 'all', got {value!r}")
+    return counts
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
     from vlm_vit.cli.pretrain import build_objective
-    from vlm_vit.evaluate import read_class_folder, stratified_split
+    from vlm_vit.evaluate import read_class_folder
+    from vlm_vit.label_efficiency import FinetuneRecipe, finetune_accuracy, fingerprint, shot_rows
     from vlm_vit.model import VisionEncoder
     from vlm_vit.poolers import build_pooler
     from vlm_vit.train import TrainConfig, Trainer
     from vlm_vit.train.data import ImageFolder
 
+    preset = QUICK if args.quick else DEFAULTS
+    steps = preset["steps"] if args.steps is None else args.steps
+    finetune_steps = preset["finetune_steps"] if args.finetune_steps is None \
+        else args.finetune_steps
+    seeds = preset["seeds"] if args.seeds is None else args.seeds
+    counts = label_counts(args.labels)
+    for name, value in (("--steps", steps), ("--finetune-steps", finetune_steps),
+                        ("--seeds", seeds)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
     started = time.perf_counter()
     out = args.out
     data = out / "data" / "digits"
@@ -114,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"writing scikit-learn's digits to {data}")
         write_digits(data, args.images_per_class)
     files, labels, classes = read_class_folder(data)
-    train, test = stratified_split(labels, test_fraction=0.5, seed=args.seed)
+    train, pool, validation, test = demo_splits(labels, args.seed)
+    scored = test if args.eval_on == "test" else validation
     pretrain_dir = out / "pretrain_images"  # the unlabelled training half only
     if not pretrain_dir.is_dir():
         pretrain_dir.mkdir(parents=True)
@@ -129,37 +236,71 @@ def run(args: argparse.Namespace) -> int:
     random_init = VisionEncoder(config)
     encoder = VisionEncoder(config)
     encoder.load_state_dict(random_init.state_dict())  # the same starting point
-    print(f"{len(files)} digits in {len(classes)} classes: {len(train)} to pretrain and "
-          f"train the probes on, {len(test)} held out")
+    start_fingerprint = fingerprint(encoder)
+    print(f"{len(files)} digits in {len(classes)} classes: {len(train)} to pretrain on "
+          f"(labels from {len(pool)} of them, {len(validation)} for validation), "
+          f"{len(test)} held out; scoring on the {args.eval_on} images")
 
-    objective = build_objective("mpp", encoder, mean=mean, std=std)
+    objective = build_objective(args.objective, encoder, mean=mean, std=std,
+                                **MAE_SETTINGS if args.objective == "mae" else {})
     dataset = ImageFolder(pretrain_dir, 32, mean=mean, std=std, scale=(0.6, 1.0), flip=False,
                           seed=args.seed)
-    train_config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=2e-3,
-                               warmup_steps=max(1, args.steps // 10), weight_decay=0.05,
+    train_config = TrainConfig(steps=steps, batch_size=args.batch_size, lr=2e-3,
+                               warmup_steps=max(1, steps // 10), weight_decay=0.05,
                                checkpoint_every=0, seed=args.seed, num_workers=0,
-                               log_every=max(1, args.steps // 10), device="cpu")
+                               log_every=max(1, steps // 10), device="cpu")
     if args.quiet:
         logging.getLogger("vlm_vit.train").setLevel(logging.WARNING)
+    print(f"pretraining with {OBJECTIVE_NAMES[args.objective]} for {steps} steps")
+    if (out / "run").is_dir():  # this demo's own earlier run: start afresh
+        shutil.rmtree(out / "run")
     result = Trainer(objective, dataset, train_config, out / "run",
                      command=f"vlm-vit demo --out {out}", progress_bar=not args.quiet).fit()
     encoder = objective.encoder.eval()
     encoder.save_pretrained(out / "encoder")
     processor.save_pretrained(out / "encoder")
+    pretrain_seconds = time.perf_counter() - started
 
+    images = processor([str(f) for f in files])
+    recipe = FinetuneRecipe(steps=finetune_steps, lr=args.finetune_lr,
+                            layer_decay=args.layer_decay)
+    keys = ["all" if count is None else str(count) for count in counts]
     report = {"classes": len(classes), "train_images": len(train), "test_images": len(test),
+              "labelled_pool": len(pool), "validation_images": len(validation),
+              "evaluated_on": args.eval_on, "scored_images": len(scored),
               "shots": args.shots, "pooling": "mean",
-              "pretraining": {"objective": "mpp", "steps": result.step,
-                              "first_loss": result.losses[0], "final_loss": result.losses[-1],
-                              "encoder": config.to_dict()}}
-    for name, model in (("random_init", random_init.eval()), ("pretrained", encoder)):
-        report[name] = frozen_accuracy(model, files, labels, train, test, processor,
+              "labelled_per_class": {key: count or int(np.bincount(labels[pool]).min())
+                                     for key, count in zip(keys, counts, strict=True)},
+              "pretraining": {"objective": args.objective, "steps": result.step,
+                              "first_loss": result.losses[0], "last_loss": result.losses[-1],
+                              "final_loss_mean_of_last_10": float(np.mean(result.losses[-10:])),
+                              "seconds": round(pretrain_seconds, 1),
+                              "start_fingerprint": start_fingerprint,
+                              "encoder": config.to_dict()},
+              "finetune": {"recipe": recipe.to_dict(), "seeds": seeds, "labels": keys}}
+    arms = (("random_init", random_init.eval()), ("pretrained", encoder))
+    for name, model in arms:
+        report[name] = frozen_accuracy(model, files, labels, pool, scored, processor,
                                        args.shots, args.seed)
+        report[name]["finetune_start_fingerprint"] = fingerprint(model)
+        report[name]["finetune_accuracy"] = {}
+    runs = len(keys) * seeds * len(arms)
+    with tqdm(total=runs, desc="fine-tuning", unit="run", disable=args.quiet) as progress:
+        for key, count in zip(keys, counts, strict=True):
+            for name, model in arms:
+                accuracies = []
+                for seed in range(args.seed, args.seed + seeds):
+                    rows = shot_rows(labels, pool, count, seed)
+                    accuracies.append(finetune_accuracy(model, images, labels, rows, scored,
+                                                        recipe, seed=seed))
+                    progress.update()
+                report[name]["finetune_accuracy"][key] = {
+                    "median": float(np.median(accuracies)), "min": min(accuracies),
+                    "max": max(accuracies), "per_seed": accuracies}
 
     from skimage import data as photos
 
-    images = [photos.astronaut(), photos.coffee(), photos.chelsea()]
-    pixels = processor(images)
+    pixels = processor([photos.astronaut(), photos.coffee(), photos.chelsea()])
     report["photos"] = {}
     with torch.inference_mode():
         tokens = encoder(pixels)
@@ -168,22 +309,40 @@ def run(args: argparse.Namespace) -> int:
             pooled = pooler(tokens.tokens, num_prefix_tokens=tokens.num_prefix_tokens,
                             grid=tokens.grid)
             report["photos"][name] = list(pooled.shape)
-    report["loss_plot"] = "loss.png" if plot_losses(result.losses, out / "loss.png") else None
+    report["loss_plot"] = "loss.png" if plot_losses(result.losses, out / "loss.png",
+                                                    args.objective) else None
+    report["label_efficiency_plot"] = ("label_efficiency.png" if plot_label_efficiency(
+        report, out / "label_efficiency.png") else None)
     report["seconds"] = round(time.perf_counter() - started, 1)
     with atomic_write(out / "report.json", "w") as handle:
         json.dump(report, handle, indent=2)
+    print_report(report, classes)
+    print(f"report: {out / 'report.json'}, figure: {out / 'label_efficiency.png'}, encoder: "
+          f"{out / 'encoder'} ({report['seconds']:.0f} s)")
+    return 0
 
+
+def print_report(report: dict, classes: list[str]) -> None:
+    """The terminal table: the numbers of report.json."""
     chance = 1 / len(classes)
-    print(f"\n{'held-out accuracy':<26}{'random init':>12}{'pretrained':>12}   (chance "
-          f"{chance:.2f})")
-    for metric, label in (("few_shot_accuracy", f"{args.shots}-shot linear (LS)"),
-                          ("linear_probe_accuracy", "linear probe (logistic)")):
-        print(f"{label:<26}{report['random_init'][metric]:>12.3f}"
-              f"{report['pretrained'][metric]:>12.3f}")
-    print(f"\npretraining loss {result.losses[0]:.3f} -> {np.mean(result.losses[-10:]):.3f} "
-          f"over {result.step} steps")
+    where = "held-out" if report["evaluated_on"] == "test" else "validation"
+    print(f"\n{where + ' accuracy':<30}{'random init':>12}{'pretrained':>12}{'gain':>8}   "
+          f"(chance {chance:.2f})")
+    seeds = report["finetune"]["seeds"]
+    for key in report["finetune"]["labels"]:
+        a, b = (report[arm]["finetune_accuracy"][key] for arm in ("random_init", "pretrained"))
+        label = f"fine-tune, {key} per class"
+        print(f"{label:<30}{a['median']:>12.3f}{b['median']:>12.3f}"
+              f"{b['median'] - a['median']:>+8.3f}   range {a['min']:.3f}-{a['max']:.3f} / "
+              f"{b['min']:.3f}-{b['max']:.3f}")
+    for metric, label in (("few_shot_accuracy", f"frozen {report['shots']}-shot linear (LS)"),
+                          ("linear_probe_accuracy", "frozen linear probe (logistic)")):
+        a, b = report["random_init"][metric], report["pretrained"][metric]
+        print(f"{label:<30}{a:>12.3f}{b:>12.3f}{b - a:>+8.3f}")
+    pretraining = report["pretraining"]
+    print(f"\nfine-tuning: median (range) over {seeds} seeds; pretraining "
+          f"({pretraining['objective']}) loss {pretraining['first_loss']:.3f} -> "
+          f"{pretraining['final_loss_mean_of_last_10']:.3f} (mean of the last 10 of "
+          f"{pretraining['steps']} steps)")
     for name, shape in report["photos"].items():
         print(f"3 photos through '{name}': {shape}")
-    print(f"report: {out / 'report.json'}, encoder: {out / 'encoder'} "
-          f"({report['seconds']:.0f} s)")
-    return 0

@@ -191,6 +191,19 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
     ]
 
 
+def optimizer_groups(objective: nn.Module, config: TrainConfig) -> list[dict[str, Any]]:
+    """The objective's own `parameter_groups(weight_decay)` where it has one (layer-wise
+    learning rates: a group's `lr_scale` multiplies `config.lr`), else `parameter_groups`.
+    Groups are ordered by descending scale, so the first (whose LR is logged) runs at the
+    schedule's own LR when any does."""
+    own = getattr(objective, "parameter_groups", None)
+    groups = own(config.weight_decay) if callable(own) else \
+        parameter_groups(objective, config.weight_decay)
+    for group in groups:
+        group["lr"] = config.lr * group.get("lr_scale", 1.0)
+    return sorted(groups, key=lambda group: -group.get("lr_scale", 1.0))
+
+
 def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int,
                   total_steps: int) -> float:
     """The learning rate of optimizer step `step` (0-based).
@@ -207,7 +220,8 @@ def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int,
 
 def build_scheduler(optimizer: torch.optim.Optimizer,
                     config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR following `learning_rate`; the optimizer's groups must start at config.lr."""
+    """A LambdaLR following `learning_rate`; each group's LR is its starting LR (config.lr,
+    times its `lr_scale`) times the schedule's factor."""
     def factor(step: int) -> float:
         return learning_rate(step, lr=config.lr, min_lr=config.min_lr,
                              warmup_steps=config.warmup_steps,
@@ -387,7 +401,7 @@ class Trainer:
 
         objective.to(context.device).train()
         self._set_grad_checkpointing(log)
-        optimizer = torch.optim.AdamW(parameter_groups(objective, config.weight_decay),
+        optimizer = torch.optim.AdamW(optimizer_groups(objective, config),
                                       lr=config.lr, betas=config.betas)
         scheduler = build_scheduler(optimizer, config)
         scaler = torch.amp.GradScaler(context.device.type, enabled=config.precision == "fp16")
