@@ -2,12 +2,16 @@
 
     python benchmarks/mae_step_vs_hf.py                    # vit-b/16 at 224, batch 8, CPU
     python benchmarks/mae_step_vs_hf.py --device cuda --dtype bfloat16 --batch-size 64
+    python benchmarks/mae_step_vs_hf.py --compile   # also ours under torch.compile
 
 A step is forward, backward and an AdamW update, with the same mask ratio (0.75), decoder
 (512 wide, 8 blocks, 16 heads) and norm_pix_loss. The two alternate in one process after a
-warm-up; medians are reported with their ratio. Peak memory is measured per library in a
-child process (the CUDA allocator's peak on a GPU; on a CPU the growth of the resident set's
-high-water mark, reset through /proc/self/clear_refs, so Linux only).
+warm-up; medians are reported with their ratio. With `--compile`, a third candidate is
+ours compiled in place as `TrainConfig(compile=True)` does (`module.compile()`), against the
+same transformers step run eagerly; its compilation happens in the warm-up, untimed. Peak
+memory is measured per library in a child process (the CUDA allocator's peak on a GPU; on a
+CPU the growth of the resident set's high-water mark, reset through /proc/self/clear_refs, so
+Linux only).
 """
 
 from __future__ import annotations
@@ -87,6 +91,8 @@ def main() -> None:
                         help="do not flush denormal floats to zero (see timing.flush_denormals)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time ours under torch.compile (TrainConfig.compile)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
@@ -100,15 +106,23 @@ def main() -> None:
     pixels = torch.randn(args.batch_size, 3, *args.config.image_size, device=args.device)
     steps = {name: step_function(name, build(name, args.config).to(args.device), pixels, dtype)
              for name in ("vlm-vit", "transformers")}
-    medians = alternate(steps, args.repeats)
+    if args.compile:
+        compiled = build("vlm-vit", args.config).to(args.device)
+        compiled.compile()  # in place, as the trainer does
+        steps["vlm-vit compiled"] = step_function("vlm-vit", compiled, pixels, dtype)
+    medians = alternate(steps, args.repeats, warmup=2 if args.compile else 1)
     result = {"variant": args.variant, "image_size": args.image_size, "depth": args.config.depth,
               "batch_size": args.batch_size, "device": args.device, "dtype": args.dtype,
               "step_seconds": medians,
               "time_ratio_vlm_vit_over_transformers": medians["vlm-vit"] / medians["transformers"],
               "speed_ratio_vlm_vit_over_transformers":
                   medians["transformers"] / medians["vlm-vit"]}
+    if args.compile:
+        result["speed_ratio_vlm_vit_compiled_over_transformers"] = \
+            medians["transformers"] / medians["vlm-vit compiled"]
     if not args.no_memory:
-        result["peak_memory_mib"] = {name: peak_memory(args, name) for name in steps}
+        result["peak_memory_mib"] = {name: peak_memory(args, name)
+                                     for name in ("vlm-vit", "transformers")}
     print(f"MAE step, {args.variant} at {args.image_size}, batch {args.batch_size}, "
           f"{args.device} {args.dtype}, median of {args.repeats}")
     for name, seconds in medians.items():
@@ -117,6 +131,9 @@ def main() -> None:
         print(f"  {name:<13} {seconds:7.3f} s/step{extra}")
     print(f"  time ratio vlm-vit / transformers: "
           f"{result['time_ratio_vlm_vit_over_transformers']:.3f} (below 1: faster)")
+    if args.compile:
+        print(f"  speed ratio vlm-vit compiled / transformers eager: "
+              f"{result['speed_ratio_vlm_vit_compiled_over_transformers']:.3f}")
     write_json(args.json, result)
 
 

@@ -189,3 +189,70 @@ def finetune_accuracy(
             predicted = classifier(images[part]).argmax(-1)
             correct += int((predicted == torch.as_tensor(labels)[part]).sum())
     return correct / len(eval_rows)
+
+
+@dataclass(frozen=True)
+class FinetuneJob:
+    """One fine-tuning run of `finetune_many`: a starting encoder, its labelled rows, a seed."""
+
+    encoder: VisionEncoder
+    train_rows: np.ndarray
+    seed: int
+
+
+_SHARED: dict = {}  # a worker's images, labels, evaluation rows and recipe
+
+
+def _start_worker(images, labels, eval_rows, recipe) -> None:
+    torch.set_num_threads(1)
+    _SHARED.update(images=images, labels=labels, eval_rows=eval_rows, recipe=recipe)
+
+
+def _run_job(job: FinetuneJob) -> float:
+    return finetune_accuracy(job.encoder, _SHARED["images"], _SHARED["labels"], job.train_rows,
+                             _SHARED["eval_rows"], _SHARED["recipe"], seed=job.seed)
+
+
+def finetune_many(jobs: list[FinetuneJob], images: torch.Tensor, labels: np.ndarray,
+                  eval_rows: np.ndarray, recipe: FinetuneRecipe, *, workers: int = 1,
+                  progress=None) -> list[float]:
+    """`finetune_accuracy` for each job, in `workers` processes of one thread each.
+
+    Small models train no faster on two threads than on one (their matrix products are too
+    small to split), so separate single-threaded runs use the cores. Every run is
+    single-threaded whatever `workers` is, so results do not depend on it.
+
+    Args:
+        jobs: the runs.
+        images, labels, eval_rows, recipe: as in `finetune_accuracy`, shared by the runs.
+        workers: processes (1: in this process).
+        progress: called with no arguments after each finished run (a progress bar's update).
+
+    Returns:
+        The accuracies, in the order of `jobs`.
+    """
+    tick = progress or (lambda: None)
+    if workers <= 1:
+        threads = torch.get_num_threads()
+        _start_worker(images, labels, eval_rows, recipe)
+        try:
+            results = []
+            for job in jobs:
+                results.append(_run_job(job))
+                tick()
+            return results
+        finally:
+            torch.set_num_threads(threads)
+            _SHARED.clear()
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn, not fork: a forked child of a process whose thread pools are running can hang.
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_start_worker,
+                             initargs=(images, labels, eval_rows, recipe)) as pool:
+        futures = [pool.submit(_run_job, job) for job in jobs]
+        for future in futures:
+            future.result()
+            tick()
+        return [future.result() for future in futures]
