@@ -92,6 +92,9 @@ def test_the_validation_split_is_inside_the_training_half():
 @pytest.mark.parametrize("argv, message", [
     (["--labels", "0"], "--labels takes positive numbers or 'all', got '0'"),
     (["--seeds", "0"], "--seeds must be at least 1"),
+    (["--labels", "5", "5"], "--labels lists a count twice"),
+    (["--labels", "9", "--images-per-class", "20"],
+     "the labelled pool has only 8 images of its smallest class"),
 ])
 def test_demo_user_errors(tmp_path, capsys, argv, message):
     assert main(["demo", "--out", str(tmp_path / "d"), *argv, "--quiet"]) == 1

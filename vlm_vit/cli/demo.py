@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 # Chosen on the validation split of the training half (see the README's demo section).
 DEFAULTS = {"objective": "mae", "steps": 800, "finetune_steps": 250, "finetune_lr": 1e-3,
             "layer_decay": 1.0, "seeds": 3}
-QUICK = {"steps": 300, "finetune_steps": 100, "seeds": 2}
+QUICK = {"steps": 400, "finetune_steps": 150, "finetune_lr": 2e-3, "seeds": 1}
 VALIDATION_FRACTION = 0.2  # of the training half; the labelled pool is the rest
 MAE_SETTINGS = {"mask_ratio": 0.75, "decoder_width": 64, "decoder_depth": 2}  # sized to the demo
 
@@ -42,8 +42,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--objective", choices=("mpp", "mae"), default=DEFAULTS["objective"],
                         help="pretraining objective (default %(default)s; see the README)")
     parser.add_argument("--quick", action="store_true",
-                        help="a one-minute first look: shorter pretraining and fine-tuning, "
-                        "the same outputs")
+                        help="a 90-second first look: shorter pretraining and fine-tuning, "
+                        "one seed, the same outputs")
     parser.add_argument("--steps", type=int, help="pretraining steps (default "
                         f"{DEFAULTS['steps']}, quick {QUICK['steps']})")
     parser.add_argument("--batch-size", type=int, default=64, help="pretraining batch")
@@ -53,7 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--finetune-steps", type=int, help="fine-tuning steps per run "
                         f"(default {DEFAULTS['finetune_steps']}, quick "
                         f"{QUICK['finetune_steps']})")
-    parser.add_argument("--finetune-lr", type=float, default=DEFAULTS["finetune_lr"])
+    parser.add_argument("--finetune-lr", type=float, help="peak fine-tuning learning rate "
+                        f"(default {DEFAULTS['finetune_lr']}, quick {QUICK['finetune_lr']})")
     parser.add_argument("--layer-decay", type=float, default=DEFAULTS["layer_decay"],
                         help="layer-wise learning-rate decay when fine-tuning (1: off)")
     parser.add_argument("--labels", nargs="+", default=["1", "5", "10", "all"], metavar="K",
@@ -158,7 +159,8 @@ def plot_label_efficiency(report: dict, path: Path) -> bool:
     axes.set_xticks(counts, [f"{c}" if k != "all" else f"all ({c})"
                              for c, k in zip(counts, keys, strict=True)])
     axes.set_xlabel("labelled examples per class")
-    axes.set_ylabel("held-out accuracy")
+    axes.set_ylabel("held-out accuracy" if report["evaluated_on"] == "test"
+                    else "validation accuracy")
     axes.set_title(f"fine-tuning, median and range over {report['finetune']['seeds']} seeds")
     axes.legend()
     figure.tight_layout()
@@ -191,6 +193,8 @@ def label_counts(values: list[str]) -> list[int | None]:
             counts.append(int(value))
         else:
             raise ValueError(f"--labels takes positive numbers or 'all', got {value!r}")
+    if len(set(counts)) != len(counts):
+        raise ValueError(f"--labels lists a count twice: {' '.join(values)}")
     return counts
 
 
@@ -217,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
     finetune_steps = preset["finetune_steps"] if args.finetune_steps is None \
         else args.finetune_steps
     seeds = preset["seeds"] if args.seeds is None else args.seeds
+    finetune_lr = preset["finetune_lr"] if args.finetune_lr is None else args.finetune_lr
     counts = label_counts(args.labels)
     for name, value in (("--steps", steps), ("--finetune-steps", finetune_steps),
                         ("--seeds", seeds), ("--workers", args.workers)):
@@ -231,6 +236,10 @@ def run(args: argparse.Namespace) -> int:
     files, labels, classes = read_class_folder(data)
     train, pool, validation, test = demo_splits(labels, args.seed)
     scored = test if args.eval_on == "test" else validation
+    fewest = int(np.bincount(labels[pool]).min())
+    if max((count for count in counts if count is not None), default=0) > fewest:
+        raise ValueError(f"--labels {' '.join(args.labels)}: the labelled pool has only "
+                         f"{fewest} images of its smallest class")
     pretrain_dir = out / "pretrain_images"  # the unlabelled training half only
     if not pretrain_dir.is_dir():
         pretrain_dir.mkdir(parents=True)
@@ -271,14 +280,14 @@ def run(args: argparse.Namespace) -> int:
     pretrain_seconds = time.perf_counter() - started
 
     images = processor([str(f) for f in files])
-    recipe = FinetuneRecipe(steps=finetune_steps, lr=args.finetune_lr,
+    recipe = FinetuneRecipe(steps=finetune_steps, lr=finetune_lr,
                             layer_decay=args.layer_decay)
     keys = ["all" if count is None else str(count) for count in counts]
     report = {"classes": len(classes), "train_images": len(train), "test_images": len(test),
               "labelled_pool": len(pool), "validation_images": len(validation),
               "evaluated_on": args.eval_on, "scored_images": len(scored),
               "shots": args.shots, "pooling": "mean",
-              "labelled_per_class": {key: count or int(np.bincount(labels[pool]).min())
+              "labelled_per_class": {key: count or fewest
                                      for key, count in zip(keys, counts, strict=True)},
               "pretraining": {"objective": args.objective, "steps": result.step,
                               "first_loss": result.losses[0], "last_loss": result.losses[-1],
