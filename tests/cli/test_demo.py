@@ -75,6 +75,10 @@ def test_the_terminal_table_carries_the_report(tiny_demo):
         expected = [f"{report[arm]['finetune_accuracy'][key]['median']:.3f}"
                     for arm in ("random_init", "pretrained")]
         assert row.split()[4:6] == expected
+    # The loss printed is the report's, named the same way (mean of the last 10 steps).
+    pretraining = report["pretraining"]
+    assert f"-> {pretraining['final_loss_mean_of_last_10']:.3f} (mean of the last 10" in printed
+    assert "final_loss" not in pretraining and "last_loss" in pretraining
     row = next(line for line in printed.splitlines() if line.startswith("frozen linear probe"))
     assert row.split()[4:6] == [f"{report[arm]['linear_probe_accuracy']:.3f}"
                                 for arm in ("random_init", "pretrained")]

@@ -46,3 +46,39 @@ def test_pretrain_user_errors(setup, capsys):
                  str(setup / "nowhere"), "--out", str(setup / "run")]) == 1
     err = capsys.readouterr().err
     assert "nowhere is not a folder" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("variant, decoder", [("vit-ti/16", (192, 4)), ("vit-b/16", (512, 8))])
+def test_the_mae_decoder_is_scaled_to_the_encoder(variant, decoder):
+    from vlm_vit import EncoderConfig
+    from vlm_vit.cli.pretrain import build_objective
+
+    with torch.device("meta"):
+        encoder = VisionEncoder(EncoderConfig.from_name(variant))
+        objective = build_objective("mae", encoder, mean=(0.5,) * 3, std=(0.5,) * 3)
+    assert (objective.decoder_embed.out_features, len(objective.decoder_blocks)) == decoder
+    decoder_parameters = sum(p.numel() for p in objective.parameters()) - sum(
+        p.numel() for p in encoder.parameters())
+    if variant == "vit-ti/16":  # MAE's 512 x 8 would be 5x the encoder here
+        assert decoder_parameters < sum(p.numel() for p in encoder.parameters())
+
+
+def test_pretrain_prints_what_it_trains(setup, capsys):
+    assert main(["pretrain", "--objective", "mae", "--model", str(setup / "start"), "--data",
+                 str(setup / "images"), "--out", str(setup / "run"), "--batch-size", "4",
+                 "--num-workers", "0", "--steps", "1"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    encoder = sum(p.numel() for p in load_encoder(setup / "start").parameters())
+    assert line.startswith("mae: ") and f"{encoder:,} in the encoder" in line
+
+
+def test_run_outputs_in_the_repository_root_are_ignored_by_git():
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    for path in ("demo/report.json", "vlm-vit-demo/encoder/config.json", "runs/a/metrics.csv"):
+        assert subprocess.run(["git", "check-ignore", "-q", path], cwd=root).returncode == 0, path

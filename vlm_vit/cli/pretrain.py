@@ -44,24 +44,51 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--normalize", choices=sorted(NORMALIZATION), default="inception")
     parser.add_argument("--mask-ratio", type=float, default=0.75, help="mae only")
-    parser.add_argument("--decoder-width", type=int, default=512, help="mae only")
-    parser.add_argument("--decoder-depth", type=int, default=8, help="mae only")
+    parser.add_argument("--decoder-width", type=int, default=None,
+                        help="mae only (default: 512 for encoders 768 wide or more, as MAE; "
+                        "else the encoder's width)")
+    parser.add_argument("--decoder-depth", type=int, default=None,
+                        help="mae only (default: 8 for encoders 768 wide or more, as MAE; "
+                        "else 4)")
     parser.add_argument("--resume", action="store_true")
     parser.set_defaults(run=run)
 
 
+MAE_PAPER_WIDTH = 768  # ViT-B: from here up, MAE's own decoder (512 wide, 8 deep)
+
+
+def default_mae_decoder(encoder_width: int) -> tuple[int, int]:
+    """MAE's decoder (width, depth) for an encoder of this width: the paper's 512 x 8 for
+    ViT-B and larger; for smaller encoders as wide as the encoder and 4 deep, so the decoder
+    stays lighter than the encoder (512 x 8 around a vit-ti/16 would hold 5x its weights)."""
+    if encoder_width >= MAE_PAPER_WIDTH:
+        return 512, 8
+    return encoder_width, 4
+
+
 def build_objective(name: str, encoder: VisionEncoder, *, mean, std, mask_ratio: float = 0.75,
-                    decoder_width: int = 512, decoder_depth: int = 8):
-    """The objective module named `name` around `encoder`."""
+                    decoder_width: int | None = None, decoder_depth: int | None = None):
+    """The objective module named `name` around `encoder`; MAE's decoder defaults to
+    `default_mae_decoder`."""
     if name == "mpp":
         from vlm_vit.pretrain.mpp import MaskedPatchPrediction
 
         return MaskedPatchPrediction(encoder, mean=mean, std=std)
     from vlm_vit.pretrain.mae import MaskedAutoencoder
 
+    width, depth = default_mae_decoder(encoder.config.width)
+    decoder_width, decoder_depth = decoder_width or width, decoder_depth or depth
     heads = max(h for h in (16, 8, 4, 2, 1) if decoder_width % h == 0)
     return MaskedAutoencoder(encoder, mask_ratio=mask_ratio, decoder_width=decoder_width,
                              decoder_depth=decoder_depth, decoder_heads=heads)
+
+
+def describe_objective(name: str, objective) -> str:
+    """One line: the objective's parameters, the encoder's and the rest (decoder, heads)."""
+    total = sum(p.numel() for p in objective.parameters())
+    encoder = sum(p.numel() for p in objective.encoder.parameters())
+    return (f"{name}: {total:,} parameters to train ({encoder:,} in the encoder, "
+            f"{total - encoder:,} in the objective's own decoder and heads)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every, seed=args.seed, num_workers=args.num_workers,
         device=args.device)
     command = shlex.join(["vlm-vit", *sys.argv[1:]]) if sys.argv[1:2] == ["pretrain"] else None
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(describe_objective(args.objective, objective))
     result = Trainer(objective, dataset, config, args.out, command=command).fit(
         resume=args.resume)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
