@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        if getattr(args, "device", None) is not None:  # every command's --device, plugins too
+            from vlm_vit.cli.common import check_device
+
+            check_device(args.device)
         return int(args.run(args) or 0)
     except (CliError, *USER_ERRORS) as error:
         print(f"vlm-vit {args.command}: error: {error}", file=sys.stderr)

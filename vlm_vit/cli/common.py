@@ -10,6 +10,35 @@ from vlm_vit.config import EncoderConfig, available_variants
 from vlm_vit.model import VisionEncoder
 
 
+def check_device(device: str) -> None:
+    """Refuses a `--device` that is not one, or not on this machine, in one line.
+
+    Raises:
+        ValueError: naming the device and what to use instead.
+    """
+    import torch
+
+    if device == "auto":
+        return
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device!r} is not a device; use auto, cpu, cuda or "
+                         f"cuda:N") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device} asked for, but CUDA is not available on this "
+                             f"machine; use --device cpu (or auto)")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    elif resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device} asked for, but MPS is not available; use --device "
+                         f"cpu")
+    elif resolved.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {device}: vlm-vit runs on cpu, cuda or mps")
+
+
 def image_size(values: list[int] | None) -> tuple[int, int] | None:
     """`--image-size SIDE` or `--image-size HEIGHT WIDTH` as (height, width); None if absent."""
     if not values:
