@@ -130,3 +130,33 @@ def test_an_encoder_directory_is_not_a_tower(tmp_path):
     VisionEncoder(tiny_config()).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="has no 'tower' section"):
         VisionTower.from_pretrained(tmp_path)
+
+
+def test_a_tower_keeps_its_processor_and_load_processor_refuses_a_silent_none(tmp_path):
+    from vlm_vit import ImageProcessor, load_processor, load_tower
+
+    processor = ImageProcessor.for_family("clip", size=32)
+    tower = tower_for("mean", {})
+    tower.processor = processor
+    tower.save_pretrained(tmp_path / "with")
+    assert VisionTower.from_pretrained(tmp_path / "with").processor == processor
+    assert load_processor(tmp_path / "with") == processor
+    assert load_tower(tmp_path / "with").processor == processor
+
+    tower_for("mean", {}).save_pretrained(tmp_path / "without")
+    with pytest.raises(ValueError, match="records no preprocessing"):
+        load_processor(tmp_path / "without")
+    assert load_processor(tmp_path / "without", required=False) is None
+
+
+def test_load_tower_carries_the_checkpoint_s_processor(tmp_path):
+    from vlm_vit import ImageProcessor, load_tower
+
+    torch.manual_seed(0)
+    VisionEncoder(tiny_config()).save_pretrained(tmp_path / "encoder")
+    processor = ImageProcessor.for_family("inception", size=32)
+    processor.save_pretrained(tmp_path / "encoder")
+    tower = load_tower(tmp_path / "encoder", "mean")
+    assert tower.processor == processor
+    tower.save_pretrained(tmp_path / "tower")
+    assert VisionTower.from_pretrained(tmp_path / "tower").processor == processor

@@ -191,9 +191,27 @@ def load_with_processor(
     return encoder, processor
 
 
-def load_processor(path: str | Path, *, format: str | None = None) -> ImageProcessor | None:
-    """The preprocessing a checkpoint records (mean, std, size, resize mode), or None."""
-    return convert_checkpoint(path, format).processor
+def load_processor(path: str | Path, *, format: str | None = None,
+                   required: bool = True) -> ImageProcessor | None:
+    """The preprocessing a checkpoint records (mean, std, size, resize mode).
+
+    Args:
+        path: any checkpoint `load_encoder` reads, or a model name.
+        format: as in `load_encoder`.
+        required: raise when the checkpoint records none (the default: a silent None where
+            a pipeline needs a processor would only fail later); False returns None instead.
+
+    Raises:
+        ValueError: when the checkpoint records no preprocessing and `required` is True,
+            naming it and how to add one.
+    """
+    processor = convert_checkpoint(path, format).processor
+    if processor is None and required:
+        raise ValueError(f"{path} records no preprocessing (no processor_config.json or "
+                         f"preprocessor config); save one beside it with "
+                         f"ImageProcessor.save_pretrained, build one with "
+                         f"ImageProcessor.for_family, or pass required=False")
+    return processor
 
 
 def build_native_pooler(own: NativePooler, source: object = "checkpoint"):
@@ -252,7 +270,8 @@ def load_tower(path: str | Path, pooler: str | None = None, *, out_dim: int | No
                          f"out_dim=4096)")
     if drop_prefix is None:
         drop_prefix = not getattr(head, "requires_class_token", False)
-    tower = VisionTower(encoder, head, feature_layer=feature_layer, drop_prefix=drop_prefix)
+    tower = VisionTower(encoder, head, feature_layer=feature_layer, drop_prefix=drop_prefix,
+                        processor=converted.processor)
     return tower.to(dtype) if dtype is not None else tower
 
 

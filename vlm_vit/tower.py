@@ -11,6 +11,7 @@ from torch import nn
 from vlm_vit.files import read_json, read_safetensors, write_safetensors
 from vlm_vit.model import CONFIG_NAME, VisionEncoder, check_state_dict
 from vlm_vit.poolers import build_pooler, pool_packed
+from vlm_vit.processor import PROCESSOR_CONFIG_NAME, ImageProcessor
 
 POOLER_WEIGHTS_NAME = "pooler.safetensors"
 
@@ -33,15 +34,20 @@ class VisionTower(nn.Module):
             on the channel axis. The encoder runs only as deep as the deepest one.
         drop_prefix: hand the pooler only the patch tokens (class and register tokens
             dropped), as LLaVA does.
+        processor: the encoder's preprocessing (an `ImageProcessor`), saved with the tower
+            and read back by `from_pretrained` and `load_processor`; `load_tower` sets the
+            checkpoint's own.
 
     Raises:
         ValueError: when the pooler cannot work on what the tower gives it.
     """
 
     def __init__(self, encoder: VisionEncoder, pooler: nn.Module,
-                 feature_layer: int | list[int] | None = None, drop_prefix: bool = True):
+                 feature_layer: int | list[int] | None = None, drop_prefix: bool = True,
+                 processor: ImageProcessor | None = None):
         super().__init__()
         self.encoder = encoder
+        self.processor = processor
         self.pooler = pooler
         self.feature_layer = list(feature_layer) if isinstance(feature_layer, (list, tuple)) \
             else feature_layer
@@ -138,8 +144,8 @@ class VisionTower(nn.Module):
                         model_card: bool = True) -> Path:
         """Writes the encoder (as `VisionEncoder.save_pretrained`, so `load_encoder` still
         reads it, sharded above `max_shard_size`, with a model card unless `model_card` is
-        False or one exists), the selection and pooler spec in `config.json`, and the pooler
-        weights.
+        False or one exists), the selection and pooler spec in `config.json`, the pooler
+        weights, and the processor when the tower has one.
 
         Raises:
             ValueError: for a pooler not built by `build_pooler` (its spec is unknown).
@@ -154,6 +160,8 @@ class VisionTower(nn.Module):
         self.encoder.save_pretrained(directory, extra_config={"tower": tower},
                                      max_shard_size=max_shard_size, model_card=model_card)
         write_safetensors(self.pooler.state_dict(), directory / POOLER_WEIGHTS_NAME)
+        if self.processor is not None:
+            self.processor.save_pretrained(directory)
         return directory
 
     @classmethod
@@ -177,5 +185,7 @@ class VisionTower(nn.Module):
         state = read_safetensors(weights)
         check_state_dict(pooler, state, weights)
         pooler.load_state_dict(state)
+        processor = ImageProcessor.from_pretrained(directory) \
+            if (directory / PROCESSOR_CONFIG_NAME).is_file() else None
         return cls(encoder, pooler, feature_layer=tower["feature_layer"],
-                   drop_prefix=tower["drop_prefix"])
+                   drop_prefix=tower["drop_prefix"], processor=processor)

@@ -150,7 +150,7 @@ def build_model(args: argparse.Namespace):
         raise type(error)(f"--tower: {error}") from error
     tower = load_tower(tower_at, args.projector, out_dim=width,
                        feature_layer=args.feature_layer, drop_prefix=True)
-    return MultimodalLM(tower, llm, tokenizer, processor=load_processor(tower_at))
+    return MultimodalLM(tower, llm, tokenizer, processor=load_processor(tower_at, required=False))
 
 
 def run_train(args: argparse.Namespace) -> int:
