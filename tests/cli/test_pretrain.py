@@ -82,3 +82,17 @@ def test_run_outputs_in_the_repository_root_are_ignored_by_git():
         pytest.skip("not a git checkout")
     for path in ("demo/report.json", "vlm-vit-demo/encoder/config.json", "runs/a/metrics.csv"):
         assert subprocess.run(["git", "check-ignore", "-q", path], cwd=root).returncode == 0, path
+
+
+def test_a_second_run_into_the_same_directory_needs_resume_or_overwrite(setup, capsys):
+    argv = ["pretrain", "--objective", "mpp", "--model", str(setup / "start"), "--data",
+            str(setup / "images"), "--out", str(setup / "run"), "--batch-size", "4",
+            "--num-workers", "0", "--steps", "1", "--checkpoint-every", "0"]
+    assert main(argv) == 0
+    metrics = (setup / "run" / "metrics.csv").read_bytes()
+    capsys.readouterr()
+    assert main(argv) == 1  # a fresh run over a finished one
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert (setup / "run" / "metrics.csv").read_bytes() == metrics
+    assert main([*argv, "--overwrite"]) == 0

@@ -123,11 +123,44 @@ def test_resume_gives_the_same_losses_and_weights_as_an_uninterrupted_run(data, 
 
 
 def test_resume_without_a_checkpoint_starts_fresh_and_says_so(data, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="vlm_vit.train")
+    caplog.set_level(logging.WARNING, logger="vlm_vit.train")  # the default verbosity
     result = Trainer(toy_objective(), image_folder(data), config(steps=1),
                      tmp_path / "run").fit(resume=True)
     assert result.step == 1
     assert "no checkpoint in" in caplog.text and "starting a fresh run" in caplog.text
+
+
+def interrupted_before_a_checkpoint(data, run_dir):
+    """A run stopped at step 2 of 6, before its first checkpoint: metrics.csv and
+    run_config.json exist, no checkpoint does."""
+    with pytest.raises(Interrupted):
+        Trainer(toy_objective(crash_at_call=3), image_folder(data),
+                config(checkpoint_every=0), run_dir).fit()
+    assert latest_checkpoint(run_dir) is None
+    return {name: (run_dir / name).read_bytes() for name in ("metrics.csv", "run_config.json")}
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_an_earlier_run_without_checkpoints_is_never_overwritten_silently(data, tmp_path,
+                                                                          resume):
+    run_dir = tmp_path / "run"
+    before = interrupted_before_a_checkpoint(data, run_dir)
+    message = "has no checkpoint to resume from" if resume else "holds an earlier run's"
+    with pytest.raises(FileExistsError, match=f"{message}.*pass --overwrite"):
+        Trainer(toy_objective(), image_folder(data), config(), run_dir).fit(resume=resume)
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
+
+
+def test_overwrite_starts_afresh_and_keeps_the_caller_s_files(data, tmp_path):
+    run_dir = tmp_path / "run"
+    interrupted_before_a_checkpoint(data, run_dir)
+    (run_dir / "finetune.json").write_text("{}")  # a command's own file, not the trainer's
+    result = Trainer(toy_objective(), image_folder(data), config(steps=3), run_dir).fit(
+        overwrite=True)
+    assert result.step == 3
+    with (run_dir / "metrics.csv").open() as handle:
+        assert [row["step"] for row in csv.DictReader(handle)] == ["1", "2", "3"]
+    assert (run_dir / "finetune.json").read_text() == "{}"
 
 
 def test_a_fresh_run_refuses_a_directory_with_checkpoints(data, tmp_path):

@@ -27,8 +27,8 @@ from vlm_vit.processor import ImageLoadError, ImageTooLargeError
 from vlm_vit.registry import UnknownNameError
 
 COMMAND_GROUP = "vlm_vit.commands"
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, UnknownNameError,
-               ImageLoadError, ImageTooLargeError, PermissionError)
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
+               UnknownNameError, ImageLoadError, ImageTooLargeError, PermissionError)
 
 
 class CliError(Exception):

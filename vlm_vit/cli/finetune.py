@@ -37,6 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier run's files in the run directory")
     parser.set_defaults(run=run)
 
     merge = subparsers.add_parser(
@@ -113,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     with atomic_write(args.out / FINETUNE_NAME, "w") as handle:
         json.dump(settings, handle, indent=2)
     Trainer(model, torch.utils.data.Subset(data, train.tolist()), config, args.out,
-            collate=collate_labelled).fit(resume=args.resume)
+            collate=collate_labelled).fit(resume=args.resume, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     if len(test):

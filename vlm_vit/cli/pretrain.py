@@ -51,6 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="mae only (default: 8 for encoders 768 wide or more, as MAE; "
                         "else 4)")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier run's files in the run directory")
     parser.set_defaults(run=run)
 
 
@@ -120,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print(describe_objective(args.objective, objective))
     result = Trainer(objective, dataset, config, args.out, command=command).fit(
-        resume=args.resume)
+        resume=args.resume, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
         return 0
     print(f"trained {result.step} steps, final loss {result.losses[-1]:.4f}; encoder in "

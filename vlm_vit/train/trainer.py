@@ -34,6 +34,7 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -66,6 +67,10 @@ RUN_CONFIG_NAME = "run_config.json"
 METRICS_NAME = "metrics.csv"
 OBJECTIVE_NAME = "objective.pt"
 ENCODER_DIR = "encoder"
+TENSORBOARD_DIR = "tensorboard"
+# What a run writes into its directory: a fresh run refuses to start over any of these, and
+# --overwrite removes exactly these (the caller's own files, such as finetune.json, stay).
+RUN_OUTPUTS = (ckpt.CHECKPOINT_DIR, METRICS_NAME, RUN_CONFIG_NAME, ENCODER_DIR, TENSORBOARD_DIR)
 ADAPTER_DIR = "adapter"  # a LoRA run saves its adapter here instead of the encoder
 # Config fields that may change between a checkpoint and its resume without a warning.
 _HARMLESS_CHANGES = frozenset({"log_every", "checkpoint_every", "keep_checkpoints",
@@ -230,6 +235,11 @@ def build_scheduler(optimizer: torch.optim.Optimizer,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def _listing(names: list[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most
+                                      else "")
+
+
 class _Silent:
     """Stands in for the logger on ranks other than 0."""
 
@@ -282,7 +292,7 @@ class _MetricsLog:
         except ImportError:  # tensorboard is optional
             pass
         else:
-            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+            self.tensorboard = SummaryWriter(str(run_dir / TENSORBOARD_DIR))
 
     def _open(self) -> None:
         self._file = self.path.open("a", newline="")
@@ -354,18 +364,23 @@ class Trainer:
 
     # -- the run ----------------------------------------------------------------------------
 
-    def fit(self, resume: bool = False) -> TrainResult:
+    def fit(self, resume: bool = False, overwrite: bool = False) -> TrainResult:
         """Trains for `config.steps` steps in total.
 
+        An earlier run's files (`RUN_OUTPUTS`) are never replaced silently: a fresh run
+        needs a `run_dir` without them, and a resume needs a checkpoint unless there are none.
+
         Args:
-            resume: continue from the newest checkpoint in `run_dir`; starts fresh (and logs
-                so) when there is none.
+            resume: continue from the newest checkpoint in `run_dir`; in an empty `run_dir`
+                it starts fresh and warns so.
+            overwrite: remove an earlier run's files (`RUN_OUTPUTS`) first and start afresh.
 
         Returns:
             A `TrainResult`.
 
         Raises:
-            FileExistsError: when `resume` is False and `run_dir` already has checkpoints.
+            FileExistsError: when `run_dir` holds an earlier run and neither a checkpoint to
+                resume nor `overwrite` says what to do with it.
             NonFiniteLossError: after `config.max_bad_steps` non-finite steps in a row.
             ValueError: when the batch does not split over processes and micro-batches, or
                 the dataset is smaller than one batch.
@@ -374,13 +389,13 @@ class Trainer:
         flushing = self.config.flush_denormal and context.device.type == "cpu" \
             and torch.set_flush_denormal(True)  # False where the CPU cannot (no SSE3)
         try:
-            return self._fit(context, resume)
+            return self._fit(context, resume, overwrite)
         finally:
             if flushing:
                 torch.set_flush_denormal(False)
             distributed.teardown(context)
 
-    def _fit(self, context: DistributedContext, resume: bool) -> TrainResult:
+    def _fit(self, context: DistributedContext, resume: bool, overwrite: bool) -> TrainResult:
         config, objective = self.config, self.objective
         log = logger if context.is_main else _Silent()
         distributed.split_batch(config.batch_size, context.world_size, config.grad_accumulation)
@@ -389,11 +404,26 @@ class Trainer:
         if config.group_by_length and getattr(self.dataset, "lengths", None) is None:
             raise ValueError(f"group_by_length needs a dataset with `lengths`; "
                              f"{type(self.dataset).__name__} has none")
+        entries = [name for name in RUN_OUTPUTS if (self.run_dir / name).exists()]
+        if overwrite and entries:
+            if context.is_main:
+                log.warning("--overwrite: removing %s from %s", _listing(entries), self.run_dir)
+                for path in (self.run_dir / name for name in entries):
+                    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() \
+                        else path.unlink()
+            distributed.barrier(context)
+            entries = []
         found = ckpt.latest_checkpoint(self.run_dir)
         if found is not None and not resume:
             raise FileExistsError(f"{self.run_dir} already holds checkpoints (newest {found}); "
-                                  "pass resume=True to continue that run, or use another "
-                                  "run directory")
+                                  "pass --resume (resume=True) to continue that run, "
+                                  "--overwrite to replace it, or use another run directory")
+        if found is None and entries:
+            what = (f"has no checkpoint to resume from, but holds an earlier run's "
+                    f"{_listing(entries)}" if resume else
+                    f"holds an earlier run's {_listing(entries)}")
+            raise FileExistsError(f"{self.run_dir} {what}; pass --overwrite (overwrite=True) "
+                                  f"to start afresh there, or use another run directory")
         if context.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt.remove_stale_temporaries(self.run_dir)
@@ -418,7 +448,7 @@ class Trainer:
             rng_states = state["rng"]
             log.info("resuming from %s at step %d", found, progress.step)
         elif resume:
-            log.info("no checkpoint in %s; starting a fresh run", self.run_dir)
+            log.warning("--resume: no checkpoint in %s; starting a fresh run", self.run_dir)
         if context.is_main:
             self._write_run_config(context, resumed_from=found)
 

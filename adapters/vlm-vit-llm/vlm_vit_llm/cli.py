@@ -76,6 +76,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--checkpoint-every", type=int, default=500)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--resume", action="store_true")
+    train.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier run's files in the run directory")
     lora = train.add_argument_group("LoRA (stage 2)")
     lora.add_argument("--lora-r", type=int, default=16)
     lora.add_argument("--lora-alpha", type=float, default=32)
@@ -190,7 +192,7 @@ def run_train(args: argparse.Namespace) -> int:
         device=args.device)
     command = shlex.join(["vlm-vit", *sys.argv[1:]]) if sys.argv[1:2] == ["llm"] else None
     result = Trainer(objective, dataset, config, args.out, collate=collate,
-                     command=command).fit(resume=args.resume)
+                     command=command).fit(resume=args.resume, overwrite=args.overwrite)
     print(f"trained stage {args.stage} for {result.step} steps, final loss "
           f"{result.losses[-1]:.4f}; model in {args.out / MODEL_DIR}")
     return 0
