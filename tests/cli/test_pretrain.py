@@ -96,3 +96,9 @@ def test_a_second_run_into_the_same_directory_needs_resume_or_overwrite(setup, c
     assert "--overwrite" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert (setup / "run" / "metrics.csv").read_bytes() == metrics
     assert main([*argv, "--overwrite"]) == 0
+
+
+def test_help_shows_the_checkpoint_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--help"])
+    assert "steps between checkpoints (default 500" in capsys.readouterr().out

@@ -386,3 +386,45 @@ def test_denormals_are_flushed_during_a_cpu_run_only_when_asked(data, tmp_path, 
             tmp_path / "run").fit()
     assert seen == [flush, flush]
     assert not flushes_denormals()  # the process-wide flag is cleared after the run
+
+
+def signalled(objective, signal_number, at_call):
+    """`objective`, which sends this process `signal_number` in its forward call `at_call`,
+    as Ctrl-C or a scheduler's SIGTERM would."""
+    import os
+
+    calls = []
+
+    def hook(module, args):
+        calls.append(1)
+        if len(calls) == at_call:
+            os.kill(os.getpid(), signal_number)
+
+    objective.register_forward_pre_hook(hook)
+    return objective
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_signal_checkpoints_the_current_step_and_the_resume_is_exact(data, tmp_path, name,
+                                                                       caplog):
+    import random
+    import signal
+
+    number = getattr(signal, name)
+    at_step = random.Random(name).randint(1, 5)  # "a random step", the same on every run
+    whole = toy_objective(dropout=0.3)
+    uninterrupted = Trainer(whole, image_folder(data), config(checkpoint_every=0),
+                            tmp_path / "whole").fit()
+    run_dir = tmp_path / "signalled"
+    before = signal.getsignal(number)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(signalled(toy_objective(dropout=0.3), number, at_step), image_folder(data),
+                config(checkpoint_every=0), run_dir).fit()
+    assert signal.getsignal(number) is before  # the trainer's handler is gone again
+    assert latest_checkpoint(run_dir) == checkpoint_path(run_dir, at_step)
+    assert f"stopped by signal {name} after step {at_step}" in caplog.text
+    resumed_objective = toy_objective(seed=7, dropout=0.3)
+    resumed = Trainer(resumed_objective, image_folder(data), config(checkpoint_every=0),
+                      run_dir).fit(resume=True)
+    assert resumed.losses == uninterrupted.losses
+    assert_same_weights(weights(resumed_objective), weights(whole))

@@ -35,7 +35,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--warmup-steps", type=int, default=None, help="default: steps / 20")
     parser.add_argument("--weight-decay", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checkpoint-every", type=int, default=500)
+    parser.add_argument("--checkpoint-every", type=int, default=500, metavar="N",
+                        help="steps between checkpoints (default %(default)s; Ctrl-C or "
+                        "SIGTERM also saves one, at the step it stops)")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
                         help="default: bf16 on a GPU, fp32 on a CPU")
     parser.add_argument("--device", default="auto")

@@ -35,7 +35,9 @@ import json
 import logging
 import math
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -235,6 +237,12 @@ def build_scheduler(optimizer: torch.optim.Optimizer,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def _ignore_interrupts(worker_id: int) -> None:
+    """DataLoader workers ignore Ctrl-C (it reaches the whole process group): the main
+    process finishes its step, checkpoints, and then shuts them down itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _listing(names: list[str], most: int = 4) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most
                                       else "")
@@ -361,6 +369,8 @@ class Trainer:
         self.collate = collate or collate_images
         self.command = command if command is not None else " ".join(sys.argv)
         self.progress_bar = progress_bar
+        self._stop_signal: str | None = None  # the signal that asked the run to stop
+        self._stopping = False  # every rank agreed to stop after this step
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -475,6 +485,7 @@ class Trainer:
         bar = tqdm(total=config.steps, initial=progress.step,
                    disable=not (context.is_main and self.progress_bar),
                    desc="train", dynamic_ncols=True)
+        handlers = self._catch_signals()
         try:
             while progress.step < config.steps:
                 for batch in self._loader(progress.epoch, progress.batch_index, context):
@@ -493,14 +504,22 @@ class Trainer:
                                  progress.step, config.steps, row["loss"], row["lr"],
                                  row["grad_norm"], row["images_per_s"])
                     if (config.checkpoint_every and progress.step % config.checkpoint_every == 0
-                            or progress.step == config.steps):
+                            or progress.step == config.steps or self._stopping):
                         self._save(optimizer, scheduler, scaler, progress, context, log)
+                    if self._stopping:
+                        bar.close()
+                        log.warning("stopped by signal %s after step %d: checkpoint %s; "
+                                    "continue with --resume", self._stop_signal or "on a peer",
+                                    progress.step, ckpt.checkpoint_path(self.run_dir,
+                                                                        progress.step))
+                        raise KeyboardInterrupt
                     if progress.step >= config.steps:
                         break
         finally:
             bar.close()
             if metrics is not None:
                 metrics.close()
+            self._restore_signals(handlers)
 
         if context.is_main:
             self._export(log)
@@ -563,11 +582,15 @@ class Trainer:
                     objective_metrics[name] = objective_metrics.get(name, 0.0) \
                         + float(value) * weight
 
-        # (loss summed over ranks, images, undecodable) in one all-reduce.
+        # (loss summed over ranks, images, undecodable, ranks asked to stop) in one
+        # all-reduce, so every rank agrees on stopping after this step.
         totals = distributed.all_reduce(
             torch.stack([rank_loss, torch.tensor(float(count), dtype=torch.float64),
-                         torch.tensor(float(len(undecodable)), dtype=torch.float64)]),
+                         torch.tensor(float(len(undecodable)), dtype=torch.float64),
+                         torch.tensor(float(self._stop_signal is not None),
+                                      dtype=torch.float64)]),
             context)
+        self._stopping = bool(totals[3] > 0)
         loss_value = totals[0].item() / context.world_size
         if totals[2] > 0:
             self._record_undecodable(undecodable, context, progress, log)
@@ -658,7 +681,7 @@ class Trainer:
         return torch.utils.data.DataLoader(
             self.dataset, batch_sampler=sampler, collate_fn=self.collate,
             num_workers=config.num_workers, pin_memory=context.device.type == "cuda",
-            generator=generator)
+            generator=generator, worker_init_fn=_ignore_interrupts if config.num_workers else None)
 
     def _set_grad_checkpointing(self, log: Any) -> None:
         # An objective that holds models of other libraries (a Hugging Face LLM) sets them
@@ -674,6 +697,31 @@ class Trainer:
             log.warning("grad_checkpointing is set, but no module of %s has a "
                         "`gradient_checkpointing` attribute; training without it",
                         type(self.objective).__name__)
+
+    def _catch_signals(self) -> dict:
+        """SIGINT and SIGTERM finish the current step, checkpoint it and stop (a second
+        signal stops at once); returns the handlers to restore. Only the main thread can
+        take signals, so elsewhere nothing changes."""
+        self._stop_signal, self._stopping = None, False
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def request_stop(number, frame):
+            if self._stop_signal is not None:  # asked twice: stop now, as Python would
+                self._restore_signals(handlers)
+                raise KeyboardInterrupt
+            self._stop_signal = signal.Signals(number).name
+            logger.warning("%s: finishing step, then saving a checkpoint (again to stop now)",
+                           self._stop_signal)
+
+        handlers = {number: signal.signal(number, request_stop)
+                    for number in (signal.SIGINT, signal.SIGTERM)}
+        return handlers
+
+    @staticmethod
+    def _restore_signals(handlers: dict) -> None:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
 
     def _save(
         self,

@@ -73,7 +73,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--grad-checkpointing", action="store_true",
                        help="recompute activations in backward (LLM and encoder): less memory")
     train.add_argument("--num-workers", type=int, default=2)
-    train.add_argument("--checkpoint-every", type=int, default=500)
+    train.add_argument("--checkpoint-every", type=int, default=500, metavar="N",
+                       help="steps between checkpoints (default %(default)s; Ctrl-C or "
+                       "SIGTERM also saves one, at the step it stops)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--resume", action="store_true")
     train.add_argument("--overwrite", action="store_true",
