@@ -428,3 +428,39 @@ def test_a_signal_checkpoints_the_current_step_and_the_resume_is_exact(data, tmp
                       run_dir).fit(resume=True)
     assert resumed.losses == uninterrupted.losses
     assert_same_weights(weights(resumed_objective), weights(whole))
+
+
+class Undecodable(torch.utils.data.Dataset):
+    """Four files that never decode: every step of a run on it skips its update."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int):
+        from vlm_vit.train import UndecodableImage
+
+        return UndecodableImage(f"bad{index}.png", "not a PNG")
+
+
+def test_a_step_without_images_leaks_no_scheduler_warning_and_logs_beside_the_bar(
+        tmp_path, monkeypatch):
+    import warnings
+
+    from tqdm import tqdm
+
+    written = []
+    monkeypatch.setattr(tqdm, "write", classmethod(
+        lambda cls, text, *args, **kwargs: written.append(text)))
+    root = logging.getLogger()
+    handler = logging.StreamHandler()
+    root.addHandler(handler)  # as the CLI's basicConfig does
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = Trainer(toy_objective(), Undecodable(), config(steps=2), tmp_path / "run",
+                             progress_bar=True).fit()
+    finally:
+        root.removeHandler(handler)
+    assert result.skipped_steps == 2
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)]
+    assert any("no decodable image" in line for line in written)  # through the bar's writer

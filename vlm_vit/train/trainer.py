@@ -39,6 +39,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -486,6 +487,12 @@ class Trainer:
                    disable=not (context.is_main and self.progress_bar),
                    desc="train", dynamic_ncols=True)
         handlers = self._catch_signals()
+        # Log lines go through the bar's writer, so a warning never lands glued to it.
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        redirect = contextlib.ExitStack()
+        if context.is_main and self.progress_bar:
+            redirect.enter_context(logging_redirect_tqdm())
         try:
             while progress.step < config.steps:
                 for batch in self._loader(progress.epoch, progress.batch_index, context):
@@ -520,6 +527,7 @@ class Trainer:
             if metrics is not None:
                 metrics.close()
             self._restore_signals(handlers)
+            redirect.close()
 
         if context.is_main:
             self._export(log)
@@ -614,8 +622,12 @@ class Trainer:
             log.warning("step %d: no decodable image in a batch; skipping the update",
                         progress.step + 1)
         # The schedule advances on skipped steps too: the LR stays a function of the step
-        # number and the step count still matches the batches drawn.
-        scheduler.step()
+        # number and the step count still matches the batches drawn. (torch warns when that
+        # happens before the optimizer's first step; here it is meant.)
+        with warnings.catch_warnings():
+            if not updated:
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler")
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         progress.step += 1
         progress.losses.append(loss_value)
