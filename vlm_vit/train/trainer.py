@@ -513,7 +513,7 @@ class Trainer:
                     if (config.checkpoint_every and progress.step % config.checkpoint_every == 0
                             or progress.step == config.steps or self._stopping):
                         self._save(optimizer, scheduler, scaler, progress, context, log)
-                    if self._stopping:
+                    if self._stopping and progress.step < config.steps:  # else: done anyway
                         bar.close()
                         log.warning("stopped by signal %s after step %d: checkpoint %s; "
                                     "continue with --resume", self._stop_signal or "on a peer",
