@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from vlm_vit.cli.common import image_size
@@ -35,6 +36,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="read SRC as this format instead of detecting it")
     parser.add_argument("--image-size", type=int, nargs="+", metavar="SIDE",
                         help="resize the position table to SIDE or HEIGHT WIDTH on the way")
+    parser.add_argument("--crop-rounding", choices=("floor", "round"), default=None,
+                        help="set the recorded processor's centre-crop rounding on the way "
+                        "(hf-clip needs floor, transformers' own; the source's crops may then "
+                        "differ from the original by one pixel)")
     parser.add_argument("--max-shard-size", metavar="SIZE", default=None,
                         help="write larger weights as shards and an index, as transformers "
                         "does (native and hf-clip; default 5GB)")
@@ -62,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     pooler = (build_native_pooler(converted.pooler, args.source)
               if converted.pooler is not None else None)
     processor = converted.processor
+    if args.crop_rounding is not None and processor is not None:
+        processor = dataclasses.replace(processor, crop_rounding=args.crop_rounding)
     if target == "native":
         encoder.save_pretrained(args.destination, **shards)
         if processor is not None:

@@ -415,9 +415,10 @@ def preprocessor_config(processor: ImageProcessor) -> dict[str, Any]:
         raise ValueError(f"processor crop_rounding={processor.crop_rounding!r} with resize_mode "
                          f"'shortest_edge': CLIPImageProcessor floors the centre crop's offset, "
                          f"so images that overhang the crop by 3 mod 4 pixels would be cropped "
-                         f"one pixel off; use crop_rounding='floor' (dataclasses.replace("
-                         f"processor, crop_rounding='floor'), or \"crop_rounding\": \"floor\" "
-                         f"in processor_config.json) or resize_mode 'squash'")
+                         f"one pixel off; use crop_rounding='floor' (vlm-vit convert "
+                         f"--crop-rounding floor, dataclasses.replace(processor, "
+                         f"crop_rounding='floor'), or \"crop_rounding\": \"floor\" in "
+                         f"processor_config.json) or resize_mode 'squash'")
     crop = {"height": height, "width": width}
     codes = {name: code for code, name in PIL_RESAMPLE.items()}
     return {

@@ -49,7 +49,7 @@ from vlm_vit.convert.base import Checkpoint, Converted, NativePooler, register_f
 from vlm_vit.convert.keymap import count_blocks, expand, invert, rename
 from vlm_vit.files import write_safetensors
 from vlm_vit.model import VisionEncoder
-from vlm_vit.poolers.simple import ClassTokenLinear
+from vlm_vit.poolers.simple import ClassToken, ClassTokenLinear
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
 
 logger = logging.getLogger(__name__)
@@ -206,8 +206,10 @@ def _processor(preprocess_cfg: dict[str, Any] | None, image_size: tuple[int, int
 
 
 def _projection_of(pooler: nn.Module | None, width: int) -> dict[str, torch.Tensor]:
-    """`{"proj": [D, E]}` from a cls_linear pooler without bias or activation; {} for None."""
-    if pooler is None:
+    """`{"proj": [D, E]}` from a cls_linear pooler without bias or activation; {} for None
+    or a bare `cls` pooler (the final-norm class token, which is what open_clip returns
+    without a projection: a projection-less Hugging Face CLIP reads as that)."""
+    if pooler is None or isinstance(pooler, ClassToken):
         return {}
     name = getattr(pooler, "pooler_spec", {}).get("name", type(pooler).__name__)
     if not (isinstance(pooler, ClassTokenLinear) and pooler.proj.bias is None

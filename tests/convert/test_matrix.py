@@ -1,0 +1,102 @@
+"""Every readable family converts to every writable one, through the CLI, and what is
+written loads back to the same outputs; a pair that cannot be written is refused in one line
+for a reason of the architecture, never for the shape of a pooler the reader itself chose."""
+
+import pytest
+import torch
+
+from vlm_vit import EncoderConfig, ImageProcessor, VisionEncoder, load_encoder
+from vlm_vit.cli import main
+from vlm_vit.cli.convert import writable_formats
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("timm")
+pytest.importorskip("open_clip")
+
+# CLIP-shaped (pre-norm, no patch bias, eps 1e-5, head width 64): every writer can hold it.
+CLIP_STYLE = dict(image_size=32, patch_size=8, width=128, depth=2, heads=2, mlp_width=256,
+                  pre_norm=True, act="quick_gelu", norm_eps=1e-5, patch_bias=False)
+TARGETS = {"native": "out", "hf_clip": "out", "timm": "out", "open_clip": "out.safetensors"}
+
+
+def randomized(model):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    return model.eval()
+
+
+def written_by_us(target: str):
+    """A CLIP-style encoder written by our own writer for `target`."""
+    def build(folder):
+        torch.manual_seed(0)
+        encoder = randomized(VisionEncoder(EncoderConfig(**CLIP_STYLE)))
+        encoder.save_pretrained(folder / "native")
+        ImageProcessor.for_family("clip", size=32).save_pretrained(folder / "native")
+        if target == "native":
+            return folder / "native"
+        destination = folder / TARGETS[target]
+        floor = ["--crop-rounding", "floor"] if target == "hf_clip" else []
+        assert main(["convert", str(folder / "native"), str(destination), "--to", target,
+                     *floor]) == 0
+        return destination
+    return build
+
+
+def hf_clip_vision_model(folder):
+    """The issue's reproduction: a CLIPVisionModel with no projection, saved by transformers."""
+    config = transformers.CLIPVisionConfig(hidden_size=128, num_hidden_layers=2,
+                                           num_attention_heads=2, intermediate_size=256,
+                                           image_size=32, patch_size=8)
+    randomized(transformers.CLIPVisionModel(config)).save_pretrained(folder / "clip")
+    return folder / "clip"
+
+
+def hf_vit_model(folder):
+    """A paper-style ViT (no pre-norm, patch bias): open_clip cannot hold it."""
+    config = transformers.ViTConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                    intermediate_size=256, image_size=32, patch_size=8)
+    randomized(transformers.ViTModel(config, add_pooling_layer=False)).save_pretrained(
+        folder / "vit")
+    return folder / "vit"
+
+
+SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("hf_clip"),
+           "timm (ours)": written_by_us("timm"), "open_clip (ours)": written_by_us("open_clip"),
+           "hf CLIPVisionModel": hf_clip_vision_model, "hf ViTModel": hf_vit_model}
+# Pairs the target's architecture cannot hold, and the reason the refusal must give.
+CANNOT = {("hf ViTModel", "open_clip"): "pre_norm=False",
+          ("hf ViTModel", "hf_clip"): "pre_norm=False"}
+# Sources whose processor crops as torchvision does (open_clip's reader records OpenAI's):
+# transformers cannot reproduce that, so hf-clip output needs an explicit --crop-rounding floor.
+ROUNDING_CROPS = {"native", "timm (ours)", "open_clip (ours)"}
+
+
+def test_the_matrix_covers_every_writable_format():
+    assert set(TARGETS) == set(writable_formats())
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("source", sorted(SOURCES))
+def test_every_reader_composes_with_every_writer(tmp_path, source, target, capsys):
+    path = SOURCES[source](tmp_path / "source")
+    capsys.readouterr()  # what building the source printed (transformers' save progress)
+    destination = tmp_path / "converted" / TARGETS[target]
+    argv = ["convert", str(path), str(destination), "--to", target]
+    if target == "hf_clip" and source in ROUNDING_CROPS:
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert "--crop-rounding floor" in err and len(err.strip().splitlines()) == 1
+        argv += ["--crop-rounding", "floor"]
+    status = main(argv)
+    err = capsys.readouterr().err
+    if (source, target) in CANNOT:
+        assert status == 1 and CANNOT[source, target] in err and len(err.strip().splitlines()) == 1
+        return
+    assert status == 0, err
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = load_encoder(path).eval()(x).tokens
+        torch.testing.assert_close(load_encoder(destination).eval()(x).tokens, expected,
+                                   atol=1e-5, rtol=1e-5)
