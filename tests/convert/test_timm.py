@@ -89,7 +89,8 @@ def test_round_trip_native_timm_native_is_bit_exact(tmp_path, registers):
     from ..conftest import tiny_config
 
     torch.manual_seed(0)
-    encoder = VisionEncoder(tiny_config(num_register_tokens=registers, pre_norm=True)).eval()
+    encoder = VisionEncoder(tiny_config(num_register_tokens=registers, pre_norm=True,
+                                        patch_bias=False)).eval()  # timm ties the two
     TimmFormat().write(encoder, tmp_path / "timm")
     back = load_encoder(tmp_path / "timm")
     assert back.config == encoder.config
@@ -103,3 +104,51 @@ def test_round_trip_native_timm_native_is_bit_exact(tmp_path, registers):
     theirs = build_timm_model(encoder.config).eval()
     theirs.load_state_dict(load_file(tmp_path / "timm" / "model.safetensors"))
     compare(encoder, theirs)
+
+
+TIMM_FRONT_DOOR = {
+    "paper vit-ti/16": ("vit-ti/16", {}, "vit_tiny_patch16_224"),
+    "custom tiny": (None, {}, "vit_base_patch16_224"),
+    "clip-style, eps 1e-5": (None, dict(pre_norm=True, patch_bias=False, act="quick_gelu",
+                                        norm_eps=1e-5), "vit_base_patch16_clip_224"),
+    "registers": (None, dict(num_register_tokens=2), "vit_base_patch16_224"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TIMM_FRONT_DOOR))
+def test_timm_loads_what_we_write_by_its_own_front_door(tmp_path, case):
+    """`timm.create_model("local-dir:DIR", pretrained=True)`, the line the README gives."""
+    import json
+
+    import timm
+
+    from vlm_vit import EncoderConfig, VisionEncoder
+
+    from ..conftest import tiny_config
+
+    variant, options, architecture = TIMM_FRONT_DOOR[case]
+    torch.manual_seed(0)
+    config = EncoderConfig.from_name(variant) if variant else tiny_config(**options)
+    encoder = VisionEncoder(config).eval()
+    TimmFormat().write(encoder, tmp_path / "timm")
+    assert json.loads((tmp_path / "timm" / "config.json").read_text())["architecture"] == \
+        architecture
+    theirs = timm.create_model(f"local-dir:{tmp_path / 'timm'}", pretrained=True).eval()
+    x = torch.randn(1, 3, *config.image_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, timm_tokens = encoder(x).tokens, theirs.forward_features(x)
+    torch.testing.assert_close(timm_tokens, ours, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(norm_eps=1e-4), "norm_eps=0.0001"),
+    (dict(pre_norm=True), "ties the patch embedding's bias to pre-norm"),
+])
+def test_what_timm_s_factory_cannot_build_is_refused(tmp_path, options, message):
+    from vlm_vit import VisionEncoder
+
+    from ..conftest import tiny_config
+
+    with pytest.raises(ValueError, match=message):
+        TimmFormat().write(VisionEncoder(tiny_config(**options)), tmp_path / "timm")
+    assert not (tmp_path / "timm").exists()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from vlm_vit.optional import require
 from vlm_vit.processor import ImageProcessor
 
 # Dropped on purpose: a classifier head (not part of the encoder) and its pooled norm.
+logger = logging.getLogger(__name__)
 IGNORED = ("head.", "fc_norm.")
 
 
@@ -151,14 +153,24 @@ class TimmFormat:
                          processor=_processor(checkpoint.config, config), rules=rules)
 
     def write(self, encoder, destination: str | Path, *, pooler=None, processor=None) -> None:
-        """Writes `model.safetensors` and a timm-style `config.json` into `destination`."""
+        """Writes `model.safetensors` and a timm `config.json` into `destination`, which
+        `timm.create_model("local-dir:DIR", pretrained=True)` loads (see `timm_architecture`).
+
+        Raises:
+            ValueError: for what timm's factory cannot build from a config file: a norm eps
+                other than 1e-5 above 1e-6 (smaller ones are built as 1e-6), or a patch
+                bias that is not the opposite of pre-norm (timm ties the two).
+        """
         destination = Path(destination)
-        destination.mkdir(parents=True, exist_ok=True)
         config = encoder.config
+        architecture = timm_architecture(config)
         args = {k: v for k, v in timm_model_kwargs(config).items() if k != "norm_layer"}
         args["img_size"] = list(config.image_size)
-        meta = {"architecture": "vit_custom", "num_classes": 0, "model_args": args,
+        destination.mkdir(parents=True, exist_ok=True)
+        meta = {"architecture": architecture, "num_classes": 0, "model_args": args,
                 "norm_eps": config.norm_eps}
+        # timm reads a config without "pretrained_cfg" as a flat legacy one: always write it.
+        meta["pretrained_cfg"] = {"input_size": [config.in_channels, *config.image_size]}
         if processor is not None:
             meta["pretrained_cfg"] = {"mean": list(processor.mean), "std": list(processor.std),
                                       "input_size": [3, *processor.size]}
@@ -166,6 +178,47 @@ class TimmFormat:
             json.dump(meta, handle, indent=2)
         write_safetensors(to_timm_state_dict(encoder.state_dict(), config),
                           destination / "model.safetensors")
+
+
+# timm registrations whose LayerNorm eps a config file cannot set (its `norm_layer` is code):
+# every other setting comes from `model_args`, which override a registration's own.
+ARCHITECTURE_FOR_EPS = {1e-6: "vit_base_patch16_224", 1e-5: "vit_base_patch16_clip_224"}
+# The paper's variants as timm registers them (eps 1e-6, no pre-norm, GELU, 224 pixels).
+PAPER_ARCHITECTURES = {(192, 12, 3, 16): "vit_tiny_patch16_224",
+                       (384, 12, 6, 16): "vit_small_patch16_224",
+                       (768, 12, 12, 16): "vit_base_patch16_224",
+                       (768, 12, 12, 32): "vit_base_patch32_224",
+                       (1024, 24, 16, 16): "vit_large_patch16_224",
+                       (1024, 24, 16, 32): "vit_large_patch32_224",
+                       (1280, 32, 16, 14): "vit_huge_patch14_224"}
+
+
+def timm_architecture(config: EncoderConfig) -> str:
+    """The timm model name to write for `config`: the paper variant's own name when it is
+    one, else a registration with the same LayerNorm eps, its other settings overridden by
+    the written `model_args`.
+
+    Raises:
+        ValueError: as `TimmFormat.write`.
+    """
+    if config.patch_bias == config.pre_norm:
+        raise ValueError(f"timm ties the patch embedding's bias to pre-norm (bias = not "
+                         f"pre_norm); this encoder has patch_bias={config.patch_bias} with "
+                         f"pre_norm={config.pre_norm}")
+    eps = config.norm_eps
+    if eps not in ARCHITECTURE_FOR_EPS:
+        if eps >= 1e-6:
+            raise ValueError(f"timm's factory builds LayerNorm eps 1e-6 or 1e-5 from a config "
+                             f"file; this encoder has norm_eps={eps}")
+        # Hugging Face's ViT port says 1e-12 for weights trained with 1e-6; against unit
+        # variances either is negligible, so timm's 1e-6 registration stands in.
+        logger.info("timm will build LayerNorm eps 1e-6 for this encoder's %g", eps)
+        eps = 1e-6
+    paper = PAPER_ARCHITECTURES.get((config.width, config.depth, config.heads,
+                                     config.patch_size))
+    plain = (eps == 1e-6 and not config.pre_norm and config.act == "gelu"
+             and config.mlp_width == 4 * config.width and config.image_size == (224, 224))
+    return paper if paper and plain else ARCHITECTURE_FOR_EPS[eps]
 
 
 def _grid_tokens(table_length: int, cls: int, registers: int) -> int:
@@ -178,7 +231,7 @@ def _grid_tokens(table_length: int, cls: int, registers: int) -> int:
 
 def _processor(config: dict | None, encoder_config: EncoderConfig) -> ImageProcessor | None:
     cfg = (config or {}).get("pretrained_cfg")
-    if not cfg:
+    if not cfg or "mean" not in cfg or "std" not in cfg:
         return None
     return ImageProcessor(size=tuple(cfg.get("input_size", [3, *encoder_config.image_size])[1:]),
                           mean=tuple(cfg["mean"]), std=tuple(cfg["std"]))
