@@ -11,7 +11,8 @@ from ..conftest import tiny_config
 @pytest.fixture
 def native(tmp_path):
     torch.manual_seed(0)
-    VisionEncoder(tiny_config(pre_norm=True)).save_pretrained(tmp_path / "native")
+    VisionEncoder(tiny_config(pre_norm=True, patch_bias=False)).save_pretrained(  # CLIP-like
+        tmp_path / "native")
     ImageProcessor.for_family("clip", size=32).save_pretrained(tmp_path / "native")
     return tmp_path / "native"
 
