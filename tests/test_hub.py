@@ -17,7 +17,7 @@ from vlm_vit.config import EncoderConfig
 from vlm_vit.files import write_safetensors
 from vlm_vit.model import VisionEncoder
 from vlm_vit.shards import SHARD_INDEX, parse_size, read_sharded
-from vlm_vit.testing import offline_hub_cache, put_in_hub_cache
+from vlm_vit.testing import offline_hub_cache, perturbed, put_in_hub_cache
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
 transformers = pytest.importorskip("transformers")
@@ -42,16 +42,9 @@ def cache(tmp_path, monkeypatch) -> Path:
     return offline_hub_cache(tmp_path / "hf_home", monkeypatch)
 
 
-def randomized(model):
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.05)
-    return model.eval()
-
 
 def save_clip(folder: Path, **options) -> Path:
-    model = randomized(transformers.CLIPVisionModel(
+    model = perturbed(transformers.CLIPVisionModel(
         transformers.CLIPVisionConfig(**{**TINY_VISION, **options})))
     model.save_pretrained(folder)
     transformers.CLIPImageProcessor(size={"shortest_edge": 32},
@@ -60,19 +53,19 @@ def save_clip(folder: Path, **options) -> Path:
 
 
 def save_siglip(folder: Path) -> Path:
-    randomized(transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**TINY_VISION))
+    perturbed(transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**TINY_VISION))
                ).save_pretrained(folder)
     return folder
 
 
 def save_vit(folder: Path) -> Path:
-    randomized(transformers.ViTModel(transformers.ViTConfig(**TINY_VISION))
+    perturbed(transformers.ViTModel(transformers.ViTConfig(**TINY_VISION))
                ).save_pretrained(folder)
     return folder
 
 
 def save_vit_mae(folder: Path) -> Path:
-    randomized(transformers.ViTMAEModel(transformers.ViTMAEConfig(**TINY_VISION))
+    perturbed(transformers.ViTMAEModel(transformers.ViTMAEConfig(**TINY_VISION))
                ).save_pretrained(folder)
     return folder
 
@@ -102,7 +95,7 @@ def save_open_clip(folder: Path) -> Path:
     model = model_module.CLIP(embed_dim=16, vision_cfg=model_module.CLIPVisionCfg(**vision_cfg),
                               text_cfg=model_module.CLIPTextCfg(**text_cfg), quick_gelu=True)
     folder.mkdir(parents=True, exist_ok=True)
-    write_safetensors(randomized(model).state_dict(), folder / "open_clip_model.safetensors")
+    write_safetensors(perturbed(model).state_dict(), folder / "open_clip_model.safetensors")
     (folder / "open_clip_config.json").write_text(json.dumps({
         "model_cfg": {"embed_dim": 16, "quick_gelu": True, "vision_cfg": vision_cfg,
                       "text_cfg": text_cfg}, "preprocess_cfg": {}}))

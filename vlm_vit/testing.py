@@ -59,3 +59,16 @@ def offline_hub_cache(home: str | Path, monkeypatch) -> Path:
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return cache
+
+
+def perturbed(model, scale: float = 0.05, seed: int = 0):
+    """`model` in eval mode with every weight nudged by seeded noise (`scale` standard
+    deviations), so biases, norms and zero-initialised tokens are not trivial in parity
+    tests; changed in place and returned."""
+    import torch
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * scale)
+    return model.eval()

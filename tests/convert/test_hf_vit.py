@@ -11,20 +11,13 @@ from vlm_vit.convert import detect_format
 from vlm_vit.convert.timm import build_timm_model
 from vlm_vit.files import write_safetensors
 from vlm_vit.loading import read_checkpoint
+from vlm_vit.testing import perturbed
 
 transformers = pytest.importorskip("transformers")
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             image_size=32, patch_size=8)
 
-
-def perturbed(model):
-    """`model` in eval mode with every weight nudged, so biases and norms are not trivial."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.05)
-    return model.eval()
 
 
 def hf_model(cls_name="ViTModel", **options):

@@ -8,6 +8,7 @@ import torch
 from vlm_vit import EncoderConfig, ImageProcessor, VisionEncoder, load_encoder
 from vlm_vit.cli import main
 from vlm_vit.cli.convert import writable_formats
+from vlm_vit.testing import perturbed
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("timm")
@@ -19,19 +20,12 @@ CLIP_STYLE = dict(image_size=32, patch_size=8, width=128, depth=2, heads=2, mlp_
 TARGETS = {"native": "out", "hf_clip": "out", "timm": "out", "open_clip": "out.safetensors"}
 
 
-def randomized(model):
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.05)
-    return model.eval()
-
 
 def written_by_us(target: str):
     """A CLIP-style encoder written by our own writer for `target`."""
     def build(folder):
         torch.manual_seed(0)
-        encoder = randomized(VisionEncoder(EncoderConfig(**CLIP_STYLE)))
+        encoder = perturbed(VisionEncoder(EncoderConfig(**CLIP_STYLE)))
         encoder.save_pretrained(folder / "native")
         ImageProcessor.for_family("clip", size=32).save_pretrained(folder / "native")
         if target == "native":
@@ -49,7 +43,7 @@ def hf_clip_vision_model(folder):
     config = transformers.CLIPVisionConfig(hidden_size=128, num_hidden_layers=2,
                                            num_attention_heads=2, intermediate_size=256,
                                            image_size=32, patch_size=8)
-    randomized(transformers.CLIPVisionModel(config)).save_pretrained(folder / "clip")
+    perturbed(transformers.CLIPVisionModel(config)).save_pretrained(folder / "clip")
     return folder / "clip"
 
 
@@ -57,7 +51,7 @@ def hf_vit_model(folder):
     """A paper-style ViT (no pre-norm, patch bias): open_clip cannot hold it."""
     config = transformers.ViTConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                                     intermediate_size=256, image_size=32, patch_size=8)
-    randomized(transformers.ViTModel(config, add_pooling_layer=False)).save_pretrained(
+    perturbed(transformers.ViTModel(config, add_pooling_layer=False)).save_pretrained(
         folder / "vit")
     return folder / "vit"
 
