@@ -136,3 +136,37 @@ def test_fine_tuning_on_real_digits_beats_chance_on_held_out_images(tmp_path, di
         predictions = classifier.eval()(images).argmax(-1).numpy()
     accuracy = (predictions == labels[test]).mean()
     assert accuracy > 0.6  # chance is 1/3
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_a_classifier_directory_loads_back_with_its_class_names(tmp_path, pooling):
+    from vlm_vit import ImageProcessor, load_encoder
+
+    classifier = ImageClassifier(encoder(), 3, pooling=pooling)
+    torch.manual_seed(1)
+    classifier.head.weight.data.normal_()
+    processor = ImageProcessor.for_family("clip", size=32)
+    classifier.save_pretrained(tmp_path / "clf", classes=["cat", "dog", "owl"],
+                               processor=processor)
+    back = ImageClassifier.from_pretrained(tmp_path / "clf")
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(back(x), classifier.eval()(x))
+    assert back.classes == ["cat", "dog", "owl"] and back.pooling == pooling
+    assert load_encoder(tmp_path / "clf").config == classifier.encoder.config  # beside it
+    assert ImageProcessor.from_pretrained(tmp_path / "clf") == processor
+    with pytest.raises(ValueError, match="2 class names for 3 classes"):
+        classifier.save_pretrained(tmp_path / "bad", classes=["a", "b"])
+
+
+def test_a_tower_classifier_round_trips(tmp_path):
+    tower = VisionTower(encoder(), build_pooler("attention_pool", in_dim=32, out_dim=16))
+    classifier = ImageClassifier(tower, 4)
+    torch.manual_seed(2)
+    classifier.head.weight.data.normal_()
+    classifier.save_pretrained(tmp_path / "clf")
+    back = ImageClassifier.from_pretrained(tmp_path / "clf")
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(back(x), classifier.eval()(x))
+    assert isinstance(back.backbone, VisionTower) and back.classes is None

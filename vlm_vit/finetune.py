@@ -4,17 +4,23 @@ on an encoder or a tower, fully, with LoRA (`vlm_vit.lora`), or with the encoder
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_vit.model import VisionEncoder
+from vlm_vit.files import atomic_write, read_json, read_safetensors, write_safetensors
+from vlm_vit.model import VisionEncoder, check_state_dict
 from vlm_vit.pretrain.base import ObjectiveOutput
+from vlm_vit.processor import ImageProcessor
 from vlm_vit.tower import VisionTower, no_graph_if_frozen
 
 POOLINGS = ("cls", "mean")
+CLASSIFIER_CONFIG_NAME = "classifier.json"
+HEAD_WEIGHTS_NAME = "classifier_head.safetensors"
 
 
 class ImageClassifier(nn.Module):
@@ -60,6 +66,53 @@ class ImageClassifier(nn.Module):
         nn.init.zeros_(self.head.bias)
         if freeze_encoder:
             self.encoder.requires_grad_(False)
+
+    # -- saving --------------------------------------------------------------------------
+
+    def save_pretrained(self, directory: str | Path, *, classes: Sequence[str] | None = None,
+                        processor: ImageProcessor | None = None) -> Path:
+        """Writes a classifier directory: the encoder (or tower) as `save_pretrained` does,
+        so `load_encoder` still reads it, plus `classifier.json` (pooling, class names) and
+        the head's weights; the processor too when given.
+
+        Raises:
+            ValueError: when `classes` does not have one name per class.
+        """
+        classes = list(classes) if classes is not None else getattr(self, "classes", None)
+        if classes is not None and len(classes) != self.head.out_features:
+            raise ValueError(f"{len(classes)} class names for {self.head.out_features} classes")
+        directory = Path(directory)
+        self.backbone.save_pretrained(directory)
+        write_safetensors(self.head.state_dict(), directory / HEAD_WEIGHTS_NAME)
+        with atomic_write(directory / CLASSIFIER_CONFIG_NAME, "w") as handle:
+            json.dump({"num_classes": self.head.out_features, "pooling": self.pooling,
+                       "backbone": "tower" if isinstance(self.backbone, VisionTower)
+                       else "encoder", "classes": classes}, handle, indent=2)
+        if processor is not None:
+            processor.save_pretrained(directory)
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path) -> ImageClassifier:
+        """Reads a directory written by `save_pretrained` (class names in `.classes`).
+
+        Raises:
+            FileNotFoundError, ValueError: naming the missing or malformed file.
+        """
+        directory = Path(directory)
+        config = read_json(directory / CLASSIFIER_CONFIG_NAME)
+        try:
+            num_classes, pooling = int(config["num_classes"]), str(config["pooling"])
+            kind, classes = config.get("backbone", "encoder"), config.get("classes")
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{directory / CLASSIFIER_CONFIG_NAME}: {error!r}") from error
+        backbone = (VisionTower if kind == "tower" else VisionEncoder).from_pretrained(directory)
+        classifier = cls(backbone, num_classes, pooling=pooling)
+        state = read_safetensors(directory / HEAD_WEIGHTS_NAME)
+        check_state_dict(classifier.head, state, directory / HEAD_WEIGHTS_NAME)
+        classifier.head.load_state_dict(state)
+        classifier.classes = classes
+        return classifier.eval()
 
     def parameter_groups(self, weight_decay: float) -> list[dict]:
         """AdamW groups for the trainer: `train.parameter_groups`'s decay split, each group

@@ -45,6 +45,23 @@ def test_lora_finetune_then_merge(setup, capsys):
     assert not torch.equal(qkv[:width], base.blocks[0].attn.qkv.weight[:width])  # q changed
     assert torch.equal(qkv[width:2 * width], base.blocks[0].attn.qkv.weight[width:2 * width])
     assert (setup / "merged" / "classifier_head.safetensors").is_file()
+    # a loadable classifier, with its class names, that gives the run's predictions
+    from vlm_vit.finetune import ImageClassifier
+
+    classifier = ImageClassifier.from_pretrained(setup / "merged")
+    assert classifier.classes == sorted(p.name for p in (setup / "digits").iterdir()
+                                        if p.is_dir())
+    assert torch.equal(classifier.encoder.blocks[0].attn.qkv.weight, qkv)
+    capsys.readouterr()
+    assert main(["predict", str(setup / "merged"), str(setup / "digits"), "--top", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    images = sorted(p for p in (setup / "digits").rglob("*.png"))
+    assert len(lines) == len(images)
+    path, best = lines[0].split("\t")
+    first, second = best.split("  ")
+    assert first.split()[0] in classifier.classes and float(first.split()[1]) >= float(
+        second.split()[1])
+    assert main(["predict", str(setup / "merged"), str(images[0]), "--top", "99"]) == 1
 
 
 @pytest.mark.parametrize("argv, message", [

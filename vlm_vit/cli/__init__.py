@@ -20,6 +20,7 @@ from vlm_vit.cli import (
     encode,
     finetune,
     info,
+    predict,
     pretrain,
     probe,
 )
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(subparsers)
     analyze.add_parser(subparsers)
     finetune.add_parser(subparsers)
+    predict.add_parser(subparsers)
     for entry in metadata.entry_points(group=COMMAND_GROUP):
         try:
             entry.load()(subparsers)

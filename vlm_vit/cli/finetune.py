@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from vlm_vit.files import atomic_write, read_json, write_safetensors
+from vlm_vit.files import atomic_write, read_json
 
 FINETUNE_NAME = "finetune.json"  # what `merge` needs to rebuild the model
 
@@ -150,9 +150,7 @@ def run_merge(args: argparse.Namespace) -> int:
     model, processor = build_model(settings)
     model = set_adapter(load_adapter(model, adapter, "trained"), "trained")
     merged, error = merge_lora(model, report=True)
-    merged.encoder.save_pretrained(args.out)
-    processor.save_pretrained(args.out)
-    write_safetensors(merged.head.state_dict(), args.out / "classifier_head.safetensors",
-                      metadata={"classes": json.dumps(settings["classes"])})
-    print(f"wrote the merged encoder and head to {args.out} (merge error {error:.2e})")
+    merged.save_pretrained(args.out, classes=settings["classes"], processor=processor)
+    print(f"wrote the merged classifier to {args.out} (ImageClassifier.from_pretrained; "
+          f"load_encoder reads its encoder; merge error {error:.2e})")
     return 0
