@@ -94,3 +94,15 @@ def test_every_reader_composes_with_every_writer(tmp_path, source, target, capsy
         expected = load_encoder(path).eval()(x).tokens
         torch.testing.assert_close(load_encoder(destination).eval()(x).tokens, expected,
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_convert_to_an_open_clip_directory_loads_in_open_clip(tmp_path):
+    import open_clip
+
+    source = written_by_us("native")(tmp_path / "source")
+    assert main(["convert", str(source), str(tmp_path / "oc"), "--to", "open_clip"]) == 0
+    model = open_clip.create_model(f"local-dir:{tmp_path / 'oc'}").eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model.encode_image(x), load_encoder(source).eval()(x).cls_token,
+                                   atol=1e-5, rtol=1e-5)

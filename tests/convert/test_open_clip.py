@@ -347,3 +347,42 @@ def test_non_square_table_without_config_is_refused(tmp_path):
 def test_default_mean_std_are_open_clips():
     constants = pytest.importorskip("open_clip.constants")
     assert NORMALIZATION["clip"] == (constants.OPENAI_DATASET_MEAN, constants.OPENAI_DATASET_STD)
+
+
+@pytest.mark.parametrize("projection", [False, True])
+def test_open_clip_loads_our_directory_by_its_own_factory(tmp_path, projection):
+    """`open_clip.create_model("local-dir:DIR")`, the line the README gives."""
+    from vlm_vit.testing import perturbed
+
+    config = EncoderConfig(image_size=32, patch_size=8, width=128, depth=2, heads=2,
+                           mlp_width=256, pre_norm=True, act="quick_gelu", norm_eps=1e-5,
+                           patch_bias=False)
+    encoder = perturbed(VisionEncoder(config))
+    pooler = perturbed(build_pooler("cls_linear", in_dim=128, out_dim=48, bias=False,
+                                    act=None)) if projection else None
+    processor = ImageProcessor.for_family("clip", size=32)
+    FORMATS.get("open_clip").write(encoder, tmp_path / "oc", pooler=pooler, processor=processor)
+    factory = pytest.importorskip("open_clip")
+    model, _, preprocess = factory.create_model_and_transforms(f"local-dir:{tmp_path / 'oc'}")
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = model.eval().encode_image(x)
+        ours = encoder(x).cls_token if pooler is None else pooler(
+            encoder(x).tokens, num_prefix_tokens=1, grid=(4, 4))
+        torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(load_tower(tmp_path / "oc")(x), theirs, atol=1e-5,
+                                   rtol=1e-5)
+    normalize = preprocess.transforms[-1]
+    assert tuple(normalize.mean) == processor.mean and tuple(normalize.std) == processor.std
+    back = load_encoder(tmp_path / "oc")
+    assert back.config == config
+    assert all(torch.equal(t, back.state_dict()[n]) for n, t in encoder.state_dict().items())
+
+
+def test_an_activation_open_clip_cannot_build_is_refused(tmp_path):
+    config = EncoderConfig(image_size=32, patch_size=8, width=128, depth=1, heads=2,
+                           mlp_width=256, pre_norm=True, act="gelu_tanh", norm_eps=1e-5,
+                           patch_bias=False)
+    with pytest.raises(ValueError, match="act='gelu_tanh'"):
+        FORMATS.get("open_clip").write(VisionEncoder(config), tmp_path / "oc")
+    assert not (tmp_path / "oc").exists()

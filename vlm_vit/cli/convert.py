@@ -28,8 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("source", metavar="SRC", help="a checkpoint path or model name "
                         "(org/name, hf-hub:org/name, open_clip's MODEL/TAG)")
     parser.add_argument("destination", metavar="DST", type=Path,
-                        help="a directory (native, hf_clip, timm) or a .safetensors file "
-                        "(open_clip)")
+                        help="a directory (native, hf_clip, timm; open_clip: one its "
+                        "factory loads) or, for open_clip, a .safetensors state dict")
     parser.add_argument("--to", required=True, metavar="FORMAT",
                         help="native, hf-clip, timm or open_clip (dashes or underscores)")
     parser.add_argument("--from", dest="source_format", metavar="FORMAT",

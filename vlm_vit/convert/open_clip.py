@@ -25,8 +25,9 @@ computes open_clip's `encode_image`: `ln_post` on the class token, then `@ proj`
 pool otherwise (attentional pooling, average pooling), timm or ResNet towers, layer scale and
 open_clip's custom attention blocks are refused with the feature named.
 
-Writing (`OpenClipFormat.write`) gives a `visual.*` safetensors file that a default open_clip
-`VisionTransformer` loads; `visual.proj` is written only for a `cls_linear` pooler without bias
+Writing (`OpenClipFormat.write`) to a directory gives what `open_clip.create_model(
+"local-dir:DIR")` builds and loads (`write_directory`); to a `.safetensors` path, a
+`visual.*` safetensors file that a default open_clip `VisionTransformer` loads; `visual.proj` is written only for a `cls_linear` pooler without bias
 or activation, and left out without a pooler (open_clip then loads with ``strict=False``, or
 after ``model.visual.proj = None``). The activation and preprocessing have no place in a state
 dict and are not written; reading the file back applies the rules above.
@@ -35,6 +36,7 @@ dict and are not written; reading the file back applies the rules above.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import re
 from collections.abc import Callable
@@ -47,8 +49,9 @@ from torch import nn
 from vlm_vit.config import EncoderConfig
 from vlm_vit.convert.base import Checkpoint, Converted, NativePooler, register_format
 from vlm_vit.convert.keymap import count_blocks, expand, invert, rename
-from vlm_vit.files import write_safetensors
+from vlm_vit.files import atomic_directory, write_safetensors
 from vlm_vit.model import VisionEncoder
+from vlm_vit.optional import require
 from vlm_vit.poolers.simple import ClassToken, ClassTokenLinear
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
 
@@ -330,25 +333,30 @@ class OpenClipFormat:
 
     def write(self, encoder: VisionEncoder, destination: str | Path, *,
               pooler: nn.Module | None = None, processor: ImageProcessor | None = None) -> Path:
-        """Writes `from_native(encoder, pooler)` as a safetensors file, atomically.
+        """Writes `from_native(encoder, pooler)` as a safetensors file, atomically; or, for a
+        destination without a suffix, a directory open_clip's own factory loads
+        (`write_directory`).
 
         Args:
             encoder: the encoder to write.
-            destination: a file path ending in `.safetensors`; its folder is created.
+            destination: a file path ending in `.safetensors` (its folder is created), or a
+                directory.
             pooler: as in `from_native`.
-            processor: accepted for a uniform interface; an open_clip state dict has no place
-                for preprocessing, so it is not written (logged).
+            processor: written in the directory form; a bare state dict has no place for
+                preprocessing, so there it is not written (logged).
 
         Returns:
-            The written file.
+            The written file or directory.
 
         Raises:
-            ValueError: for a destination without the `.safetensors` suffix, and as
-                `from_native`.
+            ValueError: for a destination with another suffix, and as `from_native`.
         """
         destination = Path(destination)
+        if not destination.suffix:
+            return self.write_directory(encoder, destination, pooler=pooler, processor=processor)
         if destination.suffix != ".safetensors":
-            raise ValueError(f"open_clip is written as one .safetensors file; got {destination}")
+            raise ValueError(f"open_clip is written as one .safetensors file or a directory; "
+                             f"got {destination}")
         tensors = self.from_native(encoder, pooler)
         destination.parent.mkdir(parents=True, exist_ok=True)
         write_safetensors(tensors, destination)
@@ -356,6 +364,66 @@ class OpenClipFormat:
             logger.info("%s: an open_clip state dict has no place for preprocessing; not "
                         "written (%s)", destination, processor)
         return destination
+
+
+    def write_directory(self, encoder: VisionEncoder, directory: str | Path, *,
+                        pooler: nn.Module | None = None,
+                        processor: ImageProcessor | None = None) -> Path:
+        """A directory `open_clip.create_model("local-dir:DIR")` builds and loads strictly:
+        `open_clip_config.json` (the vision config, `quick_gelu`, the preprocessing) and
+        `open_clip_model.safetensors`, a whole CLIP whose text tower is a one-block
+        placeholder at open_clip's own initialisation (open_clip builds both towers; only
+        `encode_image` means anything). Without a projection, `visual.proj` is the identity,
+        so `encode_image` is the final-norm class token.
+
+        Raises:
+            ValueError: as `from_native`, or for an activation open_clip does not build.
+            ImportError: without open_clip (the `clip` extra).
+        """
+        config = encoder.config
+        if config.act not in ("gelu", "quick_gelu"):
+            raise ValueError(f"open_clip builds GELU or QuickGELU towers; this encoder has "
+                             f"act={config.act!r}")
+        visual = self.from_native(encoder, pooler)
+        if "visual." + PROJECTION not in visual:
+            visual["visual." + PROJECTION] = torch.eye(config.width)
+        model_cfg = {
+            "embed_dim": visual["visual." + PROJECTION].shape[1],
+            "quick_gelu": config.act == "quick_gelu",
+            "vision_cfg": {"image_size": config.image_size[0], "layers": config.depth,
+                           "width": config.width, "head_width": config.width // config.heads,
+                           "patch_size": config.patch_size,
+                           "mlp_ratio": config.mlp_width / config.width},
+            "text_cfg": PLACEHOLDER_TEXT_CFG,
+        }
+        model_module = require("open_clip.model", "clip", "writing an open_clip directory")
+        with torch.random.fork_rng():  # the placeholder's initialisation draws no user RNG
+            torch.manual_seed(0)
+            clip = model_module.CLIP(model_cfg["embed_dim"], quick_gelu=model_cfg["quick_gelu"],
+                                     vision_cfg=model_module.CLIPVisionCfg(
+                                         **model_cfg["vision_cfg"]),
+                                     text_cfg=model_module.CLIPTextCfg(**PLACEHOLDER_TEXT_CFG))
+        clip.visual.load_state_dict({k.removeprefix("visual."): v for k, v in visual.items()})
+        config_json = {"model_cfg": model_cfg, "preprocess_cfg": (
+            _preprocess_cfg(processor) if processor is not None else {})}
+        with atomic_directory(directory) as temp:
+            write_safetensors({k: v.detach().contiguous() for k, v in clip.state_dict().items()},
+                              temp / OPEN_CLIP_WEIGHTS)
+            (temp / CONFIG_FILE).write_text(json.dumps(config_json, indent=2))
+        return Path(directory)
+
+
+# open_clip always builds a text tower; the smallest it accepts stands in for one.
+PLACEHOLDER_TEXT_CFG = {"context_length": 2, "vocab_size": 2, "width": 64, "heads": 1,
+                        "layers": 1}
+OPEN_CLIP_WEIGHTS = "open_clip_model.safetensors"
+
+
+def _preprocess_cfg(processor: ImageProcessor) -> dict[str, Any]:
+    """open_clip's `preprocess_cfg` for a processor (its PreprocessCfg fields)."""
+    return {"size": list(processor.size), "mean": list(processor.mean),
+            "std": list(processor.std), "interpolation": processor.resample,
+            "resize_mode": "squash" if processor.resize_mode == "squash" else "shortest"}
 
 
 register_format(OpenClipFormat())
