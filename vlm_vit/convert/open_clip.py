@@ -26,11 +26,12 @@ pool otherwise (attentional pooling, average pooling), timm or ResNet towers, la
 open_clip's custom attention blocks are refused with the feature named.
 
 Writing (`OpenClipFormat.write`) to a directory gives what `open_clip.create_model(
-"local-dir:DIR")` builds and loads (`write_directory`); to a `.safetensors` path, a
-`visual.*` safetensors file that a default open_clip `VisionTransformer` loads; `visual.proj` is written only for a `cls_linear` pooler without bias
-or activation, and left out without a pooler (open_clip then loads with ``strict=False``, or
-after ``model.visual.proj = None``). The activation and preprocessing have no place in a state
-dict and are not written; reading the file back applies the rules above.
+"local-dir:DIR")` builds and loads (`write_directory`). To a `.safetensors` path it gives a
+`visual.*` safetensors file that a default open_clip `VisionTransformer` loads; `visual.proj`
+is written only for a `cls_linear` pooler without bias or activation, and left out without a
+pooler (open_clip then loads with ``strict=False``, or after ``model.visual.proj = None``).
+The activation and preprocessing have no place in a state dict and are not written there;
+reading the file back applies the rules above.
 """
 
 from __future__ import annotations
