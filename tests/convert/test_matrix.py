@@ -56,19 +56,57 @@ def hf_vit_model(folder):
     return folder / "vit"
 
 
+def hf_siglip_model(folder):
+    """SigLIP: no class token, tanh GELU, eps 1e-6, a MAP head."""
+    config = transformers.SiglipVisionConfig(hidden_size=128, num_hidden_layers=2,
+                                             num_attention_heads=2, intermediate_size=256,
+                                             image_size=32, patch_size=8)
+    perturbed(transformers.SiglipVisionModel(config)).save_pretrained(folder / "siglip")
+    return folder / "siglip"
+
+
+def hf_vit_mae_model(folder):
+    """ViTMAE (every patch kept when loaded as an encoder)."""
+    config = transformers.ViTMAEConfig(hidden_size=128, num_hidden_layers=2,
+                                       num_attention_heads=2, intermediate_size=256,
+                                       image_size=32, patch_size=8)
+    perturbed(transformers.ViTMAEModel(config)).save_pretrained(folder / "mae")
+    return folder / "mae"
+
+
+def google_npz(folder):
+    """The paper's `.npz` layout, written from a timm model by the JAX test's helper."""
+    from .test_jax_npz import google_arrays, save, timm_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save(folder / "vit.npz", google_arrays(timm_model()))
+    return folder / "vit.npz"
+
+
 SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("hf_clip"),
            "timm (ours)": written_by_us("timm"), "open_clip (ours)": written_by_us("open_clip"),
-           "hf CLIPVisionModel": hf_clip_vision_model, "hf ViTModel": hf_vit_model}
+           "hf CLIPVisionModel": hf_clip_vision_model, "hf ViTModel": hf_vit_model,
+           "hf SiglipVisionModel": hf_siglip_model, "hf ViTMAEModel": hf_vit_mae_model,
+           "google npz": google_npz}
 # Pairs the target's architecture cannot hold, and the reason the refusal must give.
-CANNOT = {("hf ViTModel", "open_clip"): "pre_norm=False",
-          ("hf ViTModel", "hf_clip"): "pre_norm=False"}
+# (Paper-style towers, with no pre-norm, do not fit CLIP's layouts; the hf-clip writer writes
+# CLIP, not SigLIP.)
+CANNOT = {(source, target): "pre_norm=False"
+          for source in ("hf ViTModel", "hf ViTMAEModel", "hf SiglipVisionModel", "google npz")
+          for target in ("open_clip", "hf_clip")}
 # Sources whose processor crops as torchvision does (open_clip's reader records OpenAI's):
 # transformers cannot reproduce that, so hf-clip output needs an explicit --crop-rounding floor.
 ROUNDING_CROPS = {"native", "timm (ours)", "open_clip (ours)"}
 
 
-def test_the_matrix_covers_every_writable_format():
+def test_the_matrix_covers_every_readable_and_writable_format(tmp_path):
+    from vlm_vit.convert import FORMATS, detect_format
+    from vlm_vit.loading import read_checkpoint  # importing loading registers every format
+
     assert set(TARGETS) == set(writable_formats())
+    read = {detect_format(read_checkpoint(build(tmp_path / name.replace(" ", "_")))).name
+            for name, build in SOURCES.items()}
+    assert read == set(FORMATS.names())
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
