@@ -38,40 +38,16 @@ def written_by_us(target: str):
     return build
 
 
-def hf_clip_vision_model(folder):
-    """The issue's reproduction: a CLIPVisionModel with no projection, saved by transformers."""
-    config = transformers.CLIPVisionConfig(hidden_size=128, num_hidden_layers=2,
-                                           num_attention_heads=2, intermediate_size=256,
-                                           image_size=32, patch_size=8)
-    perturbed(transformers.CLIPVisionModel(config)).save_pretrained(folder / "clip")
-    return folder / "clip"
-
-
-def hf_vit_model(folder):
-    """A paper-style ViT (no pre-norm, patch bias): open_clip cannot hold it."""
-    config = transformers.ViTConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                                    intermediate_size=256, image_size=32, patch_size=8)
-    perturbed(transformers.ViTModel(config, add_pooling_layer=False)).save_pretrained(
-        folder / "vit")
-    return folder / "vit"
-
-
-def hf_siglip_model(folder):
-    """SigLIP: no class token, tanh GELU, eps 1e-6, a MAP head."""
-    config = transformers.SiglipVisionConfig(hidden_size=128, num_hidden_layers=2,
-                                             num_attention_heads=2, intermediate_size=256,
-                                             image_size=32, patch_size=8)
-    perturbed(transformers.SiglipVisionModel(config)).save_pretrained(folder / "siglip")
-    return folder / "siglip"
-
-
-def hf_vit_mae_model(folder):
-    """ViTMAE (every patch kept when loaded as an encoder)."""
-    config = transformers.ViTMAEConfig(hidden_size=128, num_hidden_layers=2,
-                                       num_attention_heads=2, intermediate_size=256,
-                                       image_size=32, patch_size=8)
-    perturbed(transformers.ViTMAEModel(config)).save_pretrained(folder / "mae")
-    return folder / "mae"
+def saved_by_transformers(model_class: str, config_class: str, **options):
+    """A tiny transformers vision model (the shapes of `CLIP_STYLE`), saved by transformers."""
+    def build(folder):
+        config = getattr(transformers, config_class)(
+            hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
+            image_size=32, patch_size=8)
+        model = getattr(transformers, model_class)(config, **options)
+        perturbed(model).save_pretrained(folder / model_class)
+        return folder / model_class
+    return build
 
 
 def google_npz(folder):
@@ -85,8 +61,14 @@ def google_npz(folder):
 
 SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("hf_clip"),
            "timm (ours)": written_by_us("timm"), "open_clip (ours)": written_by_us("open_clip"),
-           "hf CLIPVisionModel": hf_clip_vision_model, "hf ViTModel": hf_vit_model,
-           "hf SiglipVisionModel": hf_siglip_model, "hf ViTMAEModel": hf_vit_mae_model,
+           # the issue's reproduction: a CLIPVisionModel with no projection
+           "hf CLIPVisionModel": saved_by_transformers("CLIPVisionModel", "CLIPVisionConfig"),
+           # paper-style towers (no pre-norm, patch bias); SigLIP without a class token
+           "hf ViTModel": saved_by_transformers("ViTModel", "ViTConfig",
+                                                add_pooling_layer=False),
+           "hf SiglipVisionModel": saved_by_transformers("SiglipVisionModel",
+                                                         "SiglipVisionConfig"),
+           "hf ViTMAEModel": saved_by_transformers("ViTMAEModel", "ViTMAEConfig"),
            "google npz": google_npz}
 # Pairs the target's architecture cannot hold, and the reason the refusal must give.
 # (Paper-style towers, with no pre-norm, do not fit CLIP's layouts; the hf-clip writer writes
