@@ -38,6 +38,8 @@ def test_shifted_images_repeat_to_a_batch_and_depend_only_on_seed_epoch_and_inde
     assert len(data) == 12 and data[4][1] == 1
     again = ShiftedImages(images, labels, shift=2, min_length=10, seed=5)
     assert all(torch.equal(data[i][0], again[i][0]) for i in range(12))
+    other_seed = ShiftedImages(images, labels, shift=2, min_length=10, seed=6)
+    assert any(not torch.equal(data[i][0], other_seed[i][0]) for i in range(12))
     data.set_epoch(1)
     assert any(not torch.equal(data[i][0], again[i][0]) for i in range(12))
     still = ShiftedImages(images, labels, shift=0, min_length=1, seed=5)

@@ -117,11 +117,6 @@ class PackedImages(tuple):
         return tuple(PackedImages(self[int(b[0]):int(b[-1]) + 1] if len(b) else ())
                      for b in bounds)
 
-    def num_tokens(self, patch_size: int, num_prefix_tokens: int = 0) -> int:
-        """The tokens the images make: `prefix + (H_i / P) * (W_i / P)` each."""
-        return sum(num_prefix_tokens + (image.shape[-2] // patch_size)
-                   * (image.shape[-1] // patch_size) for image in self)
-
 
 def check_images(encoder: VisionEncoder, images: list[torch.Tensor] | tuple[torch.Tensor, ...],
                  *, max_tokens: int | None = None,

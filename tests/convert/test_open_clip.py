@@ -369,9 +369,9 @@ def test_open_clip_loads_our_directory_by_its_own_factory(tmp_path, projection):
         theirs = model.eval().encode_image(x)
         ours = encoder(x).cls_token if pooler is None else pooler(
             encoder(x).tokens, num_prefix_tokens=1, grid=(4, 4))
-        torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(load_tower(tmp_path / "oc")(x), theirs, atol=1e-5,
-                                   rtol=1e-5)
+        # measured: at most 9.5e-7 (with the projection), 4.8e-7 without
+        torch.testing.assert_close(theirs, ours, atol=2e-6, rtol=0)
+        torch.testing.assert_close(load_tower(tmp_path / "oc")(x), theirs, atol=2e-6, rtol=0)
     normalize = preprocess.transforms[-1]
     assert tuple(normalize.mean) == processor.mean and tuple(normalize.std) == processor.std
     back = load_encoder(tmp_path / "oc")
