@@ -95,12 +95,14 @@ def write_digits(root: Path, per_class: int | None) -> int:
     return sum(counts.values())
 
 
-def frozen_accuracy(encoder, files, labels, train, test, processor, shots, seed) -> dict:
-    """Few-shot and linear-probe accuracy of mean-pooled frozen features on held-out images."""
+def frozen_accuracy(encoder, images, labels, train, test, shots, seed) -> dict:
+    """Few-shot and linear-probe accuracy of mean-pooled frozen features on held-out images
+    (`images`: every digit's pixels, `[N, 3, 32, 32]`, preprocessed once for all uses)."""
     from vlm_vit.evaluate import extract_features, few_shot_accuracy, linear_probe_accuracy
 
-    features, _ = extract_features(encoder, [str(f) for f in files], pooling="mean",
-                                   processor=processor, batch_size=128, progress=False)
+    # A generator of preprocessed batches, which extract_features takes as they are.
+    features, _ = extract_features(encoder, iter(images.split(128)), pooling="mean",
+                                   progress=False)
     features = features.numpy()
     return {
         "few_shot_accuracy": few_shot_accuracy(features[train], labels[train], features[test],
@@ -298,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
               "finetune": {"recipe": recipe.to_dict(), "seeds": seeds, "labels": keys}}
     arms = (("random_init", random_init.eval()), ("pretrained", encoder))
     for name, model in arms:
-        report[name] = frozen_accuracy(model, files, labels, pool, scored, processor,
+        report[name] = frozen_accuracy(model, images, labels, pool, scored,
                                        args.shots, args.seed)
         report[name]["finetune_start_fingerprint"] = fingerprint(model)
         report[name]["finetune_accuracy"] = {}
