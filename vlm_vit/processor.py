@@ -13,12 +13,13 @@ crop, each side rounded to a multiple of ``patch_multiple`` within a pixel budge
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -399,6 +400,8 @@ class ImageProcessor:
         errors. Training data pipelines use it to decode exactly as inference does."""
         if isinstance(image, (str, os.PathLike)):
             return self._pil_to_rgb(self._open(Path(image)), f"file {str(image)!r}")
+        if isinstance(image, (bytes, bytearray, memoryview)):  # an encoded file, e.g. from a tar
+            return self._pil_to_rgb(self._open(io.BytesIO(image), name), name)
         if isinstance(image, Image.Image):
             self._check_pixels(image.height, image.width, name)  # before a lazy image loads
             return self._pil_to_rgb(ImageOps.exif_transpose(image), name)
@@ -409,24 +412,26 @@ class ImageProcessor:
         raise TypeError(f"{name} has unsupported type {type(image).__name__}; expected a PIL "
                         "image, numpy array, torch tensor, file path or a list of these")
 
-    def _open(self, path: Path) -> Image.Image:
-        """Opens, size-checks, then decodes a file; errors name the file."""
+    def _open(self, path: Path | IO[bytes], name: str | None = None) -> Image.Image:
+        """Opens, size-checks, then decodes a file (or an encoded file's bytes, named
+        `name`); errors name it."""
+        label = name or f"image file {str(path)!r}"
         try:
             with Image.open(path) as img:  # lazy: only the header has been read here
-                self._check_pixels(img.height, img.width, f"image file {str(path)!r}")
+                self._check_pixels(img.height, img.width, label)
                 img.load()
                 return ImageOps.exif_transpose(img)  # a copy, valid after the file closes
         except ImageTooLargeError:
             raise
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-            raise ImageTooLargeError(f"image file {str(path)!r} is too large: {e}") from e
+            raise ImageTooLargeError(f"{label} is too large: {e}") from e
         except FileNotFoundError as e:
-            raise ImageLoadError(f"cannot load image file {str(path)!r}: no such file") from e
+            raise ImageLoadError(f"cannot load {label}: no such file") from e
         except UnidentifiedImageError as e:
-            raise ImageLoadError(f"cannot load image file {str(path)!r}: not a recognised "
+            raise ImageLoadError(f"cannot load {label}: not a recognised "
                                  "image format or corrupt") from e
         except (OSError, SyntaxError, EOFError, ValueError) as e:  # truncated, bad data
-            raise ImageLoadError(f"cannot load image file {str(path)!r}: {e}") from e
+            raise ImageLoadError(f"cannot load {label}: {e}") from e
 
     def _pil_to_rgb(self, img: Image.Image, name: str) -> Image.Image:
         mode = img.mode

@@ -101,3 +101,53 @@ def config(**overrides) -> TrainConfig:
                 checkpoint_every=2, keep_checkpoints=0, log_every=1, num_workers=0,
                 device="cpu", seed=0)
     return TrainConfig(**{**base, **overrides})
+
+
+def real_images(count: int, size: tuple[int, int] = (40, 48)) -> list[bytes]:
+    """`count` PNGs of real pictures, (height, width) `size`: scikit-image's sample photos
+    and scikit-learn's handwritten digits, in turn."""
+    from skimage import data as photos
+    from sklearn.datasets import load_digits
+
+    sources = [photos.astronaut(), photos.coffee(), photos.chelsea(), photos.rocket(),
+               np.stack([photos.camera()] * 3, axis=-1)]
+    digits = load_digits().images  # (1797, 8, 8) in [0, 16]
+    encoded = []
+    for index in range(count):
+        if index % 2 == 0:
+            photo = Image.fromarray(sources[(index // 2) % len(sources)])
+            # A different crop of the photo each time, so no two images are equal.
+            left = (index * 37) % max(photo.width - 200, 1)
+            picture = photo.crop((left, 0, left + 200, 200))
+        else:
+            digit = (digits[index % len(digits)] * 255 / 16).astype(np.uint8)
+            picture = Image.fromarray(np.stack([digit] * 3, axis=-1))
+        buffer = io.BytesIO()
+        picture.resize(size[::-1], Image.BICUBIC).save(buffer, format="PNG")
+        encoded.append(buffer.getvalue())
+    return encoded
+
+
+def write_shards(directory: Path, shards: int, per_shard: int, *, labels: int = 0,
+                 start: int = 0) -> dict[str, list[str]]:
+    """`shards` WebDataset tars of `per_shard` real images each, written with webdataset's
+    TarWriter as `directory/shard-NN.tar`; keys `sNN-III`. With `labels`, a `cls` field of
+    index mod `labels`. Returns shard path -> its keys, in order."""
+    import webdataset as wds
+
+    directory.mkdir(parents=True, exist_ok=True)
+    images = real_images(shards * per_shard)
+    written = {}
+    for shard in range(shards):
+        path = directory / f"shard-{start + shard:02d}.tar"
+        keys = []
+        with wds.TarWriter(str(path)) as writer:
+            for index in range(per_shard):
+                key = f"s{start + shard:02d}-{index:03d}"
+                sample = {"__key__": key, "png": images[shard * per_shard + index]}
+                if labels:
+                    sample["cls"] = str((shard * per_shard + index) % labels).encode()
+                writer.write(sample)
+                keys.append(key)
+        written[str(path)] = keys
+    return written

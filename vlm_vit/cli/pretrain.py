@@ -1,4 +1,5 @@
-"""`vlm-vit pretrain`: masked-patch self-supervised pretraining on a folder of images."""
+"""`vlm-vit pretrain`: masked-patch self-supervised pretraining on a folder of images or
+tar shards."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--objective", choices=OBJECTIVES, required=True)
     parser.add_argument("--model", required=True, metavar="NAME_OR_PATH",
                         help="a variant name (random init) or a checkpoint to start from")
-    parser.add_argument("--data", required=True, type=Path, metavar="DIR")
+    parser.add_argument("--data", required=True, metavar="DIR_OR_SHARDS",
+                        help="a folder of images, or WebDataset tar shards: "
+                        "'shards/{00000..00127}.tar', a glob, a folder of .tar files, or a "
+                        "URL webdataset opens (pipe:..., https://...)")
     parser.add_argument("--out", required=True, type=Path, metavar="RUN_DIR")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch per step")
@@ -52,6 +56,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--decoder-depth", type=int, default=None,
                         help="mae only (default: 8 for encoders 768 wide or more, as MAE; "
                         "else 4)")
+    parser.add_argument("--log-samples", action="store_true",
+                        help="shards: write every trained sample's key to "
+                        "RUN_DIR/samples/rank_R.tsv")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an earlier run's files in the run directory")
@@ -99,18 +106,25 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from vlm_vit.train import TrainConfig, Trainer
-    from vlm_vit.train.data import ImageFolder
+    from vlm_vit.train.data import Augmentation, ImageFolder
+    from vlm_vit.train.tar_shards import ImageDecode, ShardStream, is_shard_spec
 
-    if not args.data.is_dir():
-        raise FileNotFoundError(f"--data {args.data} is not a folder")
+    shards = is_shard_spec(args.data)
+    if not shards and not Path(args.data).is_dir():
+        raise FileNotFoundError(f"--data {args.data} is neither a folder nor tar shards")
     torch.manual_seed(args.seed)  # the same initial weights on every process
     encoder = variant_or_checkpoint(args.model, args.image_size)
     mean, std = NORMALIZATION[args.normalize]
     objective = build_objective(args.objective, encoder, mean=mean, std=std,
                                 mask_ratio=args.mask_ratio, decoder_width=args.decoder_width,
                                 decoder_depth=args.decoder_depth)
-    dataset = ImageFolder(args.data, encoder.config.image_size, mean=mean, std=std,
-                          seed=args.seed)
+    if shards:
+        augmentation = Augmentation(encoder.config.image_size, mean=mean, std=std)
+        dataset = ShardStream(args.data, ImageDecode(augmentation, seed=args.seed),
+                              seed=args.seed)
+    else:
+        dataset = ImageFolder(args.data, encoder.config.image_size, mean=mean, std=std,
+                              seed=args.seed)
     cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, grad_accumulation=args.grad_accumulation,
@@ -119,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         weight_decay=args.weight_decay, precision=args.precision or ("bf16" if cuda else "fp32"),
         grad_checkpointing=args.grad_checkpointing, compile=args.compile,
         checkpoint_every=args.checkpoint_every, seed=args.seed, num_workers=args.num_workers,
-        device=args.device)
+        device=args.device, log_samples=args.log_samples)
     command = shlex.join(["vlm-vit", *sys.argv[1:]]) if sys.argv[1:2] == ["pretrain"] else None
     if int(os.environ.get("RANK", "0")) == 0:
         print(describe_objective(args.objective, objective))
@@ -130,5 +144,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"trained {result.step} steps, final loss {result.losses[-1]:.4f}; encoder in "
           f"{args.out / 'encoder'}"
           + (f"; {len(result.undecodable_paths)} undecodable images skipped"
-             if result.undecodable_paths else ""))
+             if result.undecodable_paths else "")
+          + (f"; {result.without_image} samples without an image skipped"
+             if result.without_image else "")
+          + (f"; {len(result.truncated_shards)} truncated shards"
+             if result.truncated_shards else ""))
     return 0

@@ -87,12 +87,16 @@ def collate_images(items: Sequence[torch.Tensor | UndecodableImage | None]) -> I
     return ImageBatch(pixel_values, bad)
 
 
-def collate_labelled(items: Sequence[tuple[torch.Tensor, int]]) -> ImageBatch:
-    """Stacks `(image [3, H, W], label)` pairs, as `LabelledImageFolder` returns them."""
-    if not items:
-        return ImageBatch(torch.empty(0), [], torch.empty(0, dtype=torch.long))
-    images, labels = zip(*items)
-    return ImageBatch(torch.stack(images), [], torch.tensor(labels, dtype=torch.long))
+def collate_labelled(items: Sequence[tuple[torch.Tensor, int] | UndecodableImage]
+                     ) -> ImageBatch:
+    """Stacks `(image [3, H, W], label)` pairs, as `LabelledImageFolder` returns them,
+    dropping `UndecodableImage` markers (a shard's bad images) into `undecodable`."""
+    bad = [item for item in items if isinstance(item, UndecodableImage)]
+    pairs = [item for item in items if not isinstance(item, UndecodableImage)]
+    if not pairs:
+        return ImageBatch(torch.empty(0), bad, torch.empty(0, dtype=torch.long))
+    images, labels = zip(*pairs)
+    return ImageBatch(torch.stack(images), bad, torch.tensor(labels, dtype=torch.long))
 
 
 def find_images(root: str | Path) -> list[Path]:
@@ -121,19 +125,52 @@ def mixed_seed(*values: int) -> int:
     return (int(state[0]) << 31) ^ int(state[1])
 
 
-class ImageFolder(torch.utils.data.Dataset):
-    """Unlabelled images for self-supervised pretraining, augmented as in MAE / DINO.
+class Augmentation:
+    """MAE / DINO training augmentation: random-resized crop, maybe a flip, normalisation.
 
-    Files are decoded like `vlm_vit.processor` does (EXIF orientation, alpha composited onto
-    white, 16-bit grey scaled), then random-resized-cropped, maybe flipped, and normalised.
+    Inputs are decoded like `vlm_vit.processor` does (EXIF orientation, alpha composited onto
+    white, 16-bit grey scaled) through `decoder.load`. Calling it with a seed draws the crop
+    and flip from that seed only, leaving the caller's RNG untouched.
 
     Args:
-        root: searched recursively for image files (see `vlm_vit.files.IMAGE_SUFFIXES`).
         image_size: output side, or (height, width).
         mean: per-channel mean, e.g. `NORMALIZATION["imagenet"][0]`.
         std: per-channel standard deviation.
         scale: range of the crop's area as a fraction of the image (MAE uses (0.2, 1.0)).
         flip: flip horizontally with probability 0.5.
+    """
+
+    def __init__(self, image_size: int | tuple[int, int], *, mean: Sequence[float],
+                 std: Sequence[float], scale: tuple[float, float] = (0.2, 1.0),
+                 flip: bool = True) -> None:
+        transforms = require("torchvision.transforms.v2", "train", "training augmentation")
+        size = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+        # The processor only decodes here; its size and resizing are unused.
+        self.decoder = ImageProcessor(size=size, mean=tuple(mean), std=tuple(std))
+        self.image_size = size
+        steps = [transforms.ToImage(),
+                 transforms.RandomResizedCrop(size, scale=scale, antialias=True)]
+        if flip:
+            steps.append(transforms.RandomHorizontalFlip())
+        steps += [transforms.ToDtype(torch.float32, scale=True),
+                  transforms.Normalize(list(self.decoder.mean), list(self.decoder.std))]
+        self.transform = transforms.Compose(steps)
+
+    def __call__(self, image: Any, seed: int) -> torch.Tensor:
+        """The augmented `[3, H, W]` image; `image` as `decoder.load` returns it."""
+        # torchvision's v2 transforms draw from the global torch RNG; fork it so the draws
+        # depend on `seed` only and the caller's RNG is left untouched.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.transform(image)
+
+
+class ImageFolder(torch.utils.data.Dataset):
+    """Unlabelled images for self-supervised pretraining, augmented by `Augmentation`.
+
+    Args:
+        root: searched recursively for image files (see `vlm_vit.files.IMAGE_SUFFIXES`).
+        image_size, mean, std, scale, flip: as in `Augmentation`.
         seed: with the epoch and the index, fixes each item's augmentation.
 
     Raises:
@@ -152,24 +189,15 @@ class ImageFolder(torch.utils.data.Dataset):
         flip: bool = True,
         seed: int = 0,
     ) -> None:
-        transforms = require("torchvision.transforms.v2", "train", "ImageFolder's augmentation")
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        self.augmentation = Augmentation(image_size, mean=mean, std=std, scale=scale, flip=flip)
         self.root = Path(root)
         self.files = find_images(self.root)
-        size = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
-        # The processor only decodes here; its size and resizing are unused.
-        self._decoder = ImageProcessor(size=size, mean=tuple(mean), std=tuple(std))
-        self.image_size = size
+        self.image_size = self.augmentation.image_size
+        self.transform = self.augmentation.transform
         self.seed = seed
         self.epoch = 0
-        steps = [transforms.ToImage(),
-                 transforms.RandomResizedCrop(size, scale=scale, antialias=True)]
-        if flip:
-            steps.append(transforms.RandomHorizontalFlip())
-        steps += [transforms.ToDtype(torch.float32, scale=True),
-                  transforms.Normalize(list(self._decoder.mean), list(self._decoder.std))]
-        self.transform = transforms.Compose(steps)
 
     def set_epoch(self, epoch: int) -> None:
         """Chooses the epoch whose augmentation `__getitem__` draws (the trainer calls this)."""
@@ -182,14 +210,10 @@ class ImageFolder(torch.utils.data.Dataset):
         """The augmented image `[3, H, W]`, or an `UndecodableImage` for a file that fails."""
         path = self.files[index]
         try:
-            image = self._decoder.load(path, str(path))  # RGB PIL image, like inference
+            image = self.augmentation.decoder.load(path, str(path))  # as inference decodes
         except ValueError as error:  # ImageLoadError, ImageTooLargeError, odd PIL modes
             return UndecodableImage(str(path), str(error))
-        # torchvision's v2 transforms draw from the global torch RNG; fork it so this item's
-        # draws depend on (seed, epoch, index) only and the caller's RNG is left untouched.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(mixed_seed(self.seed, self.epoch, index))
-            return self.transform(image)
+        return self.augmentation(image, mixed_seed(self.seed, self.epoch, index))
 
 
 class LabelledImageFolder(torch.utils.data.Dataset):
@@ -247,6 +271,8 @@ class LabelledImageFolder(torch.utils.data.Dataset):
 
 def describe_dataset(dataset: Any) -> dict[str, Any]:
     """A JSON-ready description of a dataset for the run configuration."""
+    if callable(getattr(dataset, "describe", None)):  # a shard stream describes itself
+        return dataset.describe()
     info: dict[str, Any] = {"type": type(dataset).__name__}
     with contextlib.suppress(TypeError):  # datasets without a length
         info["length"] = len(dataset)
@@ -260,5 +286,5 @@ def describe_dataset(dataset: Any) -> dict[str, Any]:
     return info
 
 
-__all__ = ["ImageBatch", "ImageFolder", "LabelledImageFolder",
+__all__ = ["Augmentation", "ImageBatch", "ImageFolder", "LabelledImageFolder",
            "UndecodableImage", "collate_images", "find_images", "mixed_seed"]

@@ -59,6 +59,7 @@ from vlm_vit.train.data import (
     mixed_seed,
 )
 from vlm_vit.train.distributed import DistributedContext
+from vlm_vit.train.tar_shards import SAMPLES_DIR, SampleLog, ShardStream, StreamState
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,8 @@ ENCODER_DIR = "encoder"
 TENSORBOARD_DIR = "tensorboard"
 # What a run writes into its directory: a fresh run refuses to start over any of these, and
 # --overwrite removes exactly these (the caller's own files, such as finetune.json, stay).
-RUN_OUTPUTS = (ckpt.CHECKPOINT_DIR, METRICS_NAME, RUN_CONFIG_NAME, ENCODER_DIR, TENSORBOARD_DIR)
+RUN_OUTPUTS = (ckpt.CHECKPOINT_DIR, METRICS_NAME, RUN_CONFIG_NAME, ENCODER_DIR, TENSORBOARD_DIR,
+               SAMPLES_DIR)
 ADAPTER_DIR = "adapter"  # a LoRA run saves its adapter here instead of the encoder
 # Config fields that may change between a checkpoint and its resume without a warning.
 _HARMLESS_CHANGES = frozenset({"log_every", "checkpoint_every", "keep_checkpoints",
@@ -109,6 +111,9 @@ class TrainConfig:
     # hundred times slower (random-data steps measured 4-25x slower without). GPUs are
     # unaffected. The flag is process-wide; `fit` sets it for the run and clears it after.
     flush_denormal: bool = True
+    # Write the key of every sample each step trains on to samples/rank_R.tsv (shard
+    # streams only): the data order, checkable against the shards.
+    log_samples: bool = False
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)
@@ -156,6 +161,9 @@ class TrainResult:
             per epoch it is drawn in).
         undecodable_paths: the distinct files that failed, sorted.
         run_dir: where everything was written.
+        without_image: shard samples skipped for having no image, over every rank.
+        truncated_shards: (shard, samples read, error) for each truncated or unreadable
+            shard met (shard streams only).
     """
 
     step: int
@@ -164,6 +172,8 @@ class TrainResult:
     undecodable_images: int
     undecodable_paths: list[str]
     run_dir: Path
+    without_image: int = 0
+    truncated_shards: list[tuple[str, int, str]] = field(default_factory=list)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -410,8 +420,13 @@ class Trainer:
         config, objective = self.config, self.objective
         log = logger if context.is_main else _Silent()
         distributed.split_batch(config.batch_size, context.world_size, config.grad_accumulation)
-        steps_per_epoch = distributed.batches_per_epoch(len(self.dataset), config.batch_size)
+        streaming = isinstance(self.dataset, ShardStream)
+        steps_per_epoch = None if streaming else distributed.batches_per_epoch(
+            len(self.dataset), config.batch_size)
 
+        if config.group_by_length and streaming:
+            raise ValueError("group_by_length needs a map-style dataset with `lengths`; a "
+                             "shard stream has none")
         if config.group_by_length and getattr(self.dataset, "lengths", None) is None:
             raise ValueError(f"group_by_length needs a dataset with `lengths`; "
                              f"{type(self.dataset).__name__} has none")
@@ -447,9 +462,10 @@ class Trainer:
         scheduler = build_scheduler(optimizer, config)
         scaler = torch.amp.GradScaler(context.device.type, enabled=config.precision == "fp16")
         progress = _Progress()
-        rng_states = None
+        rng_states = data_states = None
         if found is not None:
             state = ckpt.load_checkpoint(found)
+            data_states = state.get("data")
             self._check_resumed_config(state["config"], log)
             objective.load_state_dict(state["objective"])
             optimizer.load_state_dict(state["optimizer"])
@@ -481,6 +497,9 @@ class Trainer:
 
         metrics = _MetricsLog(self.run_dir, progress.step if found else None) \
             if context.is_main else None
+        stream_state = self._configure_stream(context, data_states) if streaming else None
+        samples_log = SampleLog(self.run_dir, context.rank, progress.step if found else None) \
+            if streaming and config.log_samples else None
         from tqdm import tqdm
 
         bar = tqdm(total=config.steps, initial=progress.step,
@@ -495,12 +514,23 @@ class Trainer:
             redirect.enter_context(logging_redirect_tqdm())
         try:
             while progress.step < config.steps:
-                for batch in self._loader(progress.epoch, progress.batch_index, context):
+                batches = (self._stream_loader(stream_state, context) if streaming
+                           else self._loader(progress.epoch, progress.batch_index, context))
+                for batch in batches:
+                    if streaming:  # a StreamBatch: where this rank's stream stands after it
+                        stream_state.advance(batch)
+                        if samples_log is not None:
+                            samples_log.write(progress.step + 1, batch.samples)
+                        batch = batch.batch
                     row = self._step(model, batch, optimizer, scheduler, scaler, context,
                                      progress, log)
-                    progress.batch_index += 1
-                    if progress.batch_index == steps_per_epoch:
-                        progress.epoch, progress.batch_index = progress.epoch + 1, 0
+                    if streaming:
+                        progress.epoch, progress.batch_index = (stream_state.epoch(),
+                                                                stream_state.batches)
+                    else:
+                        progress.batch_index += 1
+                        if progress.batch_index == steps_per_epoch:
+                            progress.epoch, progress.batch_index = progress.epoch + 1, 0
                     if metrics is not None:
                         metrics.write(row)
                     bar.update(1)
@@ -512,7 +542,8 @@ class Trainer:
                                  row["grad_norm"], row["images_per_s"])
                     if (config.checkpoint_every and progress.step % config.checkpoint_every == 0
                             or progress.step == config.steps or self._stopping):
-                        self._save(optimizer, scheduler, scaler, progress, context, log)
+                        self._save(optimizer, scheduler, scaler, progress, context, log,
+                                   stream_state)
                     if self._stopping and progress.step < config.steps:  # else: done anyway
                         bar.close()
                         log.warning("stopped by signal %s after step %d: checkpoint %s; "
@@ -526,15 +557,24 @@ class Trainer:
             bar.close()
             if metrics is not None:
                 metrics.close()
+            if samples_log is not None:
+                samples_log.close()
             self._restore_signals(handlers)
             redirect.close()
 
+        without_image, truncated = 0, []
+        if streaming:  # every rank's counts, for the result and one summary line
+            for rank_state in distributed.all_gather_objects(stream_state.to_dict(), context):
+                without_image += rank_state["no_image"]
+                truncated += [tuple(t) for t in rank_state["truncated"]]
+            if without_image:
+                log.warning("skipped %d shard samples without an image", without_image)
         if context.is_main:
             self._export(log)
         distributed.barrier(context)
         return TrainResult(progress.step, list(progress.losses), progress.skipped_steps,
                            progress.undecodable_images, sorted(progress.undecodable_paths),
-                           self.run_dir)
+                           self.run_dir, without_image, truncated)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -695,6 +735,28 @@ class Trainer:
             num_workers=config.num_workers, pin_memory=context.device.type == "cuda",
             generator=generator, worker_init_fn=_ignore_interrupts if config.num_workers else None)
 
+    def _configure_stream(self, context: DistributedContext,
+                          saved: list[dict] | None) -> StreamState:
+        """This rank's shard stream, fresh or where the checkpoint left it."""
+        if saved is not None and len(saved) != context.world_size:
+            raise ValueError(f"the checkpoint's shard stream was read by {len(saved)} "
+                             f"processes, this run has {context.world_size}: resume with "
+                             f"{len(saved)} (or start afresh with --overwrite)")
+        per_rank, _ = distributed.split_batch(self.config.batch_size, context.world_size,
+                                              self.config.grad_accumulation)
+        return self.dataset.configure(
+            per_rank, self.collate, rank=context.rank, world_size=context.world_size,
+            workers=self.config.num_workers,
+            state=saved[context.rank] if saved is not None else None)
+
+    def _stream_loader(self, state: StreamState, context: DistributedContext):
+        """This rank's endless `StreamBatch`es from where `state` stands."""
+        generator = torch.Generator().manual_seed(
+            mixed_seed(self.config.seed, state.batches, context.rank))
+        return self.dataset.loader(
+            generator=generator, worker_init_fn=_ignore_interrupts,
+            pin_memory=context.device.type == "cuda")
+
     def _set_grad_checkpointing(self, log: Any) -> None:
         # An objective that holds models of other libraries (a Hugging Face LLM) sets them
         # up itself; setting their `gradient_checkpointing` attributes directly would not.
@@ -743,9 +805,13 @@ class Trainer:
         progress: _Progress,
         context: DistributedContext,
         log: Any,
+        stream_state: StreamState | None = None,
     ) -> None:
-        """Writes a checkpoint from rank 0, with every rank's RNG state; all ranks wait."""
+        """Writes a checkpoint from rank 0, with every rank's RNG state (and shard stream
+        position); all ranks wait."""
         rng_states = distributed.all_gather_objects(ckpt.rng_state(), context)
+        data_states = None if stream_state is None else distributed.all_gather_objects(
+            stream_state.to_dict(), context)
         if context.is_main:
             path = ckpt.save_checkpoint({
                 "step": progress.step,
@@ -757,6 +823,7 @@ class Trainer:
                 "rng": rng_states,
                 "config": self.config.to_dict(),
                 "world_size": context.world_size,
+                **({"data": data_states} if data_states is not None else {}),
             }, ckpt.checkpoint_path(self.run_dir, progress.step))
             removed = ckpt.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
             log.info("saved %s%s", path, f" (removed {len(removed)} older)" if removed else "")

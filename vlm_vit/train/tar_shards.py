@@ -1,0 +1,651 @@
+"""WebDataset tar shards as a source of samples, beside image folders.
+
+    stream = ShardStream("shards/{00000..00127}.tar", ImageDecode(augmentation, seed=0))
+
+A shard spec is a brace pattern, a glob, a list, a directory of `.tar` files, or any URL
+`webdataset` opens (`pipe:aws s3 cp ...`, `https://...`). The tars are read by `webdataset`
+as raw bytes; only the fields we decode ourselves (images, `cls`, `txt`, `json`) are ever
+looked at, so nothing in a shard is unpickled (webdataset's own decoders would unpickle
+`.pyd` and `.pth` members).
+
+Order and bookkeeping (see docs/architecture.md, "Shards"):
+
+- Epoch e deals the shards in an order seeded by (seed, e). The epochs follow one another
+  as one endless sequence of shard positions, and position p goes to slot p mod (ranks x
+  workers): worker w of rank r is slot w x ranks + r. So the ranks and workers read
+  disjoint shards, every sample is read once per epoch across all of them, and an uneven
+  last round is neither dropped nor padded: it continues into the next epoch's shards.
+- Within a shard, blocks of `shuffle_block` samples are shuffled, seeded by (seed, epoch,
+  shard, block), so a shard written in class order still mixes.
+- Each worker batches its own samples. A batch carries its slot's position after it (the
+  shard ordinal and the samples consumed in that shard), so a checkpoint records, per rank,
+  where each slot stands, and a resume skips exactly the consumed samples: nothing is
+  repeated or skipped. DataLoader takes batches from its workers in turn, so the next batch
+  comes from slot `batches mod workers`; a resumed loader rotates the slots to match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlm_vit.optional import require
+from vlm_vit.train.data import UndecodableImage, mixed_seed
+
+logger = logging.getLogger(__name__)
+
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+URL_PREFIXES = ("pipe:", "http://", "https://", "s3://", "gs://", "ais://", "file:")
+# A sample's image is the first of these fields it has (img2dataset writes `jpg`).
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif", "ppm", "pgm")
+DATASET_INDEX = "dataset.json"  # written by `vlm-vit shards` beside its shards
+SAMPLES_DIR = "samples"  # the trainer's per-rank sample logs (TrainConfig.log_samples)
+
+
+# -- shard specs ------------------------------------------------------------------------------
+
+def _is_url(text: str) -> bool:
+    return text.startswith(URL_PREFIXES)
+
+
+def is_shard_spec(data: Any) -> bool:
+    """Whether `--data` names tar shards rather than a folder of images: a list, a URL, a
+    brace pattern, a glob or path ending in a shard suffix, or a folder of tars without
+    images."""
+    if isinstance(data, (list, tuple)):
+        return True
+    text = str(data)
+    if _is_url(text) or ("{" in text and ".." in text):
+        return True
+    if text.endswith(SHARD_SUFFIXES):
+        return True
+    path = Path(text)
+    if path.is_dir():
+        from vlm_vit.files import image_files
+
+        return bool(_tars_in(path)) and not image_files(path)
+    return False
+
+
+def _tars_in(folder: Path) -> list[str]:
+    return sorted(str(p) for p in folder.iterdir()
+                  if p.is_file() and p.name.endswith(SHARD_SUFFIXES))
+
+
+def expand_shards(spec: str | Path | Sequence[str | Path]) -> list[str]:
+    """The shard URLs of a spec, in order.
+
+    Raises:
+        FileNotFoundError: for a local shard that does not exist, or a glob or folder that
+            matches none.
+        ValueError: for an empty spec.
+    """
+    if isinstance(spec, (list, tuple)):
+        urls = [url for item in spec for url in expand_shards(item)]
+    else:
+        text = str(spec)
+        braceexpand = require("braceexpand", "train", "reading tar shards").braceexpand
+        if _is_url(text):
+            urls = list(braceexpand(text))
+        elif Path(text).is_dir():
+            urls = _tars_in(Path(text))
+            if not urls:
+                raise FileNotFoundError(f"folder {text} holds no tar shards "
+                                        f"({', '.join(SHARD_SUFFIXES)})")
+        elif any(c in text for c in "*?["):
+            urls = sorted(u for u in glob.glob(text) if u.endswith(SHARD_SUFFIXES))
+            if not urls:
+                raise FileNotFoundError(f"no tar shards match {text}")
+        else:
+            urls = list(braceexpand(text))
+            missing = [u for u in urls if not Path(u).is_file()]
+            if missing:
+                raise FileNotFoundError(
+                    f"shard {missing[0]} does not exist" + (
+                        f" ({len(missing)} of the {len(urls)} shards of {text} are missing)"
+                        if len(urls) > 1 else ""))
+    if not urls:
+        raise ValueError(f"shard spec {spec!r} names no shard")
+    return urls
+
+
+def read_dataset_index(shards: Sequence[str]) -> dict[str, Any] | None:
+    """The `dataset.json` that `vlm-vit shards` wrote beside local shards, or None."""
+    if not shards or _is_url(shards[0]):
+        return None
+    path = Path(shards[0]).parent / DATASET_INDEX
+    if not path.is_file():
+        return None
+    from vlm_vit.files import read_json
+
+    index = read_json(path)
+    if index.get("format") != "vlm-vit-shards":
+        return None
+    return index
+
+
+# -- samples ----------------------------------------------------------------------------------
+
+@dataclass
+class Sample:
+    """One sample of a shard, undecoded.
+
+    Attributes:
+        key: its `__key__`.
+        shard: the shard's URL.
+        shard_index: the shard's place in the shard list (fixes augmentation seeds).
+        index: its place in the shard, in the order read.
+        epoch: the epoch it is read in.
+        fields: extension -> raw bytes (`jpg`, `cls`, `txt`, `json`, ...).
+    """
+
+    key: str
+    shard: str
+    shard_index: int
+    index: int
+    epoch: int
+    fields: dict[str, bytes]
+
+    @property
+    def name(self) -> str:
+        """`shard:key`, used in every message about the sample."""
+        return f"{self.shard}:{self.key}"
+
+    def image(self) -> bytes | None:
+        """The encoded image (the first of `IMAGE_FIELDS` present), or None."""
+        return next((self.fields[f] for f in IMAGE_FIELDS if f in self.fields), None)
+
+    def text(self, name: str) -> str | None:
+        value = self.fields.get(name)
+        return None if value is None else value.decode("utf-8", errors="replace").strip()
+
+    def json(self) -> Any:
+        """The `json` field parsed, or None.
+
+        Raises:
+            ValueError: naming the sample when it is not JSON.
+        """
+        value = self.fields.get("json")
+        if value is None:
+            return None
+        try:
+            return json.loads(value)
+        except (ValueError, RecursionError) as error:
+            raise ValueError(f"{self.name}: its json field is not JSON ({error})") from None
+
+    def label(self, json_field: str | None = None) -> int:
+        """The class index: the `cls` field, or `json_field` of the `json` field.
+
+        Raises:
+            ValueError: naming the sample when the label is missing or not an integer.
+        """
+        if json_field is None:
+            raw = self.text("cls")
+            where = "cls field"
+        else:
+            record = self.json()
+            raw = record.get(json_field) if isinstance(record, dict) else None
+            where = f"json field {json_field!r}"
+        try:
+            value = int(raw) if not isinstance(raw, bool) else None
+        except (TypeError, ValueError):
+            value = None
+        if value is None or value < 0:
+            raise ValueError(f"{self.name}: no class label in its {where} (got {raw!r}); "
+                             "a label is a non-negative integer")
+        return value
+
+
+@dataclass
+class ShardProblems:
+    """What reading skipped: counts, and the truncated or unreadable shards."""
+
+    truncated: list[tuple[str, int, str]] = field(default_factory=list)  # (url, read, error)
+
+
+def read_shard(url: str, shard_index: int = 0, *, epoch: int = 0, skip: int = 0,
+               problems: ShardProblems | None = None) -> Iterator[Sample]:
+    """The samples of one shard, in tar order, skipping the first `skip` undecoded.
+
+    A truncated or unreadable shard ends early with a warning naming it and how many
+    samples were read (and an entry in `problems`); the caller goes on with the next.
+    """
+    wds = require("webdataset", "train", "reading tar shards")
+    from webdataset import tariterators
+
+    read = 0
+    try:
+        stream = _EndWatch(wds.gopen(url))
+        try:
+            files = tariterators.tar_file_iterator(stream)
+            for raw in tariterators.group_by_keys(
+                    {**f, "__url__": url} for f in files):
+                key = raw.pop("__key__")
+                raw.pop("__url__", None)
+                raw.pop("__local_path__", None)
+                if read >= skip:
+                    yield Sample(key, url, shard_index, read, epoch, raw)
+                read += 1
+            stream.check_end()
+        finally:
+            stream.close()
+    except GeneratorExit:
+        raise
+    except Exception as error:  # tarfile.ReadError, OSError, a pipe that failed...
+        message = str(error).split(" @ ")[0]
+        logger.warning("shard %s is truncated or unreadable after %d samples (%s); going on "
+                       "with the next shard", url, read, message)
+        if problems is not None:
+            problems.truncated.append((url, read, message))
+
+
+class _EndWatch:
+    """A read-only stream that remembers its last bytes, to tell a complete tar from one cut
+    at a member boundary (which `tarfile` reads as a normal end): a tar ends with at least
+    two zero blocks and is a whole number of blocks long. Compressed tars need no check:
+    their decompressor fails on a cut."""
+
+    BLOCK = 512
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.total = 0
+        self.head = b""
+        self.tail = b""
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        if len(self.head) < 6:
+            self.head += data[: 6 - len(self.head)]
+        self.total += len(data)
+        self.tail = (self.tail + data[-2 * self.BLOCK:])[-2 * self.BLOCK:]
+        return data
+
+    def check_end(self) -> None:
+        """Raises EOFError unless the stream ended like a whole tar."""
+        while self.read(1 << 16):  # tarfile stops at the first zero block; read the rest
+            pass
+        if self.head.startswith((b"\x1f\x8b", b"BZh", b"\xfd7zXZ")):
+            return
+        if self.total % self.BLOCK or self.tail != bytes(2 * self.BLOCK):
+            raise EOFError(f"the tar ends after {self.total} bytes without its end-of-archive "
+                           "blocks")
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+def iter_samples(shards: Sequence[str], problems: ShardProblems | None = None
+                 ) -> Iterator[Sample]:
+    """Every sample of every shard once, in order (for encoding and evaluation)."""
+    for index, url in enumerate(shards):
+        yield from read_shard(url, index, problems=problems)
+
+
+# -- decoding ---------------------------------------------------------------------------------
+
+class ImageDecode:
+    """A sample's image, augmented for pretraining; seeds from (seed, epoch, shard, index).
+
+    Returns a `[3, H, W]` tensor, an `UndecodableImage` naming `shard:key`, or None for a
+    sample without an image (the stream counts those).
+    """
+
+    def __init__(self, augmentation: Callable[[Any, int], torch.Tensor], seed: int = 0) -> None:
+        self.augmentation = augmentation
+        self.seed = seed
+
+    def __call__(self, sample: Sample) -> torch.Tensor | UndecodableImage | None:
+        data = sample.image()
+        if data is None:
+            return None
+        try:
+            image = self.augmentation.decoder.load(data, f"image {sample.name}")
+        except ValueError as error:
+            return UndecodableImage(sample.name, str(error))
+        return self.augmentation(image, mixed_seed(self.seed, sample.epoch,
+                                                   sample.shard_index, sample.index))
+
+
+class LabelledDecode:
+    """A sample's image through the inference processor, and its class label.
+
+    Args:
+        processor: the `ImageProcessor` (resize, crop, normalise).
+        label_field: None for the `cls` field, else a field of the `json` field.
+    """
+
+    def __init__(self, processor: Any, label_field: str | None = None) -> None:
+        self.processor = processor
+        self.label_field = label_field
+
+    def __call__(self, sample: Sample) -> tuple[torch.Tensor, int] | UndecodableImage | None:
+        data = sample.image()
+        if data is None:
+            return None
+        label = sample.label(self.label_field)
+        try:
+            image = self.processor.load(data, f"image {sample.name}")
+        except ValueError as error:
+            return UndecodableImage(sample.name, str(error))
+        return self.processor.preprocess_one(image), label
+
+
+def held_out(key: str, fraction: float, seed: int) -> bool:
+    """Whether a sample belongs to the held-out part: a seeded hash of its key, so a stream
+    can split without reading the whole dataset first."""
+    import zlib
+
+    return fraction > 0 and mixed_seed(seed, zlib.crc32(key.encode())) / 2 ** 63 < fraction
+
+
+class KeySplit:
+    """Keeps the training part (`test=False`) or the held-out part of a `held_out` split."""
+
+    def __init__(self, fraction: float, seed: int, test: bool) -> None:
+        self.fraction, self.seed, self.test = fraction, seed, test
+
+    def __call__(self, sample: Sample) -> bool:
+        return held_out(sample.key, self.fraction, self.seed) == self.test
+
+
+# -- the stream -------------------------------------------------------------------------------
+
+@dataclass
+class StreamBatch:
+    """One worker's collated batch and where its slot stands after it.
+
+    Attributes:
+        batch: what the collate made of the decoded samples.
+        samples: (epoch, shard, key) of each sample in the batch, in order.
+        role: the slot's worker role (0..workers-1).
+        position: (shard ordinal within the slot, samples consumed in that shard).
+        no_image: samples skipped for having no image since the slot's previous batch.
+        truncated: (shard, samples read, error) of shards found truncated since then.
+    """
+
+    batch: Any
+    samples: list[tuple[int, str, str]]
+    role: int
+    position: tuple[int, int]
+    no_image: int
+    truncated: list[tuple[str, int, str]] = field(default_factory=list)
+
+
+@dataclass
+class StreamState:
+    """Where one rank's stream stands: recorded in checkpoints, one per rank.
+
+    Attributes:
+        seed, shuffle, shards, world_size, rank, workers: what fixes the order; a resume
+            must match them.
+        slots: per worker role, [shard ordinal, samples consumed in that shard].
+        batches: batches this rank has drawn (the next comes from role batches mod workers).
+        no_image: samples skipped so far for having no image.
+        truncated: [shard, samples read, error] of each truncated shard met, once each.
+    """
+
+    seed: int
+    shuffle: bool
+    shards: int
+    world_size: int
+    rank: int
+    workers: int
+    slots: list[list[int]]
+    batches: int = 0
+    no_image: int = 0
+    truncated: list[list] = field(default_factory=list)
+
+    def advance(self, batch: StreamBatch) -> None:
+        """Records that `batch` was drawn."""
+        self.slots[batch.role] = list(batch.position)
+        self.batches += 1
+        self.no_image += batch.no_image
+        known = {entry[0] for entry in self.truncated}
+        self.truncated += [list(t) for t in batch.truncated if t[0] not in known]
+
+    def epoch(self) -> int:
+        """The oldest epoch a slot is still reading."""
+        count = self.world_size * self.workers
+        return min((j * count + role * self.world_size + self.rank) // self.shards
+                   for role, (j, _) in enumerate(self.slots))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class ShardStream(torch.utils.data.IterableDataset):
+    """An endless, exactly resumable stream of batches from tar shards.
+
+    The trainer calls `configure` and iterates a DataLoader over it (`loader`); for one
+    pass in order, use `iter_samples` instead.
+
+    Args:
+        shards: a shard spec (see `expand_shards`).
+        decode: turns a `Sample` into a dataset item (a tensor, `(tensor, label)`, an
+            `UndecodableImage`, ...), or None to skip it as having no image.
+        select: keeps a sample when true (e.g. a `KeySplit`); others are passed over.
+        seed: fixes the shard order per epoch and the block shuffle.
+        shuffle: shuffle the shard order per epoch, and blocks within shards.
+        shuffle_block: samples per shuffled block within a shard (1: tar order); each worker
+            holds one block's raw bytes.
+
+    Raises:
+        FileNotFoundError, ValueError: from `expand_shards`.
+    """
+
+    def __init__(self, shards: str | Path | Sequence[str], decode: Callable[[Sample], Any], *,
+                 select: Callable[[Sample], bool] | None = None, seed: int = 0,
+                 shuffle: bool = True, shuffle_block: int = 256) -> None:
+        super().__init__()
+        if shuffle_block < 1:
+            raise ValueError(f"shuffle_block must be at least 1, got {shuffle_block}")
+        self.spec = shards
+        self.shards = expand_shards(shards)
+        self.decode = decode
+        self.select = select
+        self.seed = seed
+        self.shuffle = shuffle
+        self.shuffle_block = shuffle_block
+        self.index = read_dataset_index(self.shards)
+        # Set by `configure` before a loader starts; workers get copies.
+        self._batch_size = 1
+        self._collate: Callable[[list], Any] = list
+        self._state: StreamState | None = None
+        self._num_workers = 0
+
+    # -- order --------------------------------------------------------------------------------
+
+    def shard_order(self, epoch: int) -> list[int]:
+        """The shard indices in the order epoch `epoch` deals them."""
+        if not self.shuffle:
+            return list(range(len(self.shards)))
+        rng = np.random.default_rng(mixed_seed(self.seed, epoch))
+        return rng.permutation(len(self.shards)).tolist()
+
+    def _blocks(self, shard_index: int, epoch: int, skip: int,
+                problems: ShardProblems) -> Iterator[Sample]:
+        """The shard's samples in block-shuffled order, from the `skip`-th on."""
+        url = self.shards[shard_index]
+        size = self.shuffle_block if self.shuffle else 1
+        first = skip // size * size  # whole blocks before the resume point are not decoded
+        block: list[Sample] = []
+        number = first // size
+
+        def shuffled(samples: list[Sample], number: int) -> list[Sample]:
+            if size == 1:
+                return samples
+            rng = np.random.default_rng(mixed_seed(self.seed, epoch, shard_index, number))
+            return [samples[i] for i in rng.permutation(len(samples))]
+
+        emitted = first
+        for sample in read_shard(url, shard_index, epoch=epoch, skip=first, problems=problems):
+            block.append(sample)
+            if len(block) == size:
+                for item in shuffled(block, number):
+                    if emitted >= skip:
+                        yield item
+                    emitted += 1
+                block, number = [], number + 1
+        for item in shuffled(block, number):  # the shard's last, partial block
+            if emitted >= skip:
+                yield item
+            emitted += 1
+
+    # -- the trainer's side -------------------------------------------------------------------
+
+    def configure(self, batch_size: int, collate: Callable[[list], Any], *, rank: int = 0,
+                  world_size: int = 1, workers: int = 0, state: dict | None = None
+                  ) -> StreamState:
+        """Sets up this rank's stream, fresh or from a checkpoint's state; returns the state
+        the caller advances with each batch drawn.
+
+        Raises:
+            ValueError: when the saved state was made with another shard list, seed, number
+                of processes or of workers, naming what differs.
+        """
+        roles = max(workers, 1)
+        fresh = StreamState(self.seed, self.shuffle, len(self.shards), world_size, rank, roles,
+                            [[0, 0] for _ in range(roles)])
+        if state is not None:
+            saved = StreamState(**state)
+            differs = {name: (getattr(saved, name), getattr(fresh, name))
+                       for name in ("seed", "shuffle", "shards", "world_size", "rank", "workers")
+                       if getattr(saved, name) != getattr(fresh, name)}
+            if differs:
+                raise ValueError(
+                    "the checkpoint's shard stream was read with " + ", ".join(
+                        f"{name} {old}" for name, (old, _) in differs.items())
+                    + "; this run has " + ", ".join(
+                        f"{name} {new}" for name, (_, new) in differs.items())
+                    + ": resume with the same shards, seed, processes and --num-workers "
+                    "(or start afresh with --overwrite)")
+            fresh = saved
+        self._batch_size, self._collate, self._state = batch_size, collate, fresh
+        self._num_workers = workers
+        return fresh
+
+    def loader(self, generator: torch.Generator | None = None,
+               worker_init_fn: Callable[[int], None] | None = None,
+               pin_memory: bool = False) -> torch.utils.data.DataLoader:
+        """A DataLoader of `StreamBatch`es for the configured rank (see `configure`)."""
+        if self._state is None:
+            raise RuntimeError("ShardStream.configure must be called before loader()")
+        return torch.utils.data.DataLoader(
+            self, batch_size=None, num_workers=self._num_workers, generator=generator,
+            worker_init_fn=worker_init_fn if self._num_workers else None,
+            pin_memory=pin_memory, collate_fn=_identity)
+
+    def __iter__(self) -> Iterator[StreamBatch]:
+        state = self._state
+        if state is None:
+            raise RuntimeError("ShardStream.configure must be called before iterating")
+        info = torch.utils.data.get_worker_info()
+        worker = info.id if info is not None else 0
+        role = (worker + state.batches) % state.workers
+        slot_count = state.world_size * state.workers
+        slot = role * state.world_size + state.rank
+        ordinal, consumed = state.slots[role]
+        problems = ShardProblems()
+        items, names, no_image, idle = [], [], 0, 0
+        while True:
+            position = ordinal * slot_count + slot
+            epoch, within = divmod(position, len(self.shards))
+            shard_index = self.shard_order(epoch)[within]
+            read_any = False
+            for sample in self._blocks(shard_index, epoch, consumed, problems):
+                read_any = True
+                consumed += 1
+                if self.select is not None and not self.select(sample):
+                    continue
+                item = self.decode(sample)
+                if item is None:
+                    no_image += 1
+                    logger.debug("skipping %s: no image (fields %s)", sample.name,
+                                 sorted(sample.fields))
+                    continue
+                items.append(item)
+                names.append((epoch, sample.shard, sample.key))
+                if len(items) == self._batch_size:
+                    yield StreamBatch(self._collate(items), names, role, (ordinal, consumed),
+                                      no_image, list(problems.truncated))
+                    items, names, no_image = [], [], 0
+                    problems.truncated.clear()  # the shard being read still holds it
+            idle = 0 if read_any else idle + 1
+            if idle >= slot_count * len(self.shards):
+                raise ValueError(f"worker {role} of rank {state.rank} read no sample from "
+                                 f"{idle} shards in a row: are the shards of {self.spec} "
+                                 "empty?")
+            ordinal, consumed = ordinal + 1, 0
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-ready description for the run configuration."""
+        return {"type": type(self).__name__, "shards": len(self.shards),
+                "first": self.shards[0], "last": self.shards[-1], "seed": self.seed,
+                "shuffle": self.shuffle, "shuffle_block": self.shuffle_block}
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+class SampleLog:
+    """samples/rank_R.tsv: `step, epoch, shard, key` for every sample a step trained on.
+
+    On a resume, lines after the checkpoint's step are dropped, so the file reads as the
+    log of one uninterrupted run.
+    """
+
+    def __init__(self, run_dir: Path, rank: int, resumed_step: int | None) -> None:
+        from vlm_vit.files import atomic_write
+
+        folder = Path(run_dir) / SAMPLES_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"rank_{rank}.tsv"
+        if resumed_step is not None and self.path.is_file():
+            kept = [line for line in self.path.read_text().splitlines(keepends=True)
+                    if int(line.split("\t", 1)[0]) <= resumed_step]
+            with atomic_write(self.path, "w") as handle:
+                handle.writelines(kept)
+        elif self.path.exists():
+            self.path.unlink()
+        self._file = self.path.open("a")
+
+    def write(self, step: int, samples: Sequence[tuple[int, str, str]]) -> None:
+        self._file.writelines(f"{step}\t{epoch}\t{shard}\t{key}\n"
+                              for epoch, shard, key in samples)
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_sample_log(run_dir: str | Path, rank: int = 0) -> list[tuple[int, int, str, str]]:
+    """The (step, epoch, shard, key) lines a run's `SampleLog` wrote for `rank`."""
+    path = Path(run_dir) / SAMPLES_DIR / f"rank_{rank}.tsv"
+    rows = []
+    for line in path.read_text().splitlines():
+        step, epoch, shard, key = line.split("\t")
+        rows.append((int(step), int(epoch), shard, key))
+    return rows
+
+
+def rank_shards(shards: Sequence[str], rank: int, world_size: int) -> list[int]:
+    """The indices of the shards rank `rank` of `world_size` handles in a single pass
+    (encoding): every world_size-th, so uneven counts differ by at most one shard."""
+    return list(range(rank, len(shards), world_size))
+
+
+__all__ = ["ImageDecode", "KeySplit", "LabelledDecode", "Sample", "ShardProblems",
+           "ShardStream", "StreamBatch", "StreamState", "expand_shards", "held_out",
+           "is_shard_spec", "iter_samples", "read_dataset_index", "read_sample_log",
+           "read_shard", "rank_shards", "SampleLog"]
