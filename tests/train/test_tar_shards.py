@@ -186,3 +186,42 @@ def test_bad_images_samples_without_one_and_a_truncated_shard_are_named_and_coun
     assert [(url, n) for url, n, _ in result.truncated_shards] == [(shards[2], truncated_read)]
     assert f"skipping {shards[1]}:garbage" in caplog.text
     assert "without an image" in caplog.text
+
+
+@pytest.mark.parametrize(("shards", "steps"), [(8, 25), (3, 12)], ids=["8-shards", "3-uneven"])
+def test_two_gloo_processes_with_two_workers_each_see_every_key_once_per_epoch(
+        tmp_path, shards, steps):
+    """8 shards over 2 ranks x 2 workers, and 3 (fewer shards than readers): the ranks'
+    logs hold every key of each finished epoch exactly once, and nothing twice in the one
+    under way. Each step draws 4 samples; the steps cover a little over two epochs."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.train.test_distributed import REPO, free_port
+
+    written = write_shards(tmp_path / "shards", shards, 5)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+               str(REPO / "tests" / "train" / "ddp_shards_worker.py"),
+               f"{tmp_path}/shards/shard-{{00..{shards - 1:02d}}}.tar", str(tmp_path / "run"),
+               str(steps)]
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logs = [read_sample_log(tmp_path / "run", rank) for rank in range(2)]
+    assert [len(log) for log in logs] == [2 * steps, 2 * steps]  # 2 samples per rank-step
+    epochs: dict[int, Counter] = {}
+    for log in logs:
+        for _, epoch, _, key in log:
+            epochs.setdefault(epoch, Counter())[key] += 1
+    everything = Counter(keys_of(written))
+    assert epochs[0] == everything and epochs[1] == everything
+    assert all(max(counts.values()) == 1 for counts in epochs.values())
+    # The ranks read disjoint shards within an epoch.
+    readers = {}
+    for rank, log in enumerate(logs):
+        for _, epoch, shard, _ in log:
+            readers.setdefault((epoch, shard), set()).add(rank)
+    assert all(len(ranks) == 1 for ranks in readers.values())

@@ -23,6 +23,7 @@ from vlm_vit.cli import (
     predict,
     pretrain,
     probe,
+    shards,
 )
 from vlm_vit.processor import ImageLoadError, ImageTooLargeError
 from vlm_vit.registry import UnknownNameError
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_parser(subparsers)
     finetune.add_parser(subparsers)
     predict.add_parser(subparsers)
+    shards.add_parser(subparsers)
     for entry in metadata.entry_points(group=COMMAND_GROUP):
         try:
             entry.load()(subparsers)

@@ -1,0 +1,326 @@
+import functools
+import json
+import logging
+import tarfile
+
+import numpy as np
+import pytest
+import skimage.data
+import webdataset
+from PIL import Image
+from sklearn.datasets import load_digits
+
+from vlm_vit.cli import main
+from vlm_vit.train import shard_writer
+from vlm_vit.train.shard_writer import write_shards
+
+PHOTOS = ("astronaut", "camera", "coffee", "chelsea")
+
+
+@functools.cache
+def photo(name, size=(20, 16)):
+    return Image.fromarray(getattr(skimage.data, name)()).resize(size)
+
+
+@functools.cache
+def digits():
+    return load_digits()
+
+
+def digit(index):
+    pixels = (digits().images[index] * 255 / 16).astype(np.uint8)
+    return Image.fromarray(pixels).resize((16, 16))
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """20 images: 4 photos as PNG, 4 as JPEG (one with an upper-case suffix), 12 digits."""
+    root = tmp_path / "images"
+    (root / "photos").mkdir(parents=True)
+    (root / "digits" / "deeper").mkdir(parents=True)
+    for name in PHOTOS:
+        photo(name).save(root / "photos" / f"{name}.png")
+        photo(name).convert("RGB").save(root / f"{name}.jpg")
+    (root / "chelsea.jpg").rename(root / "chelsea.JPEG")
+    for index in range(12):
+        digit(index).save(root / "digits" / ("deeper" if index % 2 else "") / f"{index}.png")
+    (root / "notes.txt").write_text("not an image")
+    return root
+
+
+@pytest.fixture
+def class_folder(tmp_path):
+    """Four classes, sorted by name: digit classes 0, 1, 2 (4 images each) and photos."""
+    root = tmp_path / "classes"
+    for label in range(3):
+        (root / str(label)).mkdir(parents=True)
+        for n, index in enumerate(np.flatnonzero(digits().target == label)[:4]):
+            digit(index).save(root / str(label) / f"{n}.png")
+    (root / "photo").mkdir()
+    for name in PHOTOS:
+        photo(name).convert("RGB").save(root / "photo" / f"{name}.jpg")
+    return root
+
+
+def read_tars(out):
+    """Per shard name: the samples in tar order, each {"__key__": key, suffix: bytes}."""
+    shards = {}
+    for path in sorted(out.glob("*.tar")):
+        samples = {}
+        with tarfile.open(path) as tar:
+            for member in tar.getmembers():
+                key, suffix = member.name.split(".", 1)
+                samples.setdefault(key, {"__key__": key})[suffix] = tar.extractfile(
+                    member).read()
+        shards[path.name] = list(samples.values())
+    return shards
+
+
+def read_webdataset(out, index):
+    urls = [str(out / shard["name"]) for shard in index["shards"]]
+    return [{k: v for k, v in sample.items() if not k.startswith("__") or k == "__key__"}
+            for sample in webdataset.WebDataset(urls, shardshuffle=False)]
+
+
+def samples_of(out):
+    return [sample for shard in read_tars(out).values() for sample in shard]
+
+
+def meta(sample):
+    return json.loads(sample["json"].decode("utf-8"))
+
+
+def shards(tmp_path, source, *options):
+    out = tmp_path / "out"
+    return main(["shards", str(source), "--out", str(out), "--quiet", *options]), out
+
+
+def test_a_folder_becomes_shards_of_the_same_bytes(tmp_path, folder, capsys):
+    code, out = shards(tmp_path, folder, "--per-shard", "6")
+    assert code == 0
+    assert capsys.readouterr().out.strip() == f"wrote 20 samples in 4 shards to {out} (0 skipped)"
+    index = json.loads((out / "dataset.json").read_text())
+    assert index == {"format": "vlm-vit-shards", "version": 1, "kind": "images",
+                     "classes": None, "samples": 20, "skipped": [], "seed": 0,
+                     "shards": [{"name": f"0000{n}.tar", "samples": size}
+                                for n, size in enumerate([6, 6, 6, 2])]}
+    tars = read_tars(out)
+    assert list(tars) == [shard["name"] for shard in index["shards"]]
+    assert [len(samples) for samples in tars.values()] == [6, 6, 6, 2]
+    samples = [sample for shard in tars.values() for sample in shard]
+    assert [s["__key__"] for s in samples] == [f"{n:09d}" for n in range(20)]
+    sources = {p.relative_to(folder).as_posix(): p for p in folder.rglob("*")
+               if p.suffix.lower() in {".png", ".jpg", ".jpeg"}}
+    assert sorted(meta(s)["path"] for s in samples) == sorted(sources)  # each exactly once
+    for sample in samples:
+        path = sources[meta(sample)["path"]]
+        suffix = path.suffix.lower()[1:]
+        assert set(sample) == {"__key__", suffix, "json"}
+        assert sample[suffix] == path.read_bytes()  # copied, not re-encoded
+        assert meta(sample) == {"path": path.relative_to(folder).as_posix()}
+    assert any("jpeg" in sample for sample in samples)  # chelsea.JPEG, lower-cased
+    assert read_webdataset(out, index) == samples
+    assert sorted(p.name for p in out.iterdir()) == [*tars, "dataset.json"]  # no .tmp left
+
+
+def test_the_api_returns_the_index_it_writes(tmp_path, folder):
+    index = write_shards(folder, tmp_path / "out", per_shard=7, progress=False)
+    assert index == json.loads((tmp_path / "out" / "dataset.json").read_text())
+    assert [shard["samples"] for shard in index["shards"]] == [7, 7, 6]
+
+
+def test_classes_are_written_and_shuffled_across_shards(tmp_path, class_folder):
+    code, out = shards(tmp_path, class_folder, "--classes", "--per-shard", "4")
+    assert code == 0
+    index = json.loads((out / "dataset.json").read_text())
+    assert index["kind"] == "classes" and index["classes"] == ["0", "1", "2", "photo"]
+    tars = read_tars(out)
+    samples = [sample for shard in tars.values() for sample in shard]
+    assert len(samples) == index["samples"] == 16
+    for sample in samples:
+        folder_name = meta(sample)["path"].split("/")[0]
+        assert meta(sample)["class"] == folder_name
+        assert sample["cls"] == str(index["classes"].index(folder_name)).encode("ascii")
+        suffix = "jpg" if folder_name == "photo" else "png"
+        assert sample[suffix] == (class_folder / meta(sample)["path"]).read_bytes()
+    # Sorted, every shard of 4 would hold one class; shuffled, they mix.
+    assert any(len({s["cls"] for s in shard}) > 1 for shard in tars.values())
+    assert read_webdataset(out, index) == samples
+
+
+def order(out):
+    return [meta(sample)["path"] for sample in samples_of(out)]
+
+
+def test_shuffling_changes_the_order_not_the_set_and_the_seed_repeats_it(tmp_path, folder):
+    runs = {}
+    for name, options in {"sorted": ["--no-shuffle"], "seed0": [], "again": ["--seed", "0"],
+                          "seed1": ["--seed", "1"]}.items():
+        out = tmp_path / name
+        assert main(["shards", str(folder), "--out", str(out), "--quiet", *options]) == 0
+        runs[name] = order(out)
+    assert runs["sorted"] == [p.relative_to(folder).as_posix() for p in sorted(
+        p for p in folder.rglob("*") if p.is_file() and p.suffix != ".txt")]
+    assert runs["seed0"] == runs["again"]
+    assert runs["seed0"] != runs["sorted"] and runs["seed1"] != runs["seed0"]
+    assert sorted(runs["seed0"]) == sorted(runs["seed1"]) == sorted(runs["sorted"])
+    assert json.loads((tmp_path / "sorted" / "dataset.json").read_text())["seed"] is None
+    assert json.loads((tmp_path / "seed1" / "dataset.json").read_text())["seed"] == 1
+
+
+def test_captions_go_to_txt_and_a_missing_image_is_skipped(tmp_path, folder, capsys):
+    rows = [{"image": "photos/astronaut.png", "caption": "an astronaut, ünïcode"},
+            {"image": "coffee.jpg", "caption": "a cup of coffee", "prompt": "Describe:"},
+            {"image": "photos/missing.png", "caption": "nothing there"},
+            {"image": "photos/astronaut.png", "caption": "a second caption"}]
+    captions = tmp_path / "captions.jsonl"
+    captions.write_text("\n".join(json.dumps(row) for row in rows[:2]) + "\n\n"
+                        + "\n".join(json.dumps(row) for row in rows[2:]) + "\n")
+    code, out = shards(tmp_path, folder, "--captions", str(captions), "--no-shuffle")
+    assert code == 0
+    assert capsys.readouterr().out.strip() == f"wrote 3 samples in 1 shards to {out} (1 skipped)"
+    index = json.loads((out / "dataset.json").read_text())
+    assert index["kind"] == "captions" and index["samples"] == 3
+    assert [s["path"] for s in index["skipped"]] == ["photos/missing.png"]
+    samples = samples_of(out)
+    for sample, row in zip(samples, [rows[0], rows[1], rows[3]], strict=True):
+        assert sample["txt"].decode("utf-8") == row["caption"]
+        assert meta(sample) == {"path": row["image"], **{k: v for k, v in row.items()
+                                                         if k != "image"}}
+        suffix = row["image"].rsplit(".", 1)[1]
+        assert sample[suffix] == (folder / row["image"]).read_bytes()
+    assert read_webdataset(out, index) == samples
+
+
+LLAVA = [
+    {"id": "a", "image": "photos/camera.png", "conversations": [
+        {"from": "human", "value": "<image>\nWhat is this?"},
+        {"from": "gpt", "value": "A man with a camera."}]},
+    {"id": "b", "conversations": [{"from": "human", "value": "Hello"},
+                                  {"from": "gpt", "value": "Hi."}]},
+    {"id": "c", "image": "gone.jpg", "conversations": []},
+    {"id": "d", "image": "chelsea.JPEG", "conversations": [
+        {"from": "human", "value": "<image>\nAnimal?"}, {"from": "gpt", "value": "A cat."}]},
+]
+
+
+@pytest.mark.parametrize("layout", ["array", "lines"])
+def test_llava_records_are_kept_whole(tmp_path, folder, layout):
+    llava = tmp_path / "llava.json"
+    llava.write_text(json.dumps(LLAVA, indent=1) if layout == "array"
+                     else "\n".join(json.dumps(record) for record in LLAVA))
+    code, out = shards(tmp_path, folder, "--llava", str(llava), "--no-shuffle")
+    assert code == 0
+    index = json.loads((out / "dataset.json").read_text())
+    assert index["kind"] == "llava" and index["samples"] == 3
+    assert index["skipped"][0]["path"] == "gone.jpg"
+    samples = samples_of(out)
+    kept = [LLAVA[0], LLAVA[1], LLAVA[3]]
+    assert [meta(s) for s in samples] == [{"path": r.get("image"), **r} for r in kept]
+    assert set(samples[1]) == {"__key__", "json"}  # text only
+    assert samples[0]["png"] == (folder / "photos" / "camera.png").read_bytes()
+    assert samples[2]["jpeg"] == (folder / "chelsea.JPEG").read_bytes()
+    assert read_webdataset(out, index) == samples
+
+
+def test_a_corrupt_image_is_skipped_and_named(tmp_path, folder, capsys, caplog):
+    (folder / "photos" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 20)
+    (folder / "zero.jpg").write_bytes(b"")
+    damaged = bytearray((folder / "digits" / "0.png").read_bytes())
+    damaged[damaged.index(b"IDAT") + 6] ^= 0xFF  # opens, but its checksum fails verify()
+    (folder / "digits" / "damaged.png").write_bytes(bytes(damaged))
+    with caplog.at_level(logging.WARNING, logger="vlm_vit.train.shard_writer"):
+        code, out = shards(tmp_path, folder, "--per-shard", "8")
+    assert code == 0
+    assert capsys.readouterr().out.strip() == f"wrote 20 samples in 3 shards to {out} (3 skipped)"
+    index = json.loads((out / "dataset.json").read_text())
+    assert sorted(s["path"] for s in index["skipped"]) == ["digits/damaged.png",
+                                                           "photos/broken.png", "zero.jpg"]
+    assert all(s["reason"] for s in index["skipped"])
+    assert all(name in caplog.text for name in ("damaged.png", "broken.png", "zero.jpg"))
+    assert [shard["samples"] for shard in index["shards"]] == [8, 8, 4]
+    paths = [meta(sample)["path"] for sample in samples_of(out)]
+    assert not {"digits/damaged.png", "photos/broken.png", "zero.jpg"} & set(paths)
+    assert len(paths) == 20
+    assert [s["__key__"] for s in samples_of(out)] == [f"{n:09d}" for n in range(20)]
+
+
+def test_the_summary_counts_the_skipped(tmp_path, folder, capsys):
+    (folder / "broken.png").write_bytes(b"not a png at all")
+    code, out = shards(tmp_path, folder)
+    assert code == 0
+    assert capsys.readouterr().out.strip() == f"wrote 20 samples in 1 shards to {out} (1 skipped)"
+
+
+def test_an_existing_folder_is_refused_and_overwrite_replaces_only_its_own(tmp_path, folder,
+                                                                            capsys):
+    code, out = shards(tmp_path, folder, "--per-shard", "3")
+    assert code == 0 and len(list(out.glob("*.tar"))) == 7
+    before = (out / "00000.tar").read_bytes()
+    capsys.readouterr()
+    assert shards(tmp_path, folder, "--per-shard", "15")[0] == 1
+    err = capsys.readouterr().err
+    assert str(out) in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    assert (out / "00000.tar").read_bytes() == before and len(list(out.glob("*.tar"))) == 7
+    (out / "README.md").write_text("mine")
+    (out / ".00009.tar.tmp").write_bytes(b"a crashed run's leftover")
+    assert shards(tmp_path, folder, "--per-shard", "15", "--overwrite")[0] == 0
+    assert sorted(p.name for p in out.iterdir()) == ["00000.tar", "00001.tar", "README.md",
+                                                     "dataset.json"]
+    assert [len(s) for s in read_tars(out).values()] == [15, 5]
+    assert json.loads((out / "dataset.json").read_text())["samples"] == 20
+
+
+def test_a_failure_half_way_leaves_whole_shards_and_no_index(tmp_path, folder, monkeypatch):
+    entries, calls = shard_writer._entries, []
+
+    def failing(sample, skipped):
+        calls.append(sample)
+        if len(calls) == 8:
+            raise RuntimeError("disk on fire")
+        return entries(sample, skipped)
+
+    monkeypatch.setattr(shard_writer, "_entries", failing)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        write_shards(folder, tmp_path / "out", per_shard=3, progress=False)
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["00000.tar", "00001.tar"]
+    assert [len(s) for s in read_tars(out).values()] == [3, 3]
+
+
+@pytest.mark.parametrize("make, options, message", [
+    (lambda root, tmp: tmp / "nowhere", [], "nowhere does not exist"),
+    (lambda root, tmp: root / "notes.txt", [], "notes.txt is not a folder"),
+    (lambda root, tmp: (tmp / "empty").mkdir() or tmp / "empty", [], "empty holds no image"),
+    (lambda root, tmp: root, ["--per-shard", "0"], "per-shard must be at least 1, got 0"),
+    (lambda root, tmp: root, ["--captions", "c.jsonl", "--llava", "l.json"], "not both"),
+    (lambda root, tmp: root, ["--classes", "--captions", "c.jsonl"], "do not combine"),
+    (lambda root, tmp: root / "photos", ["--classes"], "at least 2 classes"),
+    (lambda root, tmp: root, ["--captions", "CAPTIONS"], "captions.jsonl line 2 is not JSON"),
+    (lambda root, tmp: root, ["--captions", "MISSING"], "no captions file"),
+    (lambda root, tmp: root, ["--llava", "CAPTIONS"], "llava.jsonl line 2 is not JSON"),
+    (lambda root, tmp: root, ["--llava", "MISSING"], "missing.json"),
+])
+def test_user_errors_are_one_line(tmp_path, folder, capsys, make, options, message):
+    bad = '{"image": "coffee.jpg", "caption": "fine"}\n{"image": oops\n'
+    (tmp_path / "captions.jsonl").write_text(bad)
+    (tmp_path / "llava.jsonl").write_text(bad)
+    where = {"CAPTIONS": str(tmp_path / "captions.jsonl"), "MISSING": str(
+        tmp_path / "missing.json")}
+    if "--llava" in options and "CAPTIONS" in options:
+        where["CAPTIONS"] = str(tmp_path / "llava.jsonl")
+    options = [where.get(option, option) for option in options]
+    code, out = shards(tmp_path, make(folder, tmp_path), *options)
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("vlm-vit shards: error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert not out.exists()  # nothing written for a user error
+
+
+def test_when_no_image_reads_nothing_is_left(tmp_path, capsys):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "a.png").write_bytes(b"nope")
+    code, out = shards(tmp_path, tmp_path / "bad")
+    assert code == 1 and "none of the 1 images" in capsys.readouterr().err
+    assert not out.exists()

@@ -1,0 +1,333 @@
+"""Writing an image folder (plain, by class, with captions or LLaVA records) as WebDataset
+tar shards, with a `dataset.json` index that names every shard and every skipped file.
+
+The image bytes are copied as they are, never re-encoded. Each shard appears under its name
+only once complete, and `dataset.json` is written last, so a folder with one is whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import random
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from PIL import Image, UnidentifiedImageError
+
+from vlm_vit.files import IMAGE_SUFFIXES, atomic_write, class_folders, image_files
+from vlm_vit.optional import require
+
+logger = logging.getLogger(__name__)
+
+FORMAT, VERSION = "vlm-vit-shards", 1
+INDEX = "dataset.json"
+# What an earlier run leaves in its folder: shards, their temporaries, the index's temporary.
+_SHARD = re.compile(r"\d{5,}\.tar")
+_LEFTOVER = re.compile(r"\.(\d{5,}\.tar|dataset\.json\..*)\.tmp")
+
+
+@dataclass(frozen=True)
+class _Sample:
+    """One sample before its image is read: what goes beside the image bytes."""
+
+    path: Path | None  # the image file; None for a text-only LLaVA record
+    relative: str | None  # `path` as written in the sample's json, relative to the root
+    fields: dict[str, bytes]  # extra entries, e.g. {"cls": b"3"}
+    meta: dict[str, Any]  # the sample's json object, less "path"
+
+
+def write_shards(
+    root: str | Path,
+    out: str | Path,
+    *,
+    per_shard: int = 1000,
+    classes: bool = False,
+    captions: str | Path | None = None,
+    llava: str | Path | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Writes the images under `root` to `out/00000.tar`, `out/00001.tar`, ... and
+    `out/dataset.json`.
+
+    A sample holds `__key__` (its index over the dataset, 9 digits), the image bytes under
+    the file's lowercased suffix (`jpg`, `png`, ...), `cls` (the class index as decimal text)
+    with `classes`, `txt` (the caption) with `captions`, and always a `json` object: the
+    image's `path` relative to `root`, plus `class`, `caption` (and `prompt`, if given) or the
+    whole LLaVA record. A text-only LLaVA record (no "image") has only its json. An image PIL
+    cannot verify, or a missing one, is skipped with a warning and listed in the index.
+
+    Args:
+        root: the image folder (searched recursively), or the folder the records' image
+            paths are relative to.
+        out: the output folder; it must be missing or empty unless `overwrite`.
+        per_shard: the most samples in one shard.
+        classes: read `root`'s sub-folders as classes (see `vlm_vit.files.class_folders`).
+        captions: a JSON Lines file of `{"image": relative path, "caption": text}`.
+        llava: a LLaVA JSON file (an array of records, or one record per line).
+        shuffle: shuffle the samples with `seed` (else: sorted, or in the file's order).
+        seed: the shuffle's seed.
+        overwrite: replace the shards and index an earlier run left in `out` (other files
+            are kept).
+        progress: show a progress bar.
+
+    Returns:
+        The content of `dataset.json`: format, version, kind, classes, samples, skipped,
+        shards and seed.
+
+    Raises:
+        FileNotFoundError, NotADirectoryError: for a missing `root`, captions or LLaVA file,
+            or an `out` that is a file.
+        ValueError: for conflicting options, no images, or a malformed captions or LLaVA file
+            (naming the file and line or record).
+        FileExistsError: for an `out` that holds files, without `overwrite`.
+    """
+    if per_shard < 1:
+        raise ValueError(f"per-shard must be at least 1, got {per_shard}")
+    if captions is not None and llava is not None:
+        raise ValueError("give captions or LLaVA records, not both")
+    if classes and (captions is not None or llava is not None):
+        raise ValueError("classes come from sub-folders; they do not combine with captions or "
+                         "LLaVA records")
+    root, out = Path(root), Path(out)
+    if not root.exists():
+        raise FileNotFoundError(f"image folder {root} does not exist")
+    if not root.is_dir():
+        raise NotADirectoryError(f"image folder {root} is not a folder")
+
+    class_names = None
+    if classes:
+        kind = "classes"
+        files, labels, class_names = class_folders(root)
+        samples = [_Sample(path, path.relative_to(root).as_posix(),
+                           {"cls": str(label).encode("ascii")}, {"class": class_names[label]})
+                   for path, label in zip(files, labels, strict=True)]
+    elif captions is not None:
+        kind, samples = "captions", _read_captions(Path(captions), root)
+    elif llava is not None:
+        kind, samples = "llava", _read_llava(Path(llava), root)
+    else:
+        kind = "images"
+        files = image_files(root)
+        if not files:
+            raise ValueError(f"image folder {root} holds no image files "
+                             f"({', '.join(sorted(IMAGE_SUFFIXES))})")
+        samples = [_Sample(path, path.relative_to(root).as_posix(), {}, {}) for path in files]
+    if shuffle:
+        random.Random(seed).shuffle(samples)
+
+    created = _prepare_output(out, overwrite)
+    skipped: list[dict[str, str]] = []
+    try:
+        shards = _write(samples, out, per_shard, skipped, progress)
+    except BaseException:
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only when still empty: shards already renamed are kept
+        raise
+    if not shards:
+        if created:
+            out.rmdir()
+        raise ValueError(f"none of the {len(samples)} images of {root} could be read (first: "
+                         f"{skipped[0]['path']}: {skipped[0]['reason']})")
+    index = {"format": FORMAT, "version": VERSION, "kind": kind, "classes": class_names,
+             "samples": sum(shard["samples"] for shard in shards), "skipped": skipped,
+             "shards": shards, "seed": seed if shuffle else None}
+    with atomic_write(out / INDEX, "wb") as handle:
+        handle.write((json.dumps(index, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+    return index
+
+
+def _read_captions(path: Path, root: Path) -> list[_Sample]:
+    """The captions file's lines (as `vlm_vit_llm.train.read_captions` reads them) as samples;
+    a missing image is not an error here: writing skips it."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no captions file {path}")
+    samples = []
+    for number, line in _lines(path):
+        where = f"{path} line {number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where} is not JSON: {error}") from None
+        if not isinstance(row, dict) or not all(
+                isinstance(row.get(key), str) for key in ("image", "caption")) \
+                or not isinstance(row.get("prompt", ""), str):
+            raise ValueError(f"{where} needs string fields 'image' and 'caption' (and "
+                             f"optionally 'prompt'), got {line.strip()[:100]}")
+        meta = {"caption": row["caption"]}
+        if "prompt" in row:
+            meta["prompt"] = row["prompt"]
+        samples.append(_Sample(root / row["image"], row["image"],
+                               {"txt": row["caption"].encode("utf-8")}, meta))
+    if not samples:
+        raise ValueError(f"captions file {path} holds no captions")
+    return samples
+
+
+def _read_llava(path: Path, root: Path) -> list[_Sample]:
+    """A LLaVA file's records as samples: a JSON array, or JSON Lines when the file does not
+    start with `[`. The record's own "path", if any, gives way to the written one."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no LLaVA file {path}")
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is no error
+    except UnicodeDecodeError as error:
+        raise ValueError(f"LLaVA file {path} is not UTF-8 text: {error}") from None
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"LLaVA file {path} is not valid JSON: {error}") from None
+        numbered = [(f"{path} record {number}", record)
+                    for number, record in enumerate(records, 1)]
+    else:
+        numbered = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                numbered.append((f"{path} line {number}", json.loads(line)))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path} line {number} is not JSON: {error}") from None
+    samples = []
+    for where, record in numbered:
+        if not isinstance(record, dict):
+            raise ValueError(f"{where} must be a JSON object, found {type(record).__name__}")
+        image = record.get("image")
+        if image is not None and not isinstance(image, str):
+            raise ValueError(f"{where}: 'image' must be one relative path, got {image!r:.100}")
+        meta = {key: value for key, value in record.items() if key != "path"}
+        samples.append(_Sample(None if image is None else root / image, image, {}, meta))
+    if not samples:
+        raise ValueError(f"LLaVA file {path} holds no records")
+    return samples
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """The non-empty lines of a UTF-8 text file, numbered from 1."""
+    try:
+        with path.open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if line.strip():
+                    yield number, line
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text: {error}") from None
+
+
+def _prepare_output(out: Path, overwrite: bool) -> bool:
+    """Makes `out` ready to fill; returns whether it was created."""
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"output {out} exists and is not a folder")
+    if not out.exists():
+        out.mkdir(parents=True)
+        return True
+    if any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"output folder {out} is not empty; pass --overwrite to "
+                                  f"replace the shards an earlier run wrote there")
+        # The index first: a crash after this leaves a folder that is visibly incomplete.
+        with contextlib.suppress(FileNotFoundError):
+            (out / INDEX).unlink()
+        for entry in out.iterdir():
+            if (_SHARD.fullmatch(entry.name) or _LEFTOVER.fullmatch(entry.name)) \
+                    and entry.is_file():
+                entry.unlink()
+    return False
+
+
+def _write(samples: list[_Sample], out: Path, per_shard: int, skipped: list[dict[str, str]],
+           progress: bool) -> list[dict[str, Any]]:
+    """Writes the samples that read back as images, `per_shard` to a shard; returns the
+    shards' names and sizes and appends each skipped image to `skipped`."""
+    webdataset = require("webdataset", "train", "writing shards")
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    shards: list[dict[str, Any]] = []
+    writer = handle = temp = None
+    with contextlib.ExitStack() as stack:
+        if progress:  # warnings go through the bar's writer, not glued to it
+            stack.enter_context(logging_redirect_tqdm())
+        bar = stack.enter_context(tqdm(total=len(samples), desc="sharding", unit="image",
+                                       disable=not progress))
+        try:
+            written = 0
+            for sample in samples:
+                bar.update()
+                entries = _entries(sample, skipped)
+                if entries is None:
+                    continue
+                if writer is None:
+                    temp = out / f".{len(shards):05d}.tar.tmp"
+                    handle = open(temp, "wb")  # noqa: SIM115 (closed in _finish or below)
+                    writer = webdataset.TarWriter(handle, encoder=False)
+                writer.write({"__key__": f"{written:09d}", **entries})
+                written += 1
+                if written % per_shard == 0:
+                    shards.append(_finish(writer, handle, temp, per_shard))
+                    writer = None
+            if writer is not None:
+                shards.append(_finish(writer, handle, temp, written % per_shard))
+                writer = None
+        finally:
+            if writer is not None:  # an error half-way: drop the unfinished shard
+                with contextlib.suppress(OSError):
+                    writer.close()
+                with contextlib.suppress(OSError):
+                    handle.close()
+                with contextlib.suppress(FileNotFoundError):
+                    temp.unlink()
+    return shards
+
+
+def _finish(writer: Any, handle: IO[bytes], temp: Path, count: int) -> dict[str, Any]:
+    """Closes a shard, makes it durable and gives it its name."""
+    writer.close()
+    handle.flush()
+    os.fsync(handle.fileno())
+    handle.close()
+    name = temp.name[1:-len(".tmp")]
+    os.replace(temp, temp.with_name(name))
+    return {"name": name, "samples": count}
+
+
+def _entries(sample: _Sample, skipped: list[dict[str, str]]) -> dict[str, bytes] | None:
+    """The sample's tar entries but its key, or None (and a line in `skipped`) when its image
+    is missing or does not verify."""
+    meta = {"path": sample.relative, **sample.meta}
+    entries = {**sample.fields, "json": json.dumps(meta, ensure_ascii=False).encode("utf-8")}
+    if sample.path is None:
+        return entries
+    suffix = sample.path.suffix.lower()
+    reason = None
+    if suffix not in IMAGE_SUFFIXES:
+        reason = f"{suffix or 'no suffix'} is not an image suffix"
+    elif not sample.path.is_file():
+        reason = "no such file"
+    else:
+        try:
+            data = sample.path.read_bytes()
+            # The bytes to be written are the ones checked; verify() reads without decoding.
+            with Image.open(io.BytesIO(data)) as image:
+                image.verify()
+        except UnidentifiedImageError:  # its own message names the BytesIO, not the file
+            reason = "not an image PIL can identify"
+        except (OSError, SyntaxError, EOFError, ValueError, struct.error,
+                Image.DecompressionBombError) as error:  # unreadable, not an image, bad data
+            reason = f"{type(error).__name__}: {error}"
+    if reason is not None:
+        logger.warning("skipping %s: %s", sample.path, reason)
+        skipped.append({"path": sample.relative, "reason": reason})
+        return None
+    return {suffix[1:]: data, **entries}
