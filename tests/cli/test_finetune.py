@@ -72,3 +72,28 @@ def test_finetune_user_errors(setup, capsys, argv, message):
     assert main(["finetune", "--encoder", str(setup / "encoder"), "--data",
                  str(setup / "digits"), "--out", str(setup / "run"), *argv]) == 1
     assert message in capsys.readouterr().err
+
+
+def test_finetune_on_shards_reads_classes_labels_and_a_held_out_split(setup, capsys):
+    """The digits folder as `vlm-vit shards --classes` writes it: the classes come from its
+    dataset.json, labels from `cls`, and a seeded key hash holds out a fifth."""
+    from vlm_vit.train.shard_writer import write_shards
+
+    write_shards(setup / "digits", setup / "shards", per_shard=20, classes=True,
+                 progress=False)
+    run = setup / "run"
+    assert main(["finetune", "--encoder", str(setup / "encoder"), "--data",
+                 str(setup / "shards"), "--out", str(run), "--steps", "150",
+                 "--batch-size", "16", "--lr", "3e-3", "--num-workers", "2",
+                 "--pooling", "mean"]) == 0
+    settings = json.loads((run / "finetune.json").read_text())
+    assert settings["classes"] == ["digit_0", "digit_1", "digit_2"]
+    evaluation = json.loads((run / "eval.json").read_text())
+    assert 9 <= evaluation["test_images"] <= 30  # about a fifth of 90, by key hash
+    assert evaluation["held_out_accuracy"] > 0.6  # chance is 1/3
+    # Shards from elsewhere, without a dataset.json, need the number of classes.
+    (setup / "shards" / "dataset.json").unlink()
+    capsys.readouterr()
+    assert main(["finetune", "--encoder", str(setup / "encoder"), "--data",
+                 str(setup / "shards"), "--out", str(setup / "run2")]) == 1
+    assert "need --num-classes K" in capsys.readouterr().err

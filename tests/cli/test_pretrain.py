@@ -45,7 +45,8 @@ def test_pretrain_user_errors(setup, capsys):
     assert main(["pretrain", "--objective", "mpp", "--model", "vit-ti/16", "--data",
                  str(setup / "nowhere"), "--out", str(setup / "run")]) == 1
     err = capsys.readouterr().err
-    assert "nowhere is not a folder" in err and len(err.strip().splitlines()) == 1
+    assert "nowhere is neither a folder nor tar shards" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("variant, decoder", [("vit-ti/16", (192, 4)), ("vit-b/16", (512, 8))])
@@ -102,3 +103,54 @@ def test_help_shows_the_checkpoint_default(capsys):
     with pytest.raises(SystemExit):
         main(["pretrain", "--help"])
     assert "steps between checkpoints (default 500" in capsys.readouterr().out
+
+
+def test_pretrain_on_shards_killed_at_a_random_moment_resumes_bit_exactly(tmp_path):
+    """SIGKILL (no chance to save) at a seeded random moment after the first checkpoint;
+    `--resume` then ends with the weights and the sample sequence of a run never stopped."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.train.toy import write_shards
+    from vlm_vit.train.tar_shards import read_sample_log
+
+    write_shards(tmp_path / "shards", 8, 5)
+    torch.manual_seed(0)
+    VisionEncoder(tiny_config()).save_pretrained(tmp_path / "start")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+    def command(out):
+        return [sys.executable, "-m", "vlm_vit.cli", "pretrain", "--objective", "mae",
+                "--model", str(tmp_path / "start"), "--data", str(tmp_path / "shards"),
+                "--out", str(out), "--batch-size", "4", "--num-workers", "2", "--steps", "40",
+                "--checkpoint-every", "3", "--decoder-width", "32", "--decoder-depth", "1",
+                "--log-samples"]
+
+    subprocess.run(command(tmp_path / "whole"), env=env, check=True, capture_output=True)
+    killed = subprocess.Popen(command(tmp_path / "run"), env=env, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    deadline = time.monotonic() + 120
+    while not (checkpoints.is_dir() and any(checkpoints.glob("*.pt"))):
+        assert killed.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(random.Random(7).uniform(0, 0.3))
+    os.killpg(killed.pid, signal.SIGKILL)  # the trainer and its DataLoader workers
+    killed.wait()
+    assert not (tmp_path / "run" / "encoder").exists(), "the run ended before the kill"
+    done = subprocess.run([*command(tmp_path / "run"), "--resume"], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+
+    assert json.loads((tmp_path / "run" / "run_config.json").read_text())["resumed_from"]
+    whole = load_encoder(tmp_path / "whole" / "encoder").state_dict()
+    resumed = load_encoder(tmp_path / "run" / "encoder").state_dict()
+    for name, value in whole.items():
+        assert torch.equal(resumed[name], value), name
+    assert read_sample_log(tmp_path / "run") == read_sample_log(tmp_path / "whole")
+    assert len(read_sample_log(tmp_path / "whole")) == 40 * 4

@@ -19,7 +19,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "folder with one sub-folder per class; --lora trains only LoRA adapters (peft) and "
         "the head; a held-out share measures accuracy at the end.")
     parser.add_argument("--encoder", required=True, metavar="PATH")
-    parser.add_argument("--data", required=True, type=Path, metavar="DIR")
+    parser.add_argument("--data", required=True, metavar="DIR_OR_SHARDS",
+                        help="a folder with one sub-folder per class, or WebDataset tar "
+                        "shards whose samples carry the class index in `cls` (or in a json "
+                        "field, --label-field); held-out samples are chosen by a seeded hash "
+                        "of their key")
+    parser.add_argument("--label-field", metavar="NAME",
+                        help="shards: read the class index from this field of each sample's "
+                        "json instead of `cls`")
+    parser.add_argument("--num-classes", type=int, metavar="K",
+                        help="shards without the dataset.json of `vlm-vit shards`: the number "
+                        "of classes (labels 0..K-1)")
     parser.add_argument("--out", required=True, type=Path, metavar="RUN_DIR")
     parser.add_argument("--lora", metavar="SPEC",
                         help="e.g. r=16,alpha=32,targets=attn_qv (targets: attn, attn_qv, mlp, "
@@ -82,16 +92,19 @@ def build_model(settings: dict):
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
     import torch
 
-    from vlm_vit.evaluate import read_class_folder, stratified_split
+    from vlm_vit.evaluate import read_class_folder
+    from vlm_vit.processor import ImageProcessor
     from vlm_vit.train import TrainConfig, Trainer
-    from vlm_vit.train.data import LabelledImageFolder, collate_labelled
+    from vlm_vit.train.data import collate_labelled
 
     if args.qlora and not args.lora:
         raise ValueError("--qlora needs --lora (QLoRA trains LoRA adapters on 4-bit weights)")
-    _, labels, classes = read_class_folder(args.data)  # fails early on a bad folder
+    from vlm_vit.train.tar_shards import is_shard_spec
+
+    shards = is_shard_spec(args.data)
+    classes = _shard_classes(args) if shards else read_class_folder(Path(args.data))[2]
     settings = {"encoder": str(args.encoder), "image_size": args.image_size,
                 "pooling": args.pooling, "classes": classes, "qlora": args.qlora,
                 "lora": parse_lora(args.lora) if args.lora else None}
@@ -102,39 +115,106 @@ def run(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print(describe_trainable(model))
     size = processor.size if args.image_size is None else (args.image_size, args.image_size)
-    data = LabelledImageFolder(args.data, size, mean=processor.mean, std=processor.std)
-    targets = np.array([label for _, label in data.samples])
-    train, test = (stratified_split(targets, args.test_fraction, seed=args.seed)
-                   if args.test_fraction > 0 else (np.arange(len(targets)), np.array([], int)))
+    # The inference preprocessing at `size` with the checkpoint's normalisation, for folders
+    # (LabelledImageFolder) and shards alike.
+    preprocess = ImageProcessor(size=size, mean=tuple(processor.mean), std=tuple(processor.std))
+    train, held_out = (_shard_parts if shards else _folder_parts)(args, preprocess, classes)
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          warmup_steps=args.steps // 10, weight_decay=0.0,
                          grad_checkpointing=args.grad_checkpointing, seed=args.seed,
                          num_workers=args.num_workers, device=args.device,
                          checkpoint_every=max(args.steps // 5, 1))
-    args.out.mkdir(parents=True, exist_ok=True)
-    with atomic_write(args.out / FINETUNE_NAME, "w") as handle:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_write(out / FINETUNE_NAME, "w") as handle:
         json.dump(settings, handle, indent=2)
-    Trainer(model, torch.utils.data.Subset(data, train.tolist()), config, args.out,
-            collate=collate_labelled).fit(resume=args.resume, overwrite=args.overwrite)
+    Trainer(model, train, config, out, collate=collate_labelled).fit(
+        resume=args.resume, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
-    if len(test):
+    if held_out is not None:
         model.eval()
         device = next(model.parameters()).device
-        correct = 0
+        correct = total = 0
         with torch.inference_mode():
-            for start in range(0, len(test), args.batch_size):
-                chunk = test[start:start + args.batch_size]
-                images = torch.stack([data[i][0] for i in chunk]).to(device)
-                correct += int((model(images).argmax(-1).cpu().numpy() == targets[chunk]).sum())
-        accuracy = correct / len(test)
-        with atomic_write(args.out / "eval.json", "w") as handle:
-            json.dump({"held_out_accuracy": accuracy, "test_images": len(test),
+            for images, labels in held_out():
+                predicted = model(images.to(device)).argmax(-1).cpu()
+                correct += int((predicted == labels).sum())
+                total += len(labels)
+        accuracy = correct / max(total, 1)
+        with atomic_write(out / "eval.json", "w") as handle:
+            json.dump({"held_out_accuracy": accuracy, "test_images": total,
                        "chance": 1 / len(classes)}, handle, indent=2)
-        print(f"held-out accuracy {accuracy:.3f} on {len(test)} images (chance "
+        print(f"held-out accuracy {accuracy:.3f} on {total} images (chance "
               f"{1 / len(classes):.3f})")
-    print(f"fine-tuned {args.steps} steps; outputs in {args.out}")
+    print(f"fine-tuned {args.steps} steps; outputs in {out}")
     return 0
+
+
+def _folder_parts(args: argparse.Namespace, processor, classes: list[str]):
+    """A class folder's training subset (stratified split) and its held-out batches."""
+    import numpy as np
+    import torch
+
+    from vlm_vit.evaluate import stratified_split
+    from vlm_vit.train.data import LabelledImageFolder
+
+    data = LabelledImageFolder(args.data, processor.size, mean=processor.mean,
+                               std=processor.std, resample=processor.resample)
+    targets = np.array([label for _, label in data.samples])
+    train, test = (stratified_split(targets, args.test_fraction, seed=args.seed)
+                   if args.test_fraction > 0 else (np.arange(len(targets)), np.array([], int)))
+
+    def held_out():
+        for start in range(0, len(test), args.batch_size):
+            chunk = test[start:start + args.batch_size]
+            yield (torch.stack([data[i][0] for i in chunk]),
+                   torch.as_tensor(targets[chunk]))
+
+    return torch.utils.data.Subset(data, train.tolist()), held_out if len(test) else None
+
+
+def _shard_classes(args: argparse.Namespace) -> list[str]:
+    """The class names of shards: `vlm-vit shards`' dataset.json, else --num-classes."""
+    from vlm_vit.train.tar_shards import expand_shards, read_dataset_index
+
+    index = read_dataset_index(expand_shards(args.data))
+    if index is not None and index.get("classes"):
+        return [str(name) for name in index["classes"]]
+    if args.num_classes is None or args.num_classes < 2:
+        raise ValueError(f"--data {args.data}: shards without a dataset.json naming their "
+                         "classes need --num-classes K (K >= 2)")
+    return [str(k) for k in range(args.num_classes)]
+
+
+def _shard_parts(args: argparse.Namespace, processor, classes: list[str]):
+    """A training stream of the shards' samples outside the held-out hash split, and the
+    held-out samples' batches in one ordered pass."""
+    import torch
+
+    from vlm_vit.train.data import UndecodableImage
+    from vlm_vit.train.tar_shards import KeySplit, LabelledDecode, ShardStream, iter_samples
+
+    decode = LabelledDecode(processor, args.label_field, num_classes=len(classes))
+    train = ShardStream(args.data, decode, seed=args.seed,
+                        select=KeySplit(args.test_fraction, args.seed, test=False))
+
+    def held_out():
+        keep = KeySplit(args.test_fraction, args.seed, test=True)
+        images, labels = [], []
+        for sample in iter_samples(train.shards):
+            item = decode(sample) if keep(sample) else None
+            if item is None or isinstance(item, UndecodableImage):
+                continue
+            images.append(item[0])
+            labels.append(item[1])
+            if len(images) == args.batch_size:
+                yield torch.stack(images), torch.tensor(labels)
+                images, labels = [], []
+        if images:
+            yield torch.stack(images), torch.tensor(labels)
+
+    return train, held_out if args.test_fraction > 0 else None
 
 
 def run_merge(args: argparse.Namespace) -> int:

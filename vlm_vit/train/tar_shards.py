@@ -322,17 +322,26 @@ class LabelledDecode:
     Args:
         processor: the `ImageProcessor` (resize, crop, normalise).
         label_field: None for the `cls` field, else a field of the `json` field.
+        num_classes: when given, a label outside 0..num_classes-1 raises.
+
+    Raises (when called):
+        ValueError: naming the sample whose label is missing or out of range.
     """
 
-    def __init__(self, processor: Any, label_field: str | None = None) -> None:
+    def __init__(self, processor: Any, label_field: str | None = None,
+                 num_classes: int | None = None) -> None:
         self.processor = processor
         self.label_field = label_field
+        self.num_classes = num_classes
 
     def __call__(self, sample: Sample) -> tuple[torch.Tensor, int] | UndecodableImage | None:
         data = sample.image()
         if data is None:
             return None
         label = sample.label(self.label_field)
+        if self.num_classes is not None and label >= self.num_classes:
+            raise ValueError(f"{sample.name}: class {label} is out of range for "
+                             f"{self.num_classes} classes")
         try:
             image = self.processor.load(data, f"image {sample.name}")
         except ValueError as error:
