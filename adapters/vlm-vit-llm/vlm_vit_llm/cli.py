@@ -26,8 +26,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "FILE.json or .jsonl, --image-folder DIR; rendered with the tokenizer's chat "
         "template, the loss on the assistant turns) or captioned images (--data-format "
         'captions: --data DIR, --captions FILE.jsonl with {"image": "a.jpg", "caption": '
-        '"..."} per line). Starts from --model (a saved multimodal model) or builds one from '
-        "--tower and --llm. Leaves RUN_DIR/model.")
+        '"..."} per line). Either may be tar shards instead (--data SHARDS, as `vlm-vit '
+        "shards --captions` or `--llava` writes them), which carry their images, captions "
+        "and records: no --captions or --image-folder. A bad shard sample is named "
+        "(shard:key) and skipped, counted with the images that do not decode; a caption "
+        "sample without an image is counted as such. Starts from --model (a saved "
+        "multimodal model) or builds one from --tower and --llm. Leaves RUN_DIR/model.")
     start = train.add_argument_group("the model")
     start.add_argument("--model", type=Path, metavar="DIR_OR_NAME",
                        help="a multimodal model saved by an earlier run (RUN_DIR/model), or its "
@@ -40,8 +44,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     start.add_argument("--projector", default="mlp2x_gelu", help="pooler for a new tower")
     start.add_argument("--feature-layer", type=int, default=-2,
                        help="hidden state a new tower reads (LLaVA: -2)")
-    train.add_argument("--data", required=True, type=Path, metavar="PATH",
-                       help="llava: the conversations file; captions: the image folder")
+    train.add_argument("--data", required=True, metavar="PATH_OR_SHARDS",
+                       help="llava: the conversations file; captions: the image folder; or, "
+                       "for either, tar shards (a brace pattern like shards/{00000..00031}.tar, "
+                       "a glob, a folder of .tar files or a URL)")
     train.add_argument("--data-format", choices=DATA_FORMATS, default="captions")
     train.add_argument("--out", required=True, type=Path, metavar="RUN_DIR")
     train.add_argument("--stage", type=int, choices=STAGES, default=1)
@@ -55,10 +61,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="longest sequence, image tokens included (default: the LLM's "
                        "context); longer records are truncated, never through an image")
     llava.add_argument("--strict", action="store_true",
-                       help="stop at the first bad record instead of skipping it")
+                       help="stop at the first bad record instead of skipping it (a "
+                       "conversations file only)")
     llava.add_argument("--group-by-length", action="store_true",
                        help="batches of records of similar length (LLaVA's "
-                       "group_by_modality_length): less padding")
+                       "group_by_modality_length): less padding (a conversations file only)")
     captions = train.add_argument_group("captions (--data-format captions)")
     captions.add_argument("--captions", type=Path, metavar="FILE.jsonl")
     captions.add_argument("--prompt", default="<image>\n",
@@ -164,18 +171,13 @@ def run_train(args: argparse.Namespace) -> int:
     from vlm_vit_llm.model import DEFAULT_LLM_LORA_TARGETS
     from vlm_vit_llm.objective import MODEL_DIR
 
-    _existing(args.data, "--data")
+    shards = _check_data(args)
     if args.model is not None:
         args.model = _model(args.model, "--model")  # once: the records read its image token
-    if args.data_format == "captions" and args.captions is None:
-        raise ValueError("--data-format captions needs --captions FILE.jsonl (or use "
-                         "--data-format llava for conversations)")
-    if args.data_format == "llava" and args.image_folder is None:
-        raise ValueError("--data-format llava needs --image-folder DIR")
-    records = _records(args)  # bad data fails before the LLM is loaded
+    records = None if shards else _records(args)  # bad data fails before the LLM is loaded
     torch.manual_seed(args.seed)  # the same new projector on every process
     mm = build_model(args)
-    dataset, collate, objective_class = _data(args, mm, records)
+    dataset, collate, objective_class = _data(args, mm, records, shards)
     if args.stage == 1:
         mm.train_projector_only()
     else:
@@ -195,9 +197,43 @@ def run_train(args: argparse.Namespace) -> int:
     command = shlex.join(["vlm-vit", *sys.argv[1:]]) if sys.argv[1:2] == ["llm"] else None
     result = Trainer(objective, dataset, config, args.out, collate=collate,
                      command=command).fit(resume=args.resume, overwrite=args.overwrite)
+    if shards and result.undecodable_images:
+        print(f"skipped {result.undecodable_images} bad sample(s) of the shards "
+              f"({len(result.undecodable_paths)} distinct; first: "
+              f"{result.undecodable_paths[0]}); each is named in the log", file=sys.stderr)
     print(f"trained stage {args.stage} for {result.step} steps, final loss "
           f"{result.losses[-1]:.4f}; model in {args.out / MODEL_DIR}")
     return 0
+
+
+def _check_data(args: argparse.Namespace) -> bool:
+    """Checks `--data` and the flags that go with it; returns whether it names tar shards
+    (else `args.data` becomes a checked `Path`)."""
+    from vlm_vit.train.tar_shards import expand_shards, is_shard_spec
+
+    if not is_shard_spec(args.data):
+        args.data = _existing(Path(args.data), "--data")
+        if args.data_format == "captions" and args.captions is None:
+            raise ValueError("--data-format captions needs --captions FILE.jsonl (or use "
+                             "--data-format llava for conversations)")
+        if args.data_format == "llava" and args.image_folder is None:
+            raise ValueError("--data-format llava needs --image-folder DIR")
+        return False
+    try:
+        expand_shards(args.data)  # a missing shard fails before the LLM is loaded
+    except (FileNotFoundError, ValueError) as error:
+        raise type(error)(f"--data: {error}") from error
+    refused = {"--captions": (args.captions, "caption shards carry their captions"),
+               "--image-folder": (args.image_folder, "LLaVA shards carry their images"),
+               "--strict": (args.strict, "shards are checked as they stream: bad records are "
+                            "named and skipped"),
+               "--group-by-length": (args.group_by_length, "a shard stream cannot be sorted "
+                                     "by length")}
+    for flag, (value, reason) in refused.items():
+        if value:
+            raise ValueError(f"{flag} is for a folder or conversations file, not tar shards "
+                             f"(--data {args.data}): {reason}")
+    return True
 
 
 def _records(args: argparse.Namespace):
@@ -222,19 +258,31 @@ def _records(args: argparse.Namespace):
     return records
 
 
-def _data(args: argparse.Namespace, mm, records):
-    """(dataset, collate, objective class) for `--data-format`."""
+def _data(args: argparse.Namespace, mm, records, shards: bool):
+    """(dataset, collate, objective class) for `--data-format`: a folder dataset, or with
+    `shards` a `ShardStream` whose decode gives the same items, for the same collate."""
+    from vlm_vit.train.tar_shards import ShardStream
     from vlm_vit_llm import train
 
-    if records is None:
-        return (train.CaptionFolder(args.data, _existing(args.captions, "--captions"),
-                                    mm.processor),
-                train.CaptionCollate(mm, args.prompt), train.CaptionObjective)
+    if args.data_format == "captions":
+        if shards:
+            dataset = ShardStream(args.data, train.CaptionShardDecode(mm.processor,
+                                                                      mm.image_token),
+                                  seed=args.seed)
+        else:
+            dataset = train.CaptionFolder(args.data, _existing(args.captions, "--captions"),
+                                          mm.processor)
+        return dataset, train.CaptionCollate(mm, args.prompt), train.CaptionObjective
     from vlm_vit_llm.chat import adopt_chat_template
 
     adopt_chat_template(mm.tokenizer, args.template)  # saved with the model
-    dataset = train.ConversationDataset(records, mm.processor,
-                                        image_tokens=mm.tower.num_image_tokens())
+    if shards:
+        dataset = ShardStream(args.data, train.ConversationShardDecode(mm.processor,
+                                                                       mm.image_token),
+                              seed=args.seed)
+    else:
+        dataset = train.ConversationDataset(records, mm.processor,
+                                            image_tokens=mm.tower.num_image_tokens())
     collate = train.ConversationCollate(mm, max_length=args.max_length)
     return dataset, collate, train.ConversationObjective
 
