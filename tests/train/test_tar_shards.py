@@ -227,3 +227,34 @@ def test_two_gloo_processes_with_two_workers_each_see_every_key_once_per_epoch(
         for _, epoch, shard, _ in log:
             readers.setdefault((epoch, shard), set()).add(rank)
     assert all(len(ranks) == 1 for ranks in readers.values())
+
+
+def test_labels_come_from_cls_or_a_json_field_and_bad_ones_are_named(tmp_path):
+    from vlm_vit.processor import ImageProcessor
+    from vlm_vit.train.data import UndecodableImage
+    from vlm_vit.train.tar_shards import KeySplit, LabelledDecode, Sample, held_out
+
+    image = _png()
+    processor = ImageProcessor(size=32, mean=MEAN, std=STD)
+
+    def sample(key, **fields):
+        return Sample(key, "x.tar", 0, 0, 0, {"png": image, **fields})
+
+    pixels, label = LabelledDecode(processor)(sample("a", cls=b"2"))
+    assert label == 2 and torch.equal(pixels, processor.preprocess_one(processor.load(image)))
+    assert LabelledDecode(processor, "y")(sample("b", json=b'{"y": 4}'))[1] == 4
+    for fields, reason in [({}, "no class label in its cls field"),
+                           ({"cls": b"two"}, "no class label"),
+                           ({"cls": b"-1"}, "no class label"),
+                           ({"cls": b"7"}, "class 7 is out of range for 3 classes")]:
+        bad = LabelledDecode(processor, num_classes=3)(sample("c", **fields))
+        assert isinstance(bad, UndecodableImage) and bad.path == "x.tar:c", fields
+        assert reason in bad.reason
+    assert LabelledDecode(processor)(Sample("d", "x.tar", 0, 0, 0, {"cls": b"1"})) is None
+    # The held-out split: about the fraction asked, disjoint, fixed by the seed.
+    keys = [f"{i:09d}" for i in range(2000)]
+    test = {k for k in keys if held_out(k, 0.2, seed=0)}
+    assert 0.17 < len(test) / 2000 < 0.23
+    assert test != {k for k in keys if held_out(k, 0.2, seed=1)}
+    train, kept = KeySplit(0.2, 0, test=False), KeySplit(0.2, 0, test=True)
+    assert all(train(sample(k)) != kept(sample(k)) for k in keys[:100])

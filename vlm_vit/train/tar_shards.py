@@ -322,10 +322,11 @@ class LabelledDecode:
     Args:
         processor: the `ImageProcessor` (resize, crop, normalise).
         label_field: None for the `cls` field, else a field of the `json` field.
-        num_classes: when given, a label outside 0..num_classes-1 raises.
+        num_classes: when given, a label outside 0..num_classes-1 is refused.
 
-    Raises (when called):
-        ValueError: naming the sample whose label is missing or out of range.
+    A sample whose label is missing, not an integer or out of range comes back as an
+    `UndecodableImage` naming it and the reason, so it is skipped and reported like a bad
+    image rather than stopping the run.
     """
 
     def __init__(self, processor: Any, label_field: str | None = None,
@@ -338,10 +339,13 @@ class LabelledDecode:
         data = sample.image()
         if data is None:
             return None
-        label = sample.label(self.label_field)
+        try:
+            label = sample.label(self.label_field)
+        except ValueError as error:
+            return UndecodableImage(sample.name, str(error))
         if self.num_classes is not None and label >= self.num_classes:
-            raise ValueError(f"{sample.name}: class {label} is out of range for "
-                             f"{self.num_classes} classes")
+            return UndecodableImage(sample.name, f"class {label} is out of range for "
+                                                 f"{self.num_classes} classes")
         try:
             image = self.processor.load(data, f"image {sample.name}")
         except ValueError as error:
@@ -395,8 +399,9 @@ class StreamState:
     """Where one rank's stream stands: recorded in checkpoints, one per rank.
 
     Attributes:
-        seed, shuffle, shards, world_size, rank, workers: what fixes the order; a resume
-            must match them.
+        seed, shuffle, block, shards, world_size, rank, workers: what fixes the order; a
+            resume must match them.
+        shard_list: a CRC-32 of the shard URLs, so a resume on other shards is refused.
         slots: per worker role, [shard ordinal, samples consumed in that shard].
         batches: batches this rank has drawn (the next comes from role batches mod workers).
         no_image: samples skipped so far for having no image.
@@ -405,7 +410,9 @@ class StreamState:
 
     seed: int
     shuffle: bool
+    block: int
     shards: int
+    shard_list: int
     world_size: int
     rank: int
     workers: int
@@ -523,12 +530,16 @@ class ShardStream(torch.utils.data.IterableDataset):
                 of processes or of workers, naming what differs.
         """
         roles = max(workers, 1)
-        fresh = StreamState(self.seed, self.shuffle, len(self.shards), world_size, rank, roles,
-                            [[0, 0] for _ in range(roles)])
+        import zlib
+
+        fresh = StreamState(self.seed, self.shuffle, self.shuffle_block, len(self.shards),
+                            zlib.crc32("\n".join(self.shards).encode()), world_size, rank,
+                            roles, [[0, 0] for _ in range(roles)])
         if state is not None:
             saved = StreamState(**state)
             differs = {name: (getattr(saved, name), getattr(fresh, name))
-                       for name in ("seed", "shuffle", "shards", "world_size", "rank", "workers")
+                       for name in ("seed", "shuffle", "block", "shards", "shard_list",
+                                    "world_size", "rank", "workers")
                        if getattr(saved, name) != getattr(fresh, name)}
             if differs:
                 raise ValueError(
