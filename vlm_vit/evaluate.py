@@ -12,16 +12,21 @@ The encoder is never trained here; each metric fits a cheap classifier on its fr
 - k-NN: cosine similarity, the k nearest training images vote with weight exp(sim / T)
   (Caron et al. 2021, DINO, section 4.1 and `eval_knn.py`).
 
+`evaluate_folder` (a class-labelled folder) and `evaluate_shards` (labelled WebDataset tar
+shards) encode the images once and hand the features to `evaluate_features`, which splits
+them and runs every metric.
+
 Shapes: N images, D the feature width, K classes.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -392,6 +397,13 @@ def _batches(images, batch_size: int, processor: ImageProcessor):
     return unpack(), len(images) if hasattr(images, "__len__") else None
 
 
+def _default_processor(encoder: VisionEncoder) -> ImageProcessor:
+    """ImageNet normalisation at the encoder's image size, for callers that give none."""
+    size = encoder.config.image_size
+    logger.info("no processor given: imagenet normalisation at %dx%d", *size)
+    return ImageProcessor.for_family("imagenet", size=size)
+
+
 def extract_features(
     encoder: VisionEncoder,
     images_or_loader: Sequence | torch.Tensor | Iterable,
@@ -442,10 +454,7 @@ def extract_features(
     from vlm_vit.poolers import build_pooler
 
     pooler = build_pooler(pooling, in_dim=encoder.config.width)
-    if processor is None:
-        size = encoder.config.image_size
-        logger.info("no processor given: imagenet normalisation at %dx%d", *size)
-        processor = ImageProcessor.for_family("imagenet", size=size)
+    processor = processor or _default_processor(encoder)
     parameter = next(encoder.parameters())
     device = torch.device(device) if device is not None else parameter.device
     encoder.to(device)
@@ -515,6 +524,109 @@ def stratified_split(labels: Array, test_fraction: float, seed: int = 0
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
 
 
+def _resolve_pooling(encoder: VisionEncoder, pooling: str | None) -> str:
+    """The pooling asked for, or "cls" when the encoder has a class token and "mean" otherwise
+    (logged)."""
+    if pooling is None:
+        pooling = "cls" if encoder.config.class_token else "mean"
+        logger.info("pooling: %s", pooling)
+    elif pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+    return pooling
+
+
+def _checked_shots(shots: Sequence[int]) -> list[int]:
+    shots = list(shots)
+    for count in shots:
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+            raise ValueError(f"shots must be positive ints, got {shots}")
+    return shots
+
+
+def split_for_shots(labels: np.ndarray, class_names: Sequence[str], shots: Sequence[int],
+                    test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """`stratified_split`, refusing shots that the smallest class's training part cannot give.
+
+    Args:
+        labels: `[N]` class indices into `class_names`.
+        class_names: the name of each class index (for the error).
+        shots, test_fraction, seed: as in `evaluate_features`.
+
+    Returns:
+        The sorted train and test row indices.
+
+    Raises:
+        ValueError: as `stratified_split`, or when max(shots) is more than a class has.
+    """
+    train, test = stratified_split(labels, test_fraction, seed)
+    present, counts = np.unique(labels[train], return_counts=True)
+    if shots and max(shots) > counts.min():
+        name = class_names[int(present[np.argmin(counts)])]
+        raise ValueError(f"{max(shots)}-shot needs {max(shots)} training images per class, but "
+                         f"class {name!r} has {counts.min()} after the split (test_fraction "
+                         f"{test_fraction}); ask for fewer shots")
+    return train, test
+
+
+def evaluate_features(
+    features: np.ndarray,
+    labels: np.ndarray,
+    class_names: Sequence[str],
+    *,
+    shots: Sequence[int] = (1, 5, 10),
+    test_fraction: float = 0.5,
+    seed: int = 0,
+    l2: float = DEFAULT_L2,
+    C: float = 1.0,
+    k: int = 20,
+    temperature: float = 0.07,
+) -> dict[str, Any]:
+    """Every metric on encoded images: a stratified split (`split_for_shots`), few-shot once
+    per entry of `shots` (seeded by `seed`), and the linear probe and k-NN on the whole
+    training part.
+
+    Args:
+        features: `[N, D]` one vector per image.
+        labels: `[N]` class indices into `class_names`.
+        class_names: the name of each class index; only the classes that have images are
+            reported (and count towards chance).
+        shots: examples per class for few-shot accuracy; each must fit the smallest class's
+            training part.
+        test_fraction: each class's share held out for testing.
+        seed: the split and shot-sampling seed.
+        l2: few-shot ridge strength. C: the linear probe's. k, temperature: the k-NN's.
+
+    Returns:
+        A JSON-able dict: `classes`, `num_train`, `num_test`, `feature_dim`, `seed`,
+        `test_fraction`, `chance`, `few_shot` (accuracy per shots, keyed by the shots as a
+        string), `l2`, `linear_probe`, `linear_probe_C`, `knn`, `knn_k` (after capping),
+        `knn_temperature`. Accuracies are fractions in [0, 1].
+    """
+    shots = _checked_shots(shots)
+    features, labels = np.asarray(features), np.asarray(labels)
+    train, test = split_for_shots(labels, class_names, shots, test_fraction, seed)
+    present = np.unique(labels)
+    split = (features[train], labels[train], features[test], labels[test])
+    few_shot = {str(count): few_shot_accuracy(*split, shots=count, l2=l2, seed=seed)
+                for count in shots}
+    return {
+        "classes": [class_names[int(index)] for index in present],
+        "num_train": len(train),
+        "num_test": len(test),
+        "feature_dim": int(features.shape[1]),
+        "seed": seed,
+        "test_fraction": test_fraction,
+        "chance": 1 / len(present),
+        "few_shot": few_shot,
+        "l2": l2,
+        "linear_probe": linear_probe_accuracy(*split, C=C),
+        "linear_probe_C": C,
+        "knn": knn_accuracy(*split, k=k, temperature=temperature),
+        "knn_k": min(k, len(train)),
+        "knn_temperature": temperature,
+    }
+
+
 def evaluate_folder(
     encoder: VisionEncoder,
     root: str | Path,
@@ -534,67 +646,158 @@ def evaluate_folder(
 ) -> dict[str, Any]:
     """Every metric on a class-labelled folder, split into train and test.
 
-    The folder is read by `read_class_folder` and split by `stratified_split`; every image
-    is encoded once. Few-shot runs once per entry of `shots` (seeded by `seed`); the linear
-    probe and k-NN use the whole training part.
+    The folder is read by `read_class_folder`; the split and the shots are checked before
+    anything is encoded; every image is encoded once and `evaluate_features` does the rest.
 
     Args:
         encoder: the frozen encoder.
         root: one sub-folder per class.
         processor: as in `extract_features`.
-        shots: examples per class for few-shot accuracy; each must fit the smallest class's
-            training part (checked before anything is encoded).
-        test_fraction: each class's share held out for testing.
-        seed: the split and shot-sampling seed.
+        shots, test_fraction, seed, l2, C, k, temperature: as in `evaluate_features`.
         pooling: "cls" or "mean"; None picks "cls" when the encoder has a class token and
             "mean" otherwise (logged, and recorded in the result).
         batch_size, device, progress: as in `extract_features`.
-        l2: few-shot ridge strength. C: the linear probe's. k, temperature: the k-NN's.
 
     Returns:
-        A JSON-able dict: `data`, `classes`, `num_train`, `num_test`, `pooling`,
-        `feature_dim`, `seed`, `test_fraction`, `chance`, `few_shot` (accuracy per shots,
-        keyed by the shots as a string), `l2`, `linear_probe`, `linear_probe_C`, `knn`,
-        `knn_k` (after capping), `knn_temperature`. Accuracies are fractions in [0, 1].
+        `data` and `pooling`, then what `evaluate_features` returns.
     """
-    if pooling is None:
-        pooling = "cls" if encoder.config.class_token else "mean"
-        logger.info("pooling: %s", pooling)
-    elif pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
-    shots = list(shots)
-    for count in shots:
-        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
-            raise ValueError(f"shots must be positive ints, got {shots}")
+    pooling = _resolve_pooling(encoder, pooling)
+    shots = _checked_shots(shots)
     files, labels, classes = read_class_folder(root)
-    train, test = stratified_split(labels, test_fraction, seed)
-    smallest = min(np.bincount(labels[train]))
-    if shots and max(shots) > smallest:
-        name = classes[int(np.argmin(np.bincount(labels[train])))]
-        raise ValueError(f"{max(shots)}-shot needs {max(shots)} training images per class, but "
-                         f"class {name!r} has {smallest} after the split (test_fraction "
-                         f"{test_fraction}); ask for fewer shots")
+    split_for_shots(labels, classes, shots, test_fraction, seed)  # fails before encoding
     features, _ = extract_features(encoder, files, pooling=pooling, batch_size=batch_size,
                                    processor=processor, device=device, progress=progress)
-    features = features.numpy()
-    split = (features[train], labels[train], features[test], labels[test])
-    few_shot = {str(count): few_shot_accuracy(*split, shots=count, l2=l2, seed=seed)
-                for count in shots}
-    return {
-        "data": str(root),
-        "classes": classes,
-        "num_train": len(train),
-        "num_test": len(test),
-        "pooling": pooling,
-        "feature_dim": int(features.shape[1]),
-        "seed": seed,
-        "test_fraction": test_fraction,
-        "chance": 1 / len(classes),
-        "few_shot": few_shot,
-        "l2": l2,
-        "linear_probe": linear_probe_accuracy(*split, C=C),
-        "linear_probe_C": C,
-        "knn": knn_accuracy(*split, k=k, temperature=temperature),
-        "knn_k": min(k, len(train)),
-        "knn_temperature": temperature,
-    }
+    return {"data": str(root), "pooling": pooling, **evaluate_features(
+        features.numpy(), labels, classes, shots=shots, test_fraction=test_fraction,
+        seed=seed, l2=l2, C=C, k=k, temperature=temperature)}
+
+
+# -- labelled tar shards --------------------------------------------------------------------
+
+
+class _LabelledBatches:
+    """(pixels `[B, 3, H, W]`, labels `[B]`) batches from shards read once in order; what it
+    skips (no image, undecodable) is kept for the report."""
+
+    def __init__(self, shards: list[str], decode: Any, batch_size: int) -> None:
+        from vlm_vit.train.tar_shards import ShardProblems
+
+        self.shards, self.decode, self.batch_size = shards, decode, batch_size
+        self.problems = ShardProblems()
+        self.no_image: list[str] = []
+        self.undecodable: list[tuple[str, str]] = []
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        from vlm_vit.train.data import UndecodableImage
+        from vlm_vit.train.tar_shards import iter_samples
+
+        pixels, labels = [], []
+        for sample in iter_samples(self.shards, self.problems):
+            item = self.decode(sample)
+            if item is None:
+                self.no_image.append(sample.name)
+            elif isinstance(item, UndecodableImage):
+                self.undecodable.append((item.path, item.reason))
+            else:
+                pixels.append(item[0])
+                labels.append(item[1])
+                if len(pixels) == self.batch_size:
+                    yield torch.stack(pixels), torch.tensor(labels)
+                    pixels, labels = [], []
+        if pixels:
+            yield torch.stack(pixels), torch.tensor(labels)
+
+    def skipped(self) -> dict[str, int]:
+        """The counts, after a warning that names the skipped samples."""
+        if self.no_image or self.undecodable:
+            named = [f"{name} (no image)" for name in self.no_image[:5]]
+            named += self.described(5)
+            logger.warning("skipped %d samples without an image and %d whose image or label "
+                           "cannot be read: %s%s",
+                           len(self.no_image), len(self.undecodable), "; ".join(named),
+                           "; ..." if len(self.no_image) > 5 or len(self.undecodable) > 5
+                           else "")
+        return {"no_image": len(self.no_image), "undecodable": len(self.undecodable),
+                "truncated_shards": len(self.problems.truncated)}
+
+    def described(self, count: int) -> list[str]:
+        """The first `count` undecodable samples, each named once with its reason."""
+        return [reason if name in reason else f"{name}: {reason}"
+                for name, reason in self.undecodable[:count]]
+
+
+def evaluate_shards(
+    encoder: VisionEncoder,
+    shards: str | Path | Sequence[str | Path],
+    *,
+    processor: ImageProcessor | None = None,
+    label_field: str | None = None,
+    shots: Sequence[int] = (1, 5, 10),
+    test_fraction: float = 0.5,
+    seed: int = 0,
+    pooling: str | None = None,
+    batch_size: int = 32,
+    device: str | torch.device | None = None,
+    l2: float = DEFAULT_L2,
+    C: float = 1.0,
+    k: int = 20,
+    temperature: float = 0.07,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Every metric on labelled WebDataset tar shards, read once in order.
+
+    Each sample's image goes through `processor` and its label is its `cls` field, or
+    `label_field` of its `json` field (`LabelledDecode`). The class names are those of the
+    `dataset.json` beside the shards (`vlm-vit shards --classes` writes it), else "0".."K-1"
+    for the largest label K-1 seen. Samples without an image, and those whose image or label
+    cannot be read (a label with no name in `dataset.json` included), are skipped, named in a
+    warning and counted; a truncated shard gives what it holds before the cut (`read_shard`
+    warns).
+
+    Args:
+        encoder: the frozen encoder.
+        shards: a shard spec (see `vlm_vit.train.tar_shards.expand_shards`).
+        processor: as in `extract_features`.
+        label_field: None for the `cls` field, else a field of each sample's `json`.
+        shots, test_fraction, seed, l2, C, k, temperature: as in `evaluate_features`.
+        pooling, batch_size, device, progress: as in `evaluate_folder`.
+
+    Returns:
+        `data` and `pooling`, what `evaluate_features` returns, then `shards` (how many) and
+        `skipped`: counts {"no_image", "undecodable" (image or label), "truncated_shards"}.
+
+    Raises:
+        FileNotFoundError, ValueError: from `expand_shards`; when no sample has a decodable
+            image and label (naming the first problem); or as `evaluate_features`.
+    """
+    from vlm_vit.train.tar_shards import LabelledDecode, expand_shards, read_dataset_index
+
+    pooling = _resolve_pooling(encoder, pooling)
+    shots = _checked_shots(shots)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    urls = expand_shards(shards)
+    index = read_dataset_index(urls)
+    names = index.get("classes") if index else None
+    decode = LabelledDecode(processor or _default_processor(encoder), label_field,
+                            num_classes=len(names) if names else None)
+    stream = _LabelledBatches(urls, decode, batch_size)
+    batches = iter(stream)
+    first = next(batches, None)  # a clear error for shards without one usable sample
+    if first is None:
+        first_problem = "".join(f"; first: {text}" for text in stream.described(1))
+        raise ValueError(f"no sample of the {len(urls)} shards of {shards} has a decodable "
+                         f"image and label ({len(stream.no_image)} without an image, "
+                         f"{len(stream.undecodable)} undecodable{first_problem})")
+    features, labels = extract_features(encoder, itertools.chain([first], batches),
+                                        pooling=pooling, device=device, progress=progress)
+    skipped = stream.skipped()
+    labels = labels.numpy()
+    if not names:
+        names = [str(label) for label in range(int(labels.max()) + 1)]
+    data = (str(shards) if isinstance(shards, (str, os.PathLike))
+            else [str(shard) for shard in shards])
+    return {"data": data, "pooling": pooling, **evaluate_features(
+        features.numpy(), labels, [str(name) for name in names], shots=shots,
+        test_fraction=test_fraction, seed=seed, l2=l2, C=C, k=k, temperature=temperature),
+        "shards": len(urls), "skipped": skipped}

@@ -1,4 +1,10 @@
-"""`vlm-vit encode`: images or folders to a safetensors file of tokens."""
+"""`vlm-vit encode`: images to a safetensors file of tokens, or tar shards to one file each.
+
+Images and folders give one file, `-o out.safetensors`: `tokens` [N, T, D] (or one `layer_K`
+per --layer) in file order, the file paths in the metadata `files`.
+
+Tar shards give one file per shard: see `vlm_vit.cli.encode_shards`.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,9 @@ from vlm_vit.files import IMAGE_SUFFIXES, image_files, write_safetensors
 from vlm_vit.loading import load_with_processor
 from vlm_vit.model import VisionEncoder
 from vlm_vit.processor import NORMALIZATION, ImageLoadError, ImageProcessor, native_size
+from vlm_vit.train.tar_shards import (
+    is_shard_spec,
+)
 from vlm_vit.train.token_budget import first_fit_decreasing, tokens_for_size
 
 ORIENTATION_TAG = 0x0112  # EXIF
@@ -23,15 +32,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "encode", help="encode images to a safetensors file of tokens",
+        "encode", help="encode images to a safetensors file of tokens (tar shards: one file "
+        "per shard)",
         description="Encode images (files or folders, searched recursively) and write their "
         "tokens to a safetensors file: `tokens` [images, tokens, width] after the final norm, "
-        "or one `layer_K` tensor per --layer (raw block outputs, as hidden_states[K]).")
+        "or one `layer_K` tensor per --layer (raw block outputs, as hidden_states[K]). "
+        "WebDataset tar shards (a brace pattern such as dir/{00000..00007}.tar, a glob, a "
+        "folder of tars, a pipe: URL, or several) are encoded one output per shard: -o is a "
+        "folder and gets OUT/<shard name>.safetensors, whose row i is the sample keys[i] "
+        "(the metadata lists the samples' __key__ in shard order, and the skipped ones with "
+        "their reason). Files are written whole (a temporary file, renamed); rerun the same "
+        "command after a kill and the complete ones are skipped. Under torchrun (RANK, "
+        "WORLD_SIZE) each process encodes its share of the shards.")
     parser.add_argument("model", metavar="MODEL", help="a checkpoint, a model name (org/name, "
                         "hf-hub:org/name, open_clip's MODEL/TAG), or a variant name together "
                         "with --random-init")
-    parser.add_argument("inputs", nargs="+", metavar="IMAGE_OR_DIR")
-    parser.add_argument("-o", "--out", required=True, type=Path, help="output .safetensors")
+    parser.add_argument("inputs", nargs="+", metavar="IMAGE_OR_DIR_OR_SHARDS")
+    parser.add_argument("-o", "--out", required=True, type=Path,
+                        help="output .safetensors; for tar shards, the output folder")
     parser.add_argument("--layer", type=int, action="append", dest="layers", metavar="K",
                         help="hidden-state index to write (repeatable; -2 for LLaVA)")
     parser.add_argument("--drop-prefix", action="store_true",
@@ -42,18 +60,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--normalize", choices=sorted(NORMALIZATION),
                         help="mean/std preset (default: the checkpoint's processor settings)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda, cuda:N or mps; under torchrun, cuda means "
+                        "cuda:LOCAL_RANK")
     parser.add_argument("--random-init", action="store_true",
                         help="allow a variant name: encode with random weights (for testing)")
     parser.add_argument("--native-resolution", action="store_true",
                         help="keep each image's aspect ratio and size (sides rounded to the "
                         "patch size, at most --max-tokens patches), encode packs of images "
                         "in one packed pass, and write every token end to end with "
-                        "`lengths` and `grids` (see the README)")
+                        "`lengths` and `grids` (see the README); not for tar shards")
     parser.add_argument("--max-tokens", type=int, default=4096, metavar="N",
                         help="with --native-resolution: tokens per pack (first-fit "
                         "decreasing), and so at most N minus the prefix tokens per image")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bar (under torchrun, rank 0 shows its own)")
     parser.set_defaults(run=run)
 
 
@@ -95,20 +116,63 @@ def _model_and_processor(args: argparse.Namespace) -> tuple[VisionEncoder, Image
     return encoder, ImageProcessor.from_dict(settings)
 
 
+def prepare_encoder(args: argparse.Namespace
+             ) -> tuple[VisionEncoder, ImageProcessor, list[int] | None, list[str]]:
+    """The encoder on its device and dtype, its processor, the --layer indices (None for the
+    final tokens) and the output tensor names; a bad layer fails before any image is read."""
+    encoder, processor = _model_and_processor(args)
+    encoder = encoder.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
+    layers = args.layers or None
+    for layer in layers or []:
+        encoder.layer_index(layer)
+    names = [f"layer_{k}" for k in layers] if layers else ["tokens"]
+    return encoder, processor, layers, names
+
+
+def encode_batch(args: argparse.Namespace, encoder: VisionEncoder, pixels: torch.Tensor,
+             layers: list[int] | None, names: list[str]
+             ) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
+    """One batch `[B, 3, H, W]` through the encoder: name -> `[B, T, D]` on the CPU (the
+    prefix dropped with --drop-prefix), and the patch grid."""
+    out = encoder(pixels.to(device=args.device, dtype=DTYPES[args.dtype]),
+                  feature_layers=layers)
+    tensors = {}
+    for name, tensor in zip(names, out.features if layers else [out.tokens], strict=True):
+        if args.drop_prefix:
+            tensor = tensor[:, out.num_prefix_tokens:]
+        tensors[name] = tensor.cpu()
+    return tensors, out.grid
+
+
+def _is_shard_job(inputs: list[str]) -> bool:
+    """Whether the inputs are tar shards (all of them) rather than images and folders.
+
+    Raises:
+        ValueError: when some are shards and some are not.
+    """
+    shards = [is_shard_spec(item) for item in inputs]
+    if all(shards):
+        return True
+    if any(shards):
+        raise ValueError(f"{inputs[shards.index(True)]} names tar shards but "
+                         f"{inputs[shards.index(False)]} does not; encode shards and images "
+                         "in separate runs")
+    return False
+
+
 def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if _is_shard_job(args.inputs):
+        from vlm_vit.cli.encode_shards import run_shards
+
+        return run_shards(args)
     if args.out.suffix != ".safetensors":
         raise ValueError(f"--out must end in .safetensors, got {args.out}")
     if args.native_resolution and args.image_size:
         raise ValueError("--native-resolution keeps each image's own size; drop --image-size")
     files = find_images(args.inputs)
-    encoder, processor = _model_and_processor(args)
-    encoder = encoder.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
-    layers = args.layers or None
-    for layer in layers or []:
-        encoder.layer_index(layer)  # a bad layer fails before any image is read
-    names = [f"layer_{k}" for k in layers] if layers else ["tokens"]
+    encoder, processor, layers, names = prepare_encoder(args)
     if args.native_resolution:
         return _run_native(args, files, encoder, processor, layers, names)
     collected: dict[str, list[torch.Tensor]] = {name: [] for name in names}
@@ -116,14 +180,10 @@ def run(args: argparse.Namespace) -> int:
     batches = range(0, len(files), args.batch_size)
     with torch.inference_mode():
         for start in tqdm(batches, desc="encoding", unit="batch", disable=args.quiet):
-            batch = files[start:start + args.batch_size]
-            pixels = processor(batch).to(device=args.device, dtype=DTYPES[args.dtype])
-            out = encoder(pixels, feature_layers=layers)
-            grid = out.grid
-            for name, tensor in zip(names, out.features if layers else [out.tokens]):
-                if args.drop_prefix:
-                    tensor = tensor[:, out.num_prefix_tokens:]
-                collected[name].append(tensor.cpu())
+            pixels = processor(files[start:start + args.batch_size])
+            tensors, grid = encode_batch(args, encoder, pixels, layers, names)
+            for name, tensor in tensors.items():
+                collected[name].append(tensor)
     tensors = {name: torch.cat(parts) for name, parts in collected.items()}
     metadata = {
         "files": json.dumps([str(f) for f in files]), "grid": json.dumps(list(grid)),

@@ -1,4 +1,5 @@
-"""`vlm-vit probe`: frozen-feature accuracy of an encoder on a class-labelled folder."""
+"""`vlm-vit probe`: frozen-feature accuracy of an encoder on a class-labelled folder or on
+labelled WebDataset tar shards."""
 
 from __future__ import annotations
 
@@ -6,21 +7,31 @@ import argparse
 import json
 from pathlib import Path
 
-from vlm_vit.evaluate import POOLINGS, evaluate_folder
+from vlm_vit.evaluate import POOLINGS, evaluate_folder, evaluate_shards
 from vlm_vit.files import atomic_write
 from vlm_vit.loading import load_with_processor
+from vlm_vit.train.tar_shards import expand_shards, is_shard_spec
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "probe", help="few-shot, linear-probe and k-NN accuracy on a labelled folder",
-        description="Encode a folder with one sub-folder per class, split it into train and "
-        "test (stratified, seeded) and report frozen-feature accuracy: few-shot regularised "
-        "least squares (ViT paper section 4.1), a logistic-regression probe and weighted "
-        "k-NN (DINO).")
+        "probe", help="few-shot, linear-probe and k-NN accuracy on a labelled folder or tar "
+        "shards",
+        description="Encode a folder with one sub-folder per class, or labelled WebDataset tar "
+        "shards, split it into train and test (stratified, seeded) and report frozen-feature "
+        "accuracy: few-shot regularised least squares (ViT paper section 4.1), a "
+        "logistic-regression probe and weighted k-NN (DINO). A shard sample's label is its "
+        "`cls` field (or --label-field of its json); class names come from the dataset.json "
+        "beside the shards (`vlm-vit shards --classes` writes it), else 0..K-1. Shard samples "
+        "without an image, or whose image or label cannot be read, are skipped and counted.")
     parser.add_argument("encoder", metavar="ENCODER", help="any checkpoint load_encoder reads")
-    parser.add_argument("--data", required=True, type=Path, metavar="DIR",
-                        help="a folder with one sub-folder of images per class")
+    parser.add_argument("--data", required=True, metavar="DIR_OR_SHARDS",
+                        help="a folder with one sub-folder of images per class, or tar shards "
+                        "(a brace pattern such as dir/{00000..00007}.tar, a glob, a folder of "
+                        "tars or a URL)")
+    parser.add_argument("--label-field", metavar="NAME",
+                        help="with tar shards: the label is this field of each sample's json "
+                        "(default: its cls field)")
     parser.add_argument("--pooling", choices=POOLINGS,
                         help="image representation (default: cls when the model has a class "
                         "token, else mean)")
@@ -51,17 +62,31 @@ def format_table(result: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
-    if not args.data.is_dir():  # before the checkpoint is read
+    shards = is_shard_spec(args.data)
+    if shards:  # the checks before the checkpoint is read
+        expand_shards(args.data)
+    elif args.label_field is not None:
+        raise ValueError("--label-field is for tar shards; a folder's labels are its "
+                         "sub-folders")
+    elif not Path(args.data).is_dir():
         raise FileNotFoundError(f"--data {args.data} does not exist or is not a folder")
     encoder, processor = load_with_processor(args.encoder)
-    result = evaluate_folder(
-        encoder, args.data, processor=processor, shots=args.shots,
-        test_fraction=args.test_fraction, seed=args.seed, pooling=args.pooling,
-        batch_size=args.batch_size, device=args.device, progress=not args.quiet)
+    options = dict(processor=processor, shots=args.shots, test_fraction=args.test_fraction,
+                   seed=args.seed, pooling=args.pooling, batch_size=args.batch_size,
+                   device=args.device, progress=not args.quiet)
+    if shards:
+        result = evaluate_shards(encoder, args.data, label_field=args.label_field, **options)
+    else:
+        result = evaluate_folder(encoder, Path(args.data), **options)
     result["encoder"] = str(args.encoder)
     print(f"{args.encoder} on {args.data}: {len(result['classes'])} classes, "
           f"{result['num_train']} train / {result['num_test']} test images, "
           f"{result['pooling']} pooling, width {result['feature_dim']}")
+    if shards:
+        skipped = result["skipped"]
+        print(f"{result['shards']} shards; skipped {skipped['no_image']} samples without an "
+              f"image, {skipped['undecodable']} undecodable; "
+              f"{skipped['truncated_shards']} truncated shards")
     print(format_table(result))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

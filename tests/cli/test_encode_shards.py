@@ -1,0 +1,281 @@
+"""`vlm-vit encode` over WebDataset tar shards: one output file per shard."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from vlm_vit import ImageProcessor
+from vlm_vit.cli import main
+from vlm_vit.model import VisionEncoder
+
+from ..conftest import tiny_config
+from ..train.toy import real_images, write_shards
+
+pytest.importorskip("webdataset")
+
+SHARDS, PER_SHARD = 4, 6
+NAMES = [f"shard-{i:02d}.safetensors" for i in range(SHARDS)]
+
+
+@pytest.fixture(autouse=True)
+def single_process(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(0)
+    VisionEncoder(tiny_config()).save_pretrained(path)
+    ImageProcessor.for_family("clip", size=32).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """4 shards of 6 real 40x48 PNGs: {shard path: keys}."""
+    return write_shards(tmp_path_factory.mktemp("data") / "shards", SHARDS, PER_SHARD)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, checkpoint, shards):
+    """A single-process run over the shards folder."""
+    out = tmp_path_factory.mktemp("reference")
+    folder = os.path.dirname(next(iter(shards)))
+    assert main(["encode", str(checkpoint), folder, "-o", str(out), "--quiet"]) == 0
+    return out
+
+
+def read(path):
+    with safe_open(str(path), "pt") as handle:
+        return {k: handle.get_tensor(k) for k in handle.keys()}, handle.metadata()  # noqa: SIM118
+
+
+def assert_same_outputs(out, expected):
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in expected.iterdir())
+    for path in sorted(expected.iterdir()):
+        tensors, metadata = read(out / path.name)
+        want, want_metadata = read(path)
+        assert metadata == want_metadata, path.name
+        assert tensors.keys() == want.keys()
+        for name in want:
+            assert torch.equal(tensors[name], want[name]), (path.name, name)
+
+
+def command(checkpoint, inputs, out, *extra):
+    return [sys.executable, "-m", "vlm_vit.cli", "encode", str(checkpoint), *map(str, inputs),
+            "-o", str(out), "--quiet", *extra]
+
+
+def start(argv, rank, world):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(HF_HUB_OFFLINE="1", RANK=str(rank), WORLD_SIZE=str(world))
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def finish(process):
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    return stdout
+
+
+@pytest.mark.parametrize("options", [
+    [],
+    ["--layer", "-2", "--layer", "0", "--drop-prefix", "--batch-size", "3", "--dtype",
+     "bfloat16"],
+])
+def test_each_shard_gives_one_file_with_the_folder_paths_tokens(tmp_path, checkpoint, shards,
+                                                                 options, capsys):
+    out = tmp_path / "tokens"
+    pattern = os.path.join(os.path.dirname(next(iter(shards))), "shard-{00..03}.tar")
+    assert main(["encode", str(checkpoint), pattern, "-o", str(out), "--quiet", *options]) == 0
+    assert (capsys.readouterr().out.strip() == f"wrote 4 shards (24 images) to {out} (0 "
+            "already complete, 0 skipped samples)")
+    assert sorted(p.name for p in out.iterdir()) == NAMES  # no temporary file either
+    # The same PNG bytes as a folder, named so that sorted order is the shards' order.
+    (tmp_path / "images").mkdir()
+    keys = [key for shard_keys in shards.values() for key in shard_keys]
+    for key, data in zip(keys, real_images(len(keys)), strict=True):
+        (tmp_path / "images" / f"{key}.png").write_bytes(data)
+    single = tmp_path / "folder.safetensors"
+    assert main(["encode", str(checkpoint), str(tmp_path / "images"), "-o", str(single),
+                 "--quiet", *options]) == 0
+    expected, expected_metadata = read(single)
+    parts = {name: [] for name in expected}
+    for (shard, shard_keys), name in zip(shards.items(), NAMES, strict=True):
+        tensors, metadata = read(out / name)
+        assert json.loads(metadata["keys"]) == shard_keys
+        assert metadata["shard"] == shard and metadata["complete"] == "true"
+        assert metadata["samples"] == "6" and json.loads(metadata["skipped"]) == []
+        assert metadata["truncated"] == "false" and metadata["model"] == str(checkpoint)
+        for key in ("grid", "num_prefix_tokens"):
+            assert metadata[key] == expected_metadata[key]
+        assert tensors.keys() == expected.keys()
+        for tensor_name, tensor in tensors.items():
+            parts[tensor_name].append(tensor)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(torch.cat(parts[name]), tensor, atol=1e-6, rtol=1e-6)
+        assert tensor.dtype == (torch.bfloat16 if options else torch.float32)
+
+
+def test_two_processes_write_what_one_writes(tmp_path, checkpoint, shards, reference):
+    out = tmp_path / "tokens"
+    folder = os.path.dirname(next(iter(shards)))
+    processes = [start(command(checkpoint, [folder], out), rank, 2) for rank in (0, 1)]
+    printed = [finish(process) for process in processes]
+    assert printed[0].strip() == (f"rank 0 of 2: wrote 2 shards (12 images) to {out} (0 "
+                                  "already complete, 0 skipped samples)")
+    assert printed[1] == ""  # rank 0 prints the summary
+    assert_same_outputs(out, reference)
+
+
+def test_a_killed_job_resumes_when_rerun(tmp_path, checkpoint, shards):
+    """Rank 0's second shard comes through a pipe that waits while `block` exists, so the
+    kill lands after its first output and before its second, every time."""
+    paths = list(shards)
+    block = tmp_path / "block"
+    waiting = (f"pipe:sh -c 'while [ -e {block} ]; do sleep 0.05; done; "
+               f"exec cat {paths[2]}'")
+    inputs = [paths[0], paths[1], waiting, paths[3]]
+    expected = tmp_path / "expected"
+    assert main(["encode", str(checkpoint), *inputs, "-o", str(expected), "--quiet"]) == 0
+    assert sorted(p.name for p in expected.iterdir()) == NAMES
+
+    out = tmp_path / "tokens"
+    block.touch()
+    argv = command(checkpoint, inputs, out)
+    rank0, rank1 = start(argv, 0, 2), start(argv, 1, 2)
+    finish(rank1)  # shards 1 and 3
+    deadline = time.monotonic() + 120
+    while not (out / NAMES[0]).exists():
+        assert rank0.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(rank0.pid, signal.SIGKILL)
+    rank0.communicate()
+    assert rank0.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in out.iterdir()) == [NAMES[0], NAMES[1], NAMES[3]]
+    # What a kill during a write leaves (atomic_write's temporary names):
+    (out / f".{NAMES[2]}.k1ll3d_0.tmp").write_bytes(b"half a file")
+    (out / f".{NAMES[3]}.k1ll3d_1.tmp").write_bytes(b"half a file")
+
+    block.unlink()
+    rank0, rank1 = start(argv, 0, 2), start(argv, 1, 2)
+    assert finish(rank0).strip() == (f"rank 0 of 2: wrote 1 shards (6 images) to {out} (1 "
+                                     "already complete, 0 skipped samples)")
+    finish(rank1)
+    assert not list(out.rglob("*.tmp"))
+    assert_same_outputs(out, expected)
+
+
+def tar(path, samples):
+    import webdataset as wds
+
+    with wds.TarWriter(str(path)) as writer:
+        for sample in samples:
+            writer.write(sample)
+
+
+def test_bad_samples_and_a_truncated_shard_are_skipped_and_named(tmp_path, checkpoint,
+                                                                  shards, capsys):
+    data = tmp_path / "bad"
+    data.mkdir()
+    good = real_images(2)
+    tar(data / "a-mixed.tar", [
+        {"__key__": "good-0", "png": good[0]},
+        {"__key__": "corrupt", "png": b"these bytes are no PNG"},
+        {"__key__": "text-only", "txt": b"a caption and no image"},
+        {"__key__": "good-1", "png": good[1]},
+    ])
+    tar(data / "b-empty.tar", [{"__key__": "text-only", "txt": b"no image here"}])
+    whole, keys = next(iter(shards.items()))
+    with open(whole, "rb") as handle:
+        cut = handle.read()
+    (data / "c-cut.tar").write_bytes(cut[:int(len(cut) * 0.6)])
+    out = tmp_path / "tokens"
+    assert main(["encode", str(checkpoint), str(data), "-o", str(out), "--quiet"]) == 0
+    captured = capsys.readouterr()
+
+    tensors, metadata = read(out / "a-mixed.safetensors")
+    assert json.loads(metadata["keys"]) == ["good-0", "good-1"] and tensors["tokens"].shape[0] == 2
+    skipped = {s["key"]: s["reason"] for s in json.loads(metadata["skipped"])}
+    assert skipped.keys() == {"corrupt", "text-only"}
+    assert "not a recognised image format" in skipped["corrupt"]
+    assert skipped["text-only"] == "no image (fields: txt)"
+    assert metadata["read"] == "4" and metadata["samples"] == "2"
+    assert f"skipped 2 samples of shard {data / 'a-mixed.tar'}" in captured.err
+
+    tensors, metadata = read(out / "b-empty.safetensors")
+    assert tensors["tokens"].shape == (0, 17, 32) and json.loads(metadata["keys"]) == []
+
+    tensors, metadata = read(out / "c-cut.safetensors")
+    count = int(metadata["samples"])
+    assert 0 < count < PER_SHARD and tensors["tokens"].shape[0] == count
+    assert json.loads(metadata["keys"]) == keys[:count]
+    assert metadata["truncated"] == "true" and metadata["read"] == str(count)
+    assert f"shard {data / 'c-cut.tar'} is truncated after {count} samples" in captured.err
+    assert captured.out.strip() == (f"wrote 3 shards ({2 + count} images) to {out} (0 already "
+                                    "complete, 3 skipped samples)")
+    # A rerun reads the truncated shard again (it may have been repaired), and only it.
+    assert main(["encode", str(checkpoint), str(data), "-o", str(out), "--quiet"]) == 0
+    assert capsys.readouterr().out.strip() == (f"wrote 1 shards ({count} images) to {out} (2 "
+                                               "already complete, 0 skipped samples)")
+
+
+@pytest.mark.parametrize("inputs, out, extra, message", [
+    (["SHARDS"], "x.safetensors", [], "with tar shards, -o is a folder"),
+    (["SHARDS"], "CKPT/tokens", [], "is inside the model folder"),
+    (["SHARDS"], "SHARDS", [], "is the folder of the input shards"),
+    (["SHARDS/shard-00.tar", "IMAGE"], "tokens", [], "encode shards and images in separate"),
+    (["SHARDS"], "tokens", ["--native-resolution"], "--native-resolution is for images"),
+    (["SHARDS/shard-{00..09}.tar"], "tokens", [], "6 of the 10 shards"),
+    (["pipe:cat SHARDS/shard-00.tar.part"], "tokens", [], "cannot name the output"),
+])
+def test_user_errors_are_one_line(tmp_path, checkpoint, shards, capsys, inputs, out, extra,
+                                  message):
+    folder = os.path.dirname(next(iter(shards)))
+    (tmp_path / "image.png").write_bytes(real_images(1)[0])
+
+    def fill(text):
+        return (text.replace("SHARDS", folder).replace("CKPT", str(checkpoint))
+                .replace("IMAGE", str(tmp_path / "image.png")))
+
+    target = fill(out) if out in ("SHARDS", "CKPT/tokens") else str(tmp_path / out)
+    before = sorted(os.listdir(folder)), sorted(os.listdir(checkpoint))
+    assert main(["encode", str(checkpoint), *map(fill, inputs), "-o", target, "--quiet",
+                 *extra]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert (sorted(os.listdir(folder)), sorted(os.listdir(checkpoint))) == before
+    assert not (tmp_path / out).exists()
+
+
+def test_a_rank_outside_the_world_is_an_error(tmp_path, checkpoint, shards, monkeypatch,
+                                              capsys):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    folder = os.path.dirname(next(iter(shards)))
+    assert main(["encode", str(checkpoint), folder, "-o", str(tmp_path / "out"), "--quiet"]) == 1
+    assert "RANK=2 must lie in 0..WORLD_SIZE-1" in capsys.readouterr().err
+
+
+def test_a_rerun_with_other_settings_does_not_touch_the_outputs(tmp_path, checkpoint, shards,
+                                                                reference, capsys):
+    folder = os.path.dirname(next(iter(shards)))
+    out = tmp_path / "tokens"
+    assert main(["encode", str(checkpoint), folder, "-o", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["encode", str(checkpoint), folder, "-o", str(out), "--quiet",
+                 "--drop-prefix"]) == 1
+    err = capsys.readouterr().err
+    assert "shard-00.safetensors was encoded with settings" in err and "remove it" in err
+    assert len(err.strip().splitlines()) == 1
+    assert_same_outputs(out, reference)

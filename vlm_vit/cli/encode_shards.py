@@ -1,0 +1,285 @@
+"""`vlm-vit encode` over tar shards: one output file per input shard.
+
+WebDataset tar shards (a brace pattern, a glob, a folder of tars, several of these, or a
+`pipe:` URL; see `vlm_vit.train.tar_shards`) give one file per shard in the folder `-o OUT`:
+`OUT/<shard name less .tar, .tar.gz or .tgz>.safetensors`. Row i of its `tokens` (or
+`layer_K`) is the i-th sample of the shard that was encoded, whose `__key__` is `keys[i]`.
+Its metadata (strings; JSON where structured):
+
+- `keys`: the encoded samples' keys, in shard order; `samples`: how many (N).
+- `skipped`: [{"key", "reason"}] for undecodable images and samples without an image.
+- `shard`: the input URL; `read`: samples read from it; `truncated`: "true" when the shard
+  ended early (its readable samples are encoded; a rerun reads it again).
+- `grid`, `num_prefix_tokens`, `model`, `settings` (the options that shape the tokens), and
+  `complete`: "true".
+
+Each file is written to a hidden temporary file in OUT and then renamed, so a killed job
+leaves only whole files; rerunning the same command skips the shards whose file is complete
+and removes the temporary files the killed run left; an output of another shard, model or
+settings is never overwritten (the run stops, naming it). Under torchrun (RANK and
+WORLD_SIZE set) each process encodes every WORLD_SIZE-th shard; no process group is needed,
+and rank 0 prints its own summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from vlm_vit.cli.encode import DTYPES, encode_batch, prepare_encoder
+from vlm_vit.files import write_safetensors
+from vlm_vit.model import VisionEncoder
+from vlm_vit.processor import ImageProcessor
+from vlm_vit.train.tar_shards import (
+    SHARD_SUFFIXES,
+    URL_PREFIXES,
+    ShardProblems,
+    expand_shards,
+    rank_shards,
+    read_shard,
+)
+
+
+def shard_output_name(url: str) -> str:
+    """The output file name of a shard: its base name less the shard suffix, plus
+    `.safetensors` (for a `pipe:` URL, the last word that ends in a shard suffix).
+
+    Raises:
+        ValueError: when no word of `url` ends in a shard suffix.
+    """
+    words = [word.strip("'\"").split("?")[0] for word in url.split()]
+    named = [word for word in words if word.endswith(SHARD_SUFFIXES)]
+    base = named[-1].rsplit("/", 1)[-1].rsplit(":", 1)[-1] if named else ""
+    stem = next((base[:-len(s)] for s in SHARD_SUFFIXES if base.endswith(s)), "")
+    if not stem:
+        raise ValueError(f"cannot name the output of shard {url!r}: no word of it is a file "
+                         f"name ending in {', '.join(SHARD_SUFFIXES)}")
+    return f"{stem}.safetensors"
+
+
+def _output_paths(shards: list[str], out: Path) -> list[Path]:
+    """OUT/<name>.safetensors per shard; two shards of one name are refused."""
+    paths: list[Path] = []
+    owner: dict[str, str] = {}
+    for url in shards:
+        name = shard_output_name(url)
+        if name in owner:
+            raise ValueError(f"shards {owner[name]} and {url} would both be written to "
+                             f"{out / name}; encode them into separate -o folders")
+        owner[name] = url
+        paths.append(out / name)
+    return paths
+
+
+def _check_output_folder(args: argparse.Namespace, shards: list[str]) -> None:
+    """Refuses an -o that is a .safetensors name or a file, lies in the model's folder, or
+    is a folder of the input shards."""
+    out = args.out
+    if out.suffix == ".safetensors":
+        raise ValueError(f"with tar shards, -o is a folder for one .safetensors file per shard; "
+                         f"got the file name {out}")
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"-o {out} is a file; with tar shards, -o is a folder")
+    target = out.resolve()
+    model = Path(str(args.model))
+    if model.is_dir() and target.is_relative_to(model.resolve()):
+        raise ValueError(f"-o {out} is inside the model folder {model}; write the tokens "
+                         "elsewhere")
+    local = [Path(url) for url in shards if not url.startswith(URL_PREFIXES)]
+    inputs = {path.resolve() for path in map(Path, args.inputs) if path.exists()}
+    if target in inputs | {path.resolve().parent for path in local}:
+        raise ValueError(f"-o {out} is the folder of the input shards; write the tokens to "
+                         "another folder")
+
+
+def _rank_and_world() -> tuple[int, int]:
+    """This process's RANK and the WORLD_SIZE from the environment (torchrun sets both), or
+    (0, 1) when neither is set."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None and world is None:
+        return 0, 1
+    try:
+        values = int(rank or ""), int(world or "")
+    except ValueError:
+        raise ValueError(f"RANK={rank!r} and WORLD_SIZE={world!r} must both be set to integers "
+                         "(torchrun sets them)") from None
+    if not 0 <= values[0] < values[1]:
+        raise ValueError(f"RANK={rank} must lie in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
+    return values
+
+
+def _settings(args: argparse.Namespace) -> str:
+    """The options that shape the tokens, as the JSON recorded in each output."""
+    return json.dumps({"layers": args.layers or None, "drop_prefix": args.drop_prefix,
+                       "dtype": args.dtype, "image_size": args.image_size,
+                       "normalize": args.normalize})
+
+
+def _is_complete(path: Path, url: str, model: str, settings: str) -> bool:
+    """Whether `path` is a whole output of shard `url` by this model and settings (a rerun
+    skips it). A truncated shard's output is not: the rerun reads the shard again.
+
+    Raises:
+        ValueError: when `path` is not an encode output, or one of another shard, model or
+            settings (a rerun never overwrites another job's output).
+    """
+    if not path.exists():
+        return False
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as handle:
+            metadata = handle.metadata() or {}
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{path} exists and is not a readable safetensors file ({error}); "
+                         "remove it or choose another -o") from None
+    for name, value in (("shard", url), ("model", model), ("settings", settings)):
+        if metadata.get(name) != value:
+            raise ValueError(f"{path} was encoded with {name} {metadata.get(name)}, this run "
+                             f"has {value}; remove it or choose another -o")
+    return metadata.get("complete") == "true" and metadata.get("truncated") != "true"
+
+
+def _remove_leftovers(out: Path, outputs: list[Path]) -> int:
+    """Removes the temporary files (`.NAME.*.tmp`) a killed run left for these outputs; only
+    this process's own outputs, so a rank never removes another's file being written."""
+    names = {path.name for path in outputs}
+    removed = 0
+    for entry in out.iterdir():
+        name = entry.name
+        if (name.startswith(".") and name.endswith(".tmp")
+                and name[1:-len(".tmp")].rsplit(".", 1)[0] in names):
+            entry.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+@dataclass
+class _ShardRecord:
+    """What encoding one shard kept and skipped."""
+
+    keys: list[str] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    read: int = 0
+    problems: ShardProblems = field(default_factory=ShardProblems)
+
+
+def _shard_batches(url: str, index: int, processor: ImageProcessor, batch_size: int,
+                   record: _ShardRecord) -> Iterator[torch.Tensor]:
+    """The shard's images, preprocessed, in batches `[B, 3, H, W]` of `batch_size`; the
+    encoded samples' keys and the skipped ones go to `record`."""
+    pixels: list[torch.Tensor] = []
+    for sample in read_shard(url, index, problems=record.problems):
+        record.read += 1
+        data = sample.image()
+        if data is None:
+            record.skipped.append({"key": sample.key, "reason": "no image (fields: "
+                                   f"{', '.join(sorted(sample.fields)) or 'none'})"})
+            continue
+        try:  # decoded as `processor(path)` decodes a file, so the tokens match a folder's
+            image = processor.preprocess_one(processor.load(data, f"image {sample.name}"))
+        except ValueError as error:  # ImageLoadError, ImageTooLargeError
+            record.skipped.append({"key": sample.key, "reason": str(error)})
+            continue
+        pixels.append(image)
+        record.keys.append(sample.key)
+        if len(pixels) == batch_size:
+            yield torch.stack(pixels)
+            pixels = []
+    if pixels:
+        yield torch.stack(pixels)
+
+
+def _empty_tokens(args: argparse.Namespace, encoder: VisionEncoder) -> torch.Tensor:
+    """`[0, T, D]` for a shard without one decodable image, T and D as the others'."""
+    config = encoder.config
+    prefix = 0 if args.drop_prefix else config.num_prefix_tokens
+    tokens = prefix + config.grid[0] * config.grid[1]
+    return torch.zeros(0, tokens, config.width, dtype=DTYPES[args.dtype])
+
+
+def _encode_shard(args: argparse.Namespace, url: str, index: int, path: Path,
+                  encoder: VisionEncoder, processor: ImageProcessor,
+                  layers: list[int] | None, names: list[str]) -> _ShardRecord:
+    """Encodes one shard and writes its output atomically (`write_safetensors`)."""
+    record = _ShardRecord()
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    with torch.inference_mode():
+        for pixels in _shard_batches(url, index, processor, args.batch_size, record):
+            tensors, _ = encode_batch(args, encoder, pixels, layers, names)
+            for name, tensor in tensors.items():
+                parts[name].append(tensor)
+    tensors = {name: torch.cat(chunks) if chunks else _empty_tokens(args, encoder)
+               for name, chunks in parts.items()}
+    truncated = bool(record.problems.truncated)
+    metadata = {
+        "keys": json.dumps(record.keys), "shard": url, "samples": str(len(record.keys)),
+        "read": str(record.read), "skipped": json.dumps(record.skipped),
+        "truncated": "true" if truncated else "false",
+        "grid": json.dumps(list(encoder.config.grid)),
+        "num_prefix_tokens": str(0 if args.drop_prefix else encoder.num_prefix_tokens),
+        "model": str(args.model), "settings": _settings(args), "complete": "true",
+    }
+    write_safetensors(tensors, path, metadata=metadata)
+    return record
+
+
+def _warn(message: str) -> None:
+    tqdm.write(f"vlm-vit encode: warning: {message}", file=sys.stderr)
+
+
+def run_shards(args: argparse.Namespace) -> int:
+    """Tar shards: one output per shard in the folder -o, this process's share of them."""
+    if args.native_resolution:
+        raise ValueError("--native-resolution is for images and folders; tar shards are "
+                         "encoded at the model's image size (drop --native-resolution)")
+    shards = expand_shards(list(args.inputs))
+    _check_output_folder(args, shards)
+    outputs = _output_paths(shards, args.out)
+    rank, world = _rank_and_world()
+    if world > 1 and args.device == "cuda" and "LOCAL_RANK" in os.environ:
+        args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    mine = rank_shards(shards, rank, world)
+    settings = _settings(args)
+    todo = [i for i in mine if not _is_complete(outputs[i], shards[i], str(args.model),
+                                                 settings)]
+    complete = len(mine) - len(todo)
+    args.out.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(args.out, [outputs[i] for i in mine])
+    written = images = skipped = 0
+    if todo:
+        encoder, processor, layers, names = prepare_encoder(args)
+        label = "encoding shards" + (f" (rank {rank} of {world})" if world > 1 else "")
+        with tqdm(total=len(mine), initial=complete, desc=label, unit="shard",
+                  disable=args.quiet or rank != 0) as progress:
+            progress.set_postfix(images=0)
+            for index in todo:
+                record = _encode_shard(args, shards[index], index, outputs[index], encoder,
+                                       processor, layers, names)
+                written, images = written + 1, images + len(record.keys)
+                skipped += len(record.skipped)
+                for url, read, error in record.problems.truncated:
+                    _warn(f"shard {url} is truncated after {read} samples ({error}); encoded "
+                          f"the {len(record.keys)} images read, in {outputs[index]}")
+                if record.skipped:
+                    shown = "; ".join(f"{s['key']}: {s['reason']}" for s in record.skipped[:3])
+                    more = len(record.skipped) - 3
+                    _warn(f"skipped {len(record.skipped)} samples of shard {shards[index]} "
+                          f"({shown}{f'; and {more} more' if more > 0 else ''})")
+                progress.set_postfix(images=images, refresh=False)
+                progress.update(1)
+    if rank == 0:
+        where = f"rank 0 of {world}: " if world > 1 else ""
+        print(f"{where}wrote {written} shards ({images} images) to {args.out} ({complete} "
+              f"already complete, {skipped} skipped samples)")
+    return 0
+
+
