@@ -62,6 +62,11 @@ BENCHMARKS = {
         ("ratio_packed_over_padded", "speed vs ours padded with a mask", ""),
         ("memory_ratio_packed_over_padded", "peak memory vs ours padded", "<= 1.0"),
         ("memory_ratio_packed_over_naflexvit", "peak memory vs timm NaFlexVit", "<= 1.0")]),
+    "shards vs folder": ("shards_vs_folder.py", [
+        ("data_ratio_shards_over_folder_1", "data pipeline from shards vs a folder", ">= 1.0"),
+        ("data_ratio_2_over_1_shards", "data pipeline, 2 processes vs 1 (shards)", ">= 1.6"),
+        ("encode_ratio_shards_over_folder", "vlm-vit encode from shards vs a folder", ">= 1.0"),
+        ("encode_ratio_2_over_1_shards", "vlm-vit encode, 2 processes vs 1 (shards)", "")]),
 }
 
 _TINY = ["--depth", "1", "--image-size", "32", "--batch-size", "2", "--repeats", "1"]
@@ -77,6 +82,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "llava step": [],
         "scaling": [],
         "packed vs padded": [],
+        "shards vs folder": [],
     },
     "quick": {
         "encode vit-b/16": ["--variant", "vit-s/16", "--anchors", "timm", "--repeats", "5"],
@@ -88,6 +94,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "llava step": ["--variant", "clip-vit-b/32", "--llm-layers", "2", "--repeats", "3"],
         "scaling": ["--variant", "vit-ti/16", "--repeats", "2"],
         "packed vs padded": ["--variant", "vit-s/16", "--images", "16", "--repeats", "3"],
+        "shards vs folder": ["--images", "1000", "--per-shard", "125", "--repeats", "2"],
     },
     "tiny": {
         "encode vit-b/16": ["--variant", "vit-ti/16", "--anchors", "timm", *_TINY,
@@ -108,6 +115,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                     "--sides", "32", "48", "--repeats", "1"],
         "packed vs padded": ["--variant", "vit-ti/16", "--depth", "1", "--images", "6",
                              "--shrink", "4", "--repeats", "1"],
+        "shards vs folder": ["--images", "64", "--per-shard", "16", "--repeats", "1"],
     },
     "gpu": {  # gpu_suite.py: bf16 under autocast, sized to finish in one call of < 8 minutes
         "encode vit-b/16": ["--variant", "vit-b/16", "--anchors", "timm", "--batch-size", "256",

@@ -46,7 +46,8 @@ def run_script(benchmarks, monkeypatch, tmp_path, name: str, extra: tuple = ()) 
 
 @pytest.mark.parametrize("name", ["encode vit-b/16", "encode clip-vit-b/16",
                                   "encode clip-vit-l/14-336", "llava features", "load",
-                                  "mae step", "lora step", "llava step", "scaling"])
+                                  "mae step", "lora step", "llava step", "scaling",
+                                  "shards vs folder"])
 def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
     if name == "llava step":
         pytest.importorskip("vlm_vit_llm")
