@@ -10,6 +10,7 @@ the captions, so the only thing that can tell the captions apart is the image.
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from PIL import Image
 import vlm_vit
 from vlm_vit.train import TrainConfig, Trainer
 
+TOLERANCE = 1e-4  # the export's logits against our model's
 CAPTIONS = {"astronaut": "a woman in a space suit", "coffee": "a cup of coffee",
             "chelsea": "a cat with green eyes", "rocket": "a rocket on the launch pad"}
 
@@ -54,7 +56,7 @@ def tiny_llm(folder: Path, width: int):
     return LlamaForCausalLM(config), LlamaTokenizer.from_pretrained(folder)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llm", type=Path, help="a Hugging Face causal LM folder")
     parser.add_argument("--image-size", type=int, default=64)
@@ -99,9 +101,14 @@ def main() -> None:
     with torch.no_grad():
         theirs = hf(input_ids=batch.input_ids, pixel_values=pixels).logits
         ours = mm(["<image>\n"], images[:1]).logits
+    difference = float(np.abs((ours - theirs).numpy()).max())
     print(f"LLaVA export in {work / 'llava'}: max |ours - transformers| logits = "
-          f"{np.abs((ours - theirs).numpy()).max():.1e}")
+          f"{difference:.1e}")
+    if not difference <= TOLERANCE:
+        print(f"the export differs from our model by more than {TOLERANCE}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,6 +9,7 @@ Needs `pip install 'vlm-vit[hf]'`. Runs offline: with no --dir it writes a rando
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -17,8 +18,10 @@ import torch  # noqa: E402
 
 import vlm_vit  # noqa: E402
 
+TOLERANCE = 1e-4  # our tower's image embeddings against CLIPModel.get_image_features
 
-def main() -> None:
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", help="a CLIPModel save_pretrained directory")
     parser.add_argument("--width", type=int, default=256)
@@ -52,11 +55,17 @@ def main() -> None:
         theirs = getattr(theirs, "pooler_output", theirs)  # an output object in transformers 5
     print(f"loaded {directory}: {tower.encoder.config.depth} blocks, width "
           f"{tower.encoder.config.width}, act {tower.encoder.config.act}")
+    difference = (ours - theirs).abs().max().item()
     print(f"image embeddings {list(ours.shape)}, max |ours - transformers| = "
-          f"{(ours - theirs).abs().max().item():.2e}")
+          f"{difference:.2e}")
     if args.dir is None:
         shutil.rmtree(directory)
+    if not difference <= TOLERANCE:
+        print(f"our embeddings differ from transformers' by more than {TOLERANCE}",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -37,3 +37,23 @@ def test_example_runs(name):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert expected in result.stdout
+    if expected.endswith("= "):  # a parity figure: read it, not only its label
+        figure = result.stdout.split(expected, 1)[1].split()[0]
+        assert float(figure) <= 1e-4, result.stdout
+
+
+def test_an_example_fails_when_its_parity_figure_is_above_tolerance(monkeypatch, capsys):
+    """The examples check what they print: a tower that differs from transformers' exits 1."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("skimage")
+    import runpy
+
+    from vlm_vit.tower import VisionTower
+
+    real = VisionTower.forward
+    monkeypatch.setattr(VisionTower, "forward", lambda self, *a, **k: real(self, *a, **k) * 1.01)
+    monkeypatch.setattr(sys, "argv", ["load_hf_clip.py", "--width", "64", "--layers", "2"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(EXAMPLES / "load_hf_clip.py"), run_name="__main__")
+    assert exit_info.value.code == 1
+    assert "differ from transformers' by more than" in capsys.readouterr().err

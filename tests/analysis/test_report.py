@@ -56,7 +56,30 @@ def test_the_encoder_only_ever_sees_one_image(encoder, photos, tmp_path):
 
 
 def test_image_attention_matches_a_batch_of_one_through_the_fast_path(encoder):
+    """The explicit-softmax maps `output_attentions` returns, times each block's values and
+    through its projection, give what the SDPA kernel gives; and the tokens are unchanged."""
     pixels = torch.randn(1, 3, 32, 32)
+    inputs = []  # each block's input tokens, from the maps' run
+    hooks = [block.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+             for block in encoder.blocks]
+    with torch.inference_mode():
+        explicit = encoder(pixels, output_attentions=True)
+        for hook in hooks:
+            hook.remove()
+        fast = encoder(pixels)
+        torch.testing.assert_close(explicit.tokens, fast.tokens, rtol=0, atol=1e-5)
+        assert len(explicit.attentions) == len(inputs) == len(encoder.blocks)
+        for block, x, maps in zip(encoder.blocks, inputs, explicit.attentions, strict=True):
+            attention = block.attn
+            h = block.norm1(x)
+            batch, tokens, width = h.shape
+            v = attention.qkv(h).reshape(batch, tokens, 3, attention.heads,
+                                         attention.head_dim)[:, :, 2].transpose(1, 2)
+            from_maps = attention.proj((maps @ v).transpose(1, 2).reshape(batch, tokens, width))
+            sdpa, none = attention(h)  # need_weights=False: F.scaled_dot_product_attention
+            assert none is None
+            torch.testing.assert_close(from_maps, sdpa, rtol=0, atol=1e-5)
+            torch.testing.assert_close(maps.sum(-1), torch.ones_like(maps[..., 0]))
     item = image_attention(encoder, pixels)
     assert item.distance.shape == (2, 4) and item.prefix_share.shape == (2, 4)
     assert item.rollout.shape == (4, 4) and item.grid == (4, 4)
