@@ -293,7 +293,9 @@ def test_qlora_quantises_the_block_linears_only_or_says_why_not():
     assert any(p.abs().sum() > 0 for n, p in model.named_parameters() if ".lora_B." in n)
     merged, error = lora.merge_lora(model, report=True)
     assert not any(isinstance(m, bnb.nn.Linear4bit) for m in merged.modules())
-    assert type(merged.blocks[0].attn.qkv) is nn.Linear and 0 <= error < 0.1
+    # The 4-bit base's bfloat16 compute against the merged float model: measured 3.6e-3 on
+    # this CPU (4.0e-3 on another); twice that is the bound.
+    assert type(merged.blocks[0].attn.qkv) is nn.Linear and error < 8e-3
 
 
 @pytest.mark.gpu
@@ -305,4 +307,5 @@ def test_qlora_on_gpu_trains_and_merges():
     model(x).tokens.pow(2).mean().backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if ".lora_B." in n)
     merged, error = lora.merge_lora(model, report=True)
-    assert merged.blocks[0].attn.qkv.weight.is_cuda and 0 <= error < 0.1
+    # Not measured on a GPU yet (CI has none): the CPU figure's order of magnitude, 10x.
+    assert merged.blocks[0].attn.qkv.weight.is_cuda and error < 0.04

@@ -37,6 +37,7 @@ def test_matches_timm(case, size):
                                                        output_fmt="NLC")
     torch.testing.assert_close(out.tokens, expected, atol=1e-5, rtol=1e-5)
     # timm returns each block's patch tokens (prefix dropped) for its intermediates
-    for ours_hidden, timm_hidden in zip(out.hidden_states[1:], expected_blocks):
+    assert len(out.hidden_states) - 1 == len(expected_blocks) == ours.config.depth
+    for ours_hidden, timm_hidden in zip(out.hidden_states[1:], expected_blocks, strict=True):
         torch.testing.assert_close(ours_hidden[:, out.num_prefix_tokens:], timm_hidden,
                                    atol=1e-5, rtol=1e-5)

@@ -32,11 +32,12 @@ def test_lora_finetune_then_merge(setup, capsys):
     run = setup / "run"
     assert main(["finetune", "--encoder", str(setup / "encoder"), "--data",
                  str(setup / "digits"), "--out", str(run), "--lora",
-                 "r=4,alpha=8,targets=attn_qv", "--steps", "30", "--batch-size", "16",
+                 "r=4,alpha=8,targets=attn_qv", "--steps", "120", "--batch-size", "16",
                  "--lr", "1e-2", "--num-workers", "0", "--pooling", "mean"]) == 0
     assert (run / "adapter").is_dir() and not (run / "encoder").exists()
     evaluation = json.loads((run / "eval.json").read_text())
-    assert evaluation["test_images"] == 18 and 0 <= evaluation["held_out_accuracy"] <= 1
+    # Measured 0.72 on this CPU (chance 1/3): the adapters and head learn the digits.
+    assert evaluation["test_images"] == 18 and evaluation["held_out_accuracy"] >= 0.6
     assert main(["merge", str(run), "--out", str(setup / "merged")]) == 0
     assert "merge error" in capsys.readouterr().out
     merged = load_encoder(setup / "merged")

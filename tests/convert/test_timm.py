@@ -36,7 +36,8 @@ def compare(ours, theirs, size=(32, 32)):
                                               output_fmt="NLC")
         expected = theirs.forward_features(x)
     torch.testing.assert_close(out.tokens, expected, atol=1e-4, rtol=1e-4)
-    for hidden, block in zip(out.hidden_states[1:], blocks):
+    assert len(out.hidden_states) - 1 == len(blocks) == ours.config.depth
+    for hidden, block in zip(out.hidden_states[1:], blocks, strict=True):
         torch.testing.assert_close(hidden[:, out.num_prefix_tokens:], block, atol=1e-4,
                                    rtol=1e-4)
 

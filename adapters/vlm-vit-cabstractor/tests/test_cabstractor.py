@@ -134,7 +134,9 @@ def test_runs_under_cpu_bfloat16_autocast():
     assert out.dtype == torch.bfloat16
     assert torch.isfinite(out).all()
     reference = model(tokens, num_prefix_tokens=1, grid=(5, 7))
-    torch.testing.assert_close(out.float(), reference, atol=0.1, rtol=0.1)
+    # bfloat16 rounding: measured max 3.6e-3 on outputs of mean |x| 0.12 (max 0.46); the
+    # bound is about 3x that, so an output off by 5% (0.02 here) fails.
+    torch.testing.assert_close(out.float(), reference, atol=1e-2, rtol=0)
 
 
 @pytest.mark.parametrize(
