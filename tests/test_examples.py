@@ -27,7 +27,11 @@ def test_every_example_has_tiny_arguments():
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(TINY_ARGS)
 
 
-@pytest.mark.parametrize("name", sorted(TINY_ARGS))
+SLOW = {"llava_stage1.py", "llava_instruct.py"}  # tens of seconds: captions are learnt
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW
+                                  else name for name in sorted(TINY_ARGS)])
 def test_example_runs(name):
     pytest.importorskip("skimage")
     if name.startswith("llava_"):

@@ -117,6 +117,7 @@ def digits_folder(tmp_path):
     return tmp_path / "digits"
 
 
+@pytest.mark.slow  # 100 steps; tests/cli/test_finetune.py checks the same through the CLI
 def test_fine_tuning_on_real_digits_beats_chance_on_held_out_images(tmp_path, digits_folder):
     pytest.importorskip("torchvision")
     from vlm_vit.evaluate import stratified_split

@@ -105,6 +105,7 @@ def test_help_shows_the_checkpoint_default(capsys):
     assert "steps between checkpoints (default 500" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # tests/train/test_tar_shards.py checks the resume in one process
 def test_pretrain_on_shards_killed_at_a_random_moment_resumes_bit_exactly(tmp_path):
     """SIGKILL (no chance to save) at a seeded random moment after the first checkpoint;
     `--resume` then ends with the weights and the sample sequence of a run never stopped."""

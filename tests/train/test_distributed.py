@@ -74,6 +74,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two processes and a rendezvous
 def test_two_gloo_processes_match_one_process(tmp_path):
     write_noise_images(tmp_path / "data", 12)
     run_dir = tmp_path / "ddp"

@@ -190,6 +190,7 @@ def test_bad_images_samples_without_one_and_a_truncated_shard_are_named_and_coun
     assert "without an image" in caplog.text
 
 
+@pytest.mark.slow  # test_ranks_and_workers_read_disjoint_shards... checks it in one process
 @pytest.mark.parametrize(("shards", "steps"), [(8, 25), (3, 12)], ids=["8-shards", "3-uneven"])
 def test_two_gloo_processes_with_two_workers_each_see_every_key_once_per_epoch(
         tmp_path, shards, steps):
