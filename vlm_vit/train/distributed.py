@@ -146,13 +146,6 @@ def wrap(module: nn.Module, context: DistributedContext) -> nn.Module:
     return DistributedDataParallel(module, device_ids=device_ids)
 
 
-def unwrap(module: nn.Module) -> nn.Module:
-    """The module inside a DDP wrapper (or the module itself)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    return module.module if isinstance(module, DistributedDataParallel) else module
-
-
 def no_sync(module: nn.Module) -> contextlib.AbstractContextManager:
     """DDP's `no_sync` (skip the gradient all-reduce of an accumulation micro-batch), or a no-op."""
     from torch.nn.parallel import DistributedDataParallel
