@@ -104,3 +104,50 @@ def test_demo_user_errors(tmp_path, capsys, argv, message):
     assert main(["demo", "--out", str(tmp_path / "d"), *argv, "--quiet"]) == 1
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_everything_the_demo_imports_comes_with_the_train_extra(tmp_path):
+    """`pip install 'vlm-vit[train]'` then `vlm-vit demo`: each module the demo loads (run
+    for real, in a fresh process) belongs to a distribution that the core dependencies and
+    the `train` extra bring, directly or through their own requirements."""
+    import subprocess
+    import sys
+    from importlib import metadata
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    code = ("import sys\nfrom vlm_vit.cli import main\n"
+            f"assert main(['demo', '--out', {str(tmp_path / 'demo')!r}, '--steps', '2', "
+            "'--batch-size', '16', '--images-per-class', '10', '--width', '32', '--depth', "
+            "'1', '--shots', '1', '--finetune-steps', '2', '--seeds', '1', '--labels', '1', "
+            "'--quiet']) == 0\n"
+            "print(' '.join(sorted({name.split('.')[0] for name in sys.modules})))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = done.stdout.strip().splitlines()[-1].split()
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    wanted = [Requirement(r) for r in project["project"]["dependencies"]
+              + project["project"]["optional-dependencies"]["train"]]
+    allowed, queue = set(), [canonicalize_name(r.name) for r in wanted]
+    while queue:  # the closure of their requirements, as installed here
+        name = queue.pop()
+        if name in allowed:
+            continue
+        allowed.add(name)
+        for text in metadata.requires(name) or []:
+            requirement = Requirement(text)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                queue.append(canonicalize_name(requirement.name))
+    # Not requirements: joblib (psutil) and scikit-learn (rich) import these only when they
+    # are installed; the plugins installed here add their commands to any CLI run.
+    optional = {"psutil", "rich", "vlm-vit-llm", "vlm-vit-cabstractor"}
+    owners = metadata.packages_distributions()
+    outside = {module: owners[module] for module in imported if module in owners
+               and not any(canonicalize_name(d) in allowed | optional | {"vlm-vit"}
+                           for d in owners[module])}
+    assert not outside, f"the demo imports modules the train extra does not bring: {outside}"
