@@ -216,8 +216,19 @@ def markdown_table(results: dict, env: dict[str, str], command: str) -> str:
             result.get("variant"), f"batch {result['batch_size']}" if "batch_size" in result
             else None, result.get("device"), result.get("dtype")) if part)
         met = "" if not target else (" (met)" if _meets(value, target) else " (not met)")
-        lines.append(f"| {name} | {label} | {value:.3f} | {target}{met} | {settings} |")
+        lines.append(f"| {name} | {label} | {shown(value, target)} | {target}{met} | "
+                     f"{settings} |")
     return "\n".join(lines)
+
+
+def shown(value: float, target: str = "") -> str:
+    """`value` with 3 decimals, or as many more (up to 6) as it takes for the verdict to be
+    read from the table: 0.8496 against ">= 0.85" is "0.8496", never "0.850 (not met)"."""
+    for decimals in range(3, 7):
+        text = f"{value:.{decimals}f}"
+        if not target or _meets(float(text), target) == _meets(value, target):
+            return text
+    return f"{value:.6g}"
 
 
 def _meets(value: float, target: str) -> bool:

@@ -153,3 +153,12 @@ def test_sharded_load_memory_runs_at_toy_size(tmp_path):
     assert set(result["peak_mb"]) == {"ours, one file", "ours, sharded",
                                       "transformers, one file", "transformers, sharded"}
     assert all(value > 0 for value in result["peak_mb"].values())
+
+
+def test_a_verdict_can_be_read_from_the_figure_beside_it(benchmarks):
+    run_all = benchmarks("run_all")
+    assert run_all.shown(0.8496, ">= 0.85") == "0.8496"  # 0.850 would read as met
+    assert run_all.shown(0.84996, ">= 0.85") == "0.84996"
+    assert run_all.shown(0.8504, ">= 0.85") == "0.850"  # rounds onto the bound and meets it
+    assert run_all.shown(1.23456, "") == "1.235"
+    assert run_all.shown(0.70049, "<= 0.7") == "0.7005"
