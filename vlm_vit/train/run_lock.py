@@ -1,0 +1,83 @@
+"""One run per run directory: an OS file lock, held for the run and released when the process
+ends, however it ends (the kernel drops `flock` locks of a dead process).
+
+    with RunLock(run_dir):
+        ...  # a second run on the same directory is refused, naming this process
+
+The lock file, `RUN_DIR/.lock`, holds the holder's pid and host for the message; a stale file
+left by a crash is no obstacle, since only a live lock counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+LOCK_NAME = ".lock"
+
+
+class RunDirectoryInUse(FileExistsError):
+    """Another live process holds the run directory's lock."""
+
+
+class RunLock:
+    """An exclusive, non-blocking lock on a run directory (created if needed).
+
+    Args:
+        run_dir: the directory.
+
+    Raises (on entering):
+        RunDirectoryInUse: naming the holder's pid, host and start time.
+    """
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / LOCK_NAME
+        self._handle = None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock, as before (documented)
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+")  # noqa: SIM115  (held open for the lock's lifetime)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = _describe(handle.read())
+            handle.close()
+            raise RunDirectoryInUse(
+                f"{self.path.parent} is in use by another run ({holder}); wait for it to "
+                "finish, stop it, or use another run directory") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        handle.flush()
+        self._handle = handle
+
+    def release(self) -> None:
+        if self._handle is not None:
+            with contextlib.suppress(OSError):
+                self._handle.close()  # closing drops the flock
+            self._handle = None
+
+
+def _describe(text: str) -> str:
+    try:
+        holder = json.loads(text)
+        return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "a process that left no details"
