@@ -8,6 +8,8 @@ Sizes come from Dosovitskiy et al. 2021, Table 1 (Base, Large, Huge), from Touvr
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,22 +18,103 @@ from vlm_vit.registry import unknown_name_error
 ACTIVATIONS = ("gelu", "quick_gelu", "gelu_tanh")
 POS_RESIZE_MODES = ("bicubic", "bilinear")
 
+# The sizes a config may give, (low, high) inclusive. They are far above every released ViT
+# (the largest, ViT-22B of Dehghani et al. 2023: width 6144, depth 48, MLP 24576, 48 heads)
+# and low enough that a hand-edited or hostile config.json cannot ask for an encoder whose
+# construction alone hangs or exhausts memory. The weights must then hold exactly these
+# sizes (`vlm_vit.convert.base.check_config_fits`).
+LIMITS: dict[str, tuple[int, int]] = {
+    "image_size": (1, 16_384),  # each side, in pixels
+    "patch_size": (1, 16_384),  # and at most the image side (sides are multiples of it)
+    "width": (1, 16_384),
+    "depth": (1, 256),
+    "heads": (1, 16_384),  # and a divisor of width
+    "mlp_width": (1, 65_536),
+    "in_channels": (1, 1_024),  # hyperspectral sensors have a few hundred bands
+    "num_register_tokens": (0, 64),  # Darcet et al. 2024 use up to 16
+}
+MAX_GRID_TOKENS = 1024 * 1024  # patches per image at `image_size`: a 1024 x 1024 grid
+MAX_NORM_EPS = 1.0  # LayerNorm eps in (0, 1]; 1e-12 .. 1e-5 in practice
+BOOLEAN_FIELDS = ("class_token", "pre_norm", "final_norm", "qkv_bias", "patch_bias",
+                  "pos_resize_antialias")
+CHOICES = {"act": ACTIVATIONS, "pos_resize_mode": POS_RESIZE_MODES}
+
+
+class ConfigError(ValueError):
+    """A config field whose value is not one it allows.
+
+    The message names the file (when known), the field, what it allows and the value.
+
+    Attributes:
+        field: the field, in `EncoderConfig`'s (or the processor's, the tower's) terms.
+        value: the value given.
+        allowed: what the field accepts, in words (e.g. "a positive int (1..256)").
+        source: the file it came from, or None.
+    """
+
+    def __init__(self, field: str, value: Any, allowed: str, *, source: object = None,
+                 problem: str | None = None) -> None:
+        self.field, self.value, self.allowed, self.source = field, value, allowed, source
+        self.problem = problem or f"{field} must be {allowed}, got {value!r}"
+        super().__init__(self.problem if source is None else f"{source}: {self.problem}")
+
+    def located(self, source: object, spelled: str | None = None) -> ConfigError:
+        """The same error naming `source`, and the field as that file spells it."""
+        problem = self.problem if spelled in (None, self.field) else f"{self.problem} ({spelled})"
+        return ConfigError(self.field, self.value, self.allowed, source=source, problem=problem)
+
+
+def is_int(value: Any) -> bool:
+    """An integer (Python's or numpy's), and not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """A finite real number (an int or a float, Python's or numpy's), and not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+def check_int(field: str, value: Any, low: int, high: int) -> int:
+    """`value` as an int if it is one in `low..high`, else a `ConfigError`."""
+    if not (is_int(value) and low <= value <= high):
+        kind = "a positive int" if low == 1 else "an int"
+        raise ConfigError(field, value, f"{kind} ({low}..{high})")
+    return int(value)
+
+
+def check_bool(field: str, value: Any) -> bool:
+    """`value` if it is a bool (JSON true or false), else a `ConfigError`."""
+    if not isinstance(value, bool):
+        raise ConfigError(field, value, "true or false")
+    return value
+
+
+def check_choice(field: str, value: Any, choices: tuple[str, ...]) -> str:
+    """`value` if it is one of `choices`, else a `ConfigError`."""
+    if not (isinstance(value, str) and value in choices):
+        raise ConfigError(field, value, f"one of {', '.join(choices)}",
+                          problem=f"{field} {value!r} is not one of {', '.join(choices)}")
+    return value
+
 
 def _as_pair(value: Any, name: str) -> tuple[int, int]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value, value)
+    low, high = LIMITS[name]
+    if is_int(value):
+        value = (value, value)
     if isinstance(value, (tuple, list)) and len(value) == 2 and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
+        is_int(v) and low <= v <= high for v in value
     ):
         return (int(value[0]), int(value[1]))
-    raise ValueError(f"{name} must be an int or a (height, width) pair of ints, got {value!r}")
+    raise ConfigError(name, value, f"an int or a (height, width) pair of ints ({low}..{high})")
 
 
 @dataclass
 class EncoderConfig:
     """Every architecture fact a ViT checkpoint family needs.
 
-    The defaults are ViT-B/16 at 224 x 224 as in the paper.
+    The defaults are ViT-B/16 at 224 x 224 as in the paper. Every field is validated on
+    construction (see `validate` for the bounds).
     """
 
     image_size: tuple[int, int] = (224, 224)  # (height, width) the position table was trained at
@@ -56,29 +139,51 @@ class EncoderConfig:
     pos_resize_antialias: bool = True
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks every field's type and range, normalising numbers to `int` / `float`.
+
+        The bounds are `LIMITS` (each side of `image_size` 1..16384, `patch_size` up to the
+        side, `width` 1..16384 and a multiple of `heads`, `depth` 1..256, `mlp_width`
+        1..65536, `in_channels` 1..1024, `num_register_tokens` 0..64), at most
+        `MAX_GRID_TOKENS` (1024 x 1024) patches at `image_size`, and `norm_eps` a finite
+        number in (0, 1]; the booleans must be booleans and `act` / `pos_resize_mode` one of
+        their names.
+
+        Raises:
+            ConfigError: (a ValueError) for the first field that is off, naming the field,
+                what it allows and the value; `from_dict(source=...)` adds the file.
+        """
         self.image_size = _as_pair(self.image_size, "image_size")
-        for name in ("patch_size", "width", "depth", "heads", "mlp_width", "in_channels"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.num_register_tokens < 0:
-            raise ValueError(f"num_register_tokens must be >= 0, got {self.num_register_tokens}")
+        for name, (low, high) in LIMITS.items():
+            if name != "image_size":
+                setattr(self, name, check_int(name, getattr(self, name), low, high))
+        for name in BOOLEAN_FIELDS:
+            check_bool(name, getattr(self, name))
+        for name, choices in CHOICES.items():
+            check_choice(name, getattr(self, name), choices)
+        if not (is_real(self.norm_eps) and 0 < self.norm_eps <= MAX_NORM_EPS):
+            raise ConfigError("norm_eps", self.norm_eps,
+                              f"a finite number in (0, {MAX_NORM_EPS:g}]")
+        self.norm_eps = float(self.norm_eps)
         if self.width % self.heads:
-            raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
-        if self.act not in ACTIVATIONS:
-            raise ValueError(f"act {self.act!r} is not one of {', '.join(ACTIVATIONS)}")
-        if self.pos_resize_mode not in POS_RESIZE_MODES:
-            raise ValueError(
-                f"pos_resize_mode {self.pos_resize_mode!r} is not one of "
-                f"{', '.join(POS_RESIZE_MODES)}"
-            )
-        if self.norm_eps <= 0:
-            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+            raise ConfigError("heads", self.heads, f"a divisor of width {self.width}",
+                              problem=f"width {self.width} is not divisible by heads "
+                              f"{self.heads}")
         height, width = self.image_size
         if height % self.patch_size or width % self.patch_size:
-            raise ValueError(
-                f"image_size {height}x{width} is not a multiple of patch size {self.patch_size}"
-            )
+            raise ConfigError("image_size", list(self.image_size),
+                              f"multiples of patch size {self.patch_size}",
+                              problem=f"image_size {height}x{width} is not a multiple of "
+                              f"patch size {self.patch_size}")
+        rows, cols = self.grid
+        if rows * cols > MAX_GRID_TOKENS:
+            raise ConfigError("image_size", list(self.image_size),
+                              f"at most {MAX_GRID_TOKENS} patches",
+                              problem=f"image_size {height}x{width} with patch size "
+                              f"{self.patch_size} is a {rows}x{cols} grid of {rows * cols} "
+                              f"patches, more than {MAX_GRID_TOKENS}")
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -112,14 +217,32 @@ class EncoderConfig:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EncoderConfig:
-        """Builds a config from `to_dict()` output; unknown keys are an error, not ignored."""
+    def from_dict(cls, data: dict[str, Any], source: object = None) -> EncoderConfig:
+        """Builds a config from `to_dict()` output; unknown keys are an error, not ignored.
+
+        Args:
+            data: the fields, e.g. the `encoder` section of a native `config.json`.
+            source: the file `data` comes from, named in every error.
+
+        Raises:
+            ConfigError: (a ValueError) for a value `validate` refuses, naming `source`.
+            ValueError: for unknown fields, or `data` that is not a dict.
+        """
+        where = f"{source}: " if source is not None else ""
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}the encoder config must be a JSON object of fields, "
+                             f"got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown EncoderConfig fields: {', '.join(unknown)}")
-        return cls(**data)
-
+            raise ValueError(f"{where}unknown EncoderConfig fields: "
+                             f"{', '.join(map(str, unknown))}; known: {', '.join(sorted(known))}")
+        try:
+            return cls(**data)
+        except ConfigError as error:
+            if source is None:
+                raise
+            raise error.located(source) from None
 
 def _vit(width: int, depth: int, heads: int, mlp_width: int, patch: int, **extra: Any) -> dict:
     return dict(width=width, depth=depth, heads=heads, mlp_width=mlp_width, patch_size=patch,

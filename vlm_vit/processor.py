@@ -39,6 +39,14 @@ NORMALIZATION: dict[str, tuple[tuple[float, float, float], tuple[float, float, f
     "inception": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
 }
 RESIZE_MODES = ("shortest_edge", "squash", "native")
+#: The largest output side (``size``, ``patch_multiple``): the encoder's largest image side.
+MAX_SIDE = 16_384
+#: ``max_pixels`` may be set up to this, 2**32 pixels (12 GiB as 8-bit RGB); with
+#: ``max_pixels=None`` it bounds resizing instead.
+PIXEL_CEILING = 1 << 32
+#: Native mode's ``min_output_pixels`` and ``max_output_pixels`` may be set up to this: the
+#: encoder's largest image, 16384 x 16384 pixels.
+MAX_OUTPUT_PIXELS = MAX_SIDE * MAX_SIDE
 CROP_ROUNDINGS = ("round", "floor")
 _PIL_RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
 _ALPHA_MODES = frozenset({"LA", "La", "PA", "RGBA", "RGBa"})
@@ -161,15 +169,20 @@ class ImageProcessor:
     pixel bounds), so the result is a list of ``[3, H_i, W_i]`` tensors instead.
 
     Attributes:
-        size: Output (height, width); an int means a square. Unused in native mode.
         resize_mode: ``"shortest_edge"`` scales the image to cover ``size`` keeping its
             aspect ratio, then centre crops (CLIP / timm eval); ``"squash"`` resizes
             straight to ``size`` (Google ViT); ``"native"`` resizes each image to
             ``native_size`` of its own size, without a crop (NaViT, Qwen2-VL).
         resample: ``"bicubic"`` or ``"bilinear"``.
-        mean: Per-channel mean subtracted after scaling to [0, 1].
-        std: Per-channel standard deviation divided by after subtracting ``mean``.
-        max_pixels: Larger images are refused before decoding; None disables the check.
+        size: Output (height, width); an int means a square. Each side at most ``MAX_SIDE``
+            (16384). Unused in native mode.
+        mean: Per-channel mean subtracted after scaling to [0, 1]: 3 finite numbers.
+        std: Per-channel standard deviation divided by after subtracting ``mean``: 3 finite
+            numbers > 0.
+        max_pixels: Larger images are refused before decoding, and no image is resized to
+            more pixels than this (or than ``size``, if that is more) before the centre crop;
+            at most ``PIXEL_CEILING``. None disables the decoding check, and the resize is
+            then bounded by ``PIXEL_CEILING``.
         background: RGB colour (0..255) that transparent pixels are composited onto.
         crop_rounding: How a centre crop's offset ``(resized - size) / 2`` drops a .5:
             ``"round"`` rounds half to even like torchvision's ``center_crop`` (OpenAI CLIP,
@@ -177,14 +190,23 @@ class ImageProcessor:
             (``CLIPImageProcessor``, LLaVA), so an exported model sees our pixels.
         patch_multiple: Native mode (where it is required): every output side is a multiple
             of this, the encoder's patch size or patch size x merge for a pixel-shuffle
-            pooler (Qwen2-VL: 14 x 2 = 28).
+            pooler (Qwen2-VL: 14 x 2 = 28); 1..16384 (``MAX_SIDE``).
         min_output_pixels: Native mode: smaller images are scaled up to at least this many
-            pixels after resizing; None: at least one ``patch_multiple`` per side.
+            pixels after resizing (at most ``MAX_OUTPUT_PIXELS``, 16384**2); None: at least
+            one ``patch_multiple`` per side.
         max_output_pixels: Native mode: larger images are scaled down to at most this many
             pixels after resizing (a token budget: at most ``max_output_pixels / P**2``
-            patches of side P); None: no bound. Not ``max_pixels``, which bounds the input.
-        max_aspect_ratio: Native mode: images whose long side / short side is over this are
-            refused (Qwen2-VL's 200; a thin strip would otherwise end one patch wide).
+            patches of side P), at most ``MAX_OUTPUT_PIXELS``; None: no bound beyond the
+            input's. Not ``max_pixels``, which bounds the input.
+        max_aspect_ratio: Shortest-edge and native modes: images whose long side / short side
+            is over this are refused (Qwen2-VL's 200; a thin strip would otherwise end one
+            patch wide, or, scaled to cover ``size``, become a strip of millions of pixels
+            before the crop). A squash resize ends at ``size`` whatever the input's shape,
+            and takes any.
+
+    Raises:
+        ValueError: on construction, for a field of the wrong type or out of its range,
+            naming the field and the value.
     """
 
     size: tuple[int, int] = (224, 224)
@@ -201,25 +223,31 @@ class ImageProcessor:
     max_aspect_ratio: float = 200.0
 
     def __post_init__(self) -> None:
-        size = (self.size, self.size) if isinstance(self.size, int) else tuple(self.size)
-        if len(size) != 2 or not all(_is_int(s) and s > 0 for s in size):
-            raise ValueError(f"size must be a positive int or (height, width), got {self.size!r}")
-        if self.resize_mode not in RESIZE_MODES:
-            raise ValueError(f"resize_mode {self.resize_mode!r} is not one of {RESIZE_MODES}")
-        if self.resample not in _PIL_RESAMPLE:
-            raise ValueError(f"resample {self.resample!r} is not one of {tuple(_PIL_RESAMPLE)}")
-        if self.crop_rounding not in CROP_ROUNDINGS:
-            raise ValueError(f"crop_rounding {self.crop_rounding!r} is not one of "
-                             f"{CROP_ROUNDINGS}")
-        mean, std = tuple(float(m) for m in self.mean), tuple(float(s) for s in self.std)
-        if len(mean) != 3 or len(std) != 3:
-            raise ValueError(f"mean and std need 3 values, got mean={mean} std={std}")
-        if not all(np.isfinite(mean + std)) or 0.0 in std:
-            raise ValueError(f"mean must be finite and std finite and nonzero, got {mean} {std}")
-        if self.max_pixels is not None and not (_is_int(self.max_pixels) and self.max_pixels > 0):
-            raise ValueError(f"max_pixels must be a positive int or None, got {self.max_pixels!r}")
-        background = tuple(self.background)
-        if len(background) != 3 or not all(_is_int(c) and 0 <= c <= 255 for c in background):
+        size = (self.size, self.size) if _is_int(self.size) else self.size
+        size = tuple(size) if isinstance(size, (tuple, list)) else size
+        if not (isinstance(size, tuple) and len(size) == 2
+                and all(_is_int(s) and 0 < s <= MAX_SIDE for s in size)):
+            raise ValueError(f"size must be a positive int or (height, width) of them "
+                             f"(1..{MAX_SIDE} each), got {size!r}")
+        size = (int(size[0]), int(size[1]))
+        for name, choices in [("resize_mode", RESIZE_MODES), ("resample", tuple(_PIL_RESAMPLE)),
+                              ("crop_rounding", CROP_ROUNDINGS)]:
+            value = getattr(self, name)
+            if not (isinstance(value, str) and value in choices):
+                raise ValueError(f"{name} {value!r} is not one of {choices}")
+        mean = _finite_triple(self.mean)
+        if mean is None:
+            raise ValueError(f"mean must be 3 values, one finite number per channel, got "
+                             f"{self.mean!r}")
+        std = _finite_triple(self.std)
+        if std is None or min(std) <= 0:
+            raise ValueError(f"std must be 3 values, one finite number > 0 (nonzero) per "
+                             f"channel, got {self.std!r}")
+        _check_pixel_bound("max_pixels", self.max_pixels, PIXEL_CEILING)
+        background = tuple(self.background) if isinstance(self.background, (tuple, list)) \
+            else None
+        if background is None or len(background) != 3 \
+                or not all(_is_int(c) and 0 <= c <= 255 for c in background):
             raise ValueError(f"background must be 3 ints in 0..255, got {self.background!r}")
         max_aspect_ratio = self._check_native_fields()
         for name, value in [("size", size), ("mean", mean), ("std", std),
@@ -228,10 +256,12 @@ class ImageProcessor:
 
     def _check_native_fields(self) -> float:
         """Validates the native-mode fields; returns ``max_aspect_ratio`` as a float."""
-        for name in ("patch_multiple", "min_output_pixels", "max_output_pixels"):
-            value = getattr(self, name)
-            if value is not None and not (_is_int(value) and value > 0):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        multiple = self.patch_multiple
+        if multiple is not None and not (_is_int(multiple) and 0 < multiple <= MAX_SIDE):
+            raise ValueError(f"patch_multiple must be a positive int or None, got {multiple!r} "
+                             f"(allowed: 1..{MAX_SIDE})")
+        for name in ("min_output_pixels", "max_output_pixels"):
+            _check_pixel_bound(name, getattr(self, name), MAX_OUTPUT_PIXELS)
         if self.resize_mode == "native" and self.patch_multiple is None:
             raise ValueError("resize_mode 'native' needs patch_multiple (the patch size, or "
                              "patch size x merge for a pixel-shuffle pooler), got None")
@@ -278,25 +308,34 @@ class ImageProcessor:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ImageProcessor:
+    def from_dict(cls, d: dict[str, Any], source: object = None) -> ImageProcessor:
         """Builds a processor from ``to_dict`` output; missing keys take their defaults.
 
         Args:
             d: Settings keyed by field name.
+            source: The file ``d`` was read from, named in every error.
 
         Returns:
             The processor.
 
         Raises:
-            TypeError: If ``d`` is not a dict.
+            TypeError: If ``d`` is not a dict (a ValueError naming ``source`` when given).
             ValueError: If ``d`` has unknown keys or invalid values.
         """
+        where = "" if source is None else f"{source}: "
         if not isinstance(d, dict):
-            raise TypeError(f"processor config must be a dict, got {type(d).__name__}")
+            error = TypeError if source is None else ValueError
+            raise error(f"{where}processor config must be a dict, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         if unknown := sorted(set(d) - known):
-            raise ValueError(f"unknown processor config keys {unknown}; known: {sorted(known)}")
-        return cls(**d)
+            raise ValueError(f"{where}unknown processor config keys {unknown}; known: "
+                             f"{sorted(known)}")
+        try:
+            return cls(**d)
+        except ValueError as e:
+            if source is None:
+                raise
+            raise ValueError(f"{where}{e}") from None
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Writes ``directory/processor_config.json`` atomically, creating ``directory``.
@@ -331,11 +370,7 @@ class ImageProcessor:
             ValueError: If the file is not valid JSON or holds invalid settings.
         """
         path = Path(directory) / PROCESSOR_CONFIG_NAME
-        d = read_json(path)
-        try:
-            return cls.from_dict(d)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"invalid processor config {str(path)!r}: {e}") from e
+        return cls.from_dict(read_json(path), source=path)
 
     # ---- preprocessing ----------------------------------------------------------------
 
@@ -507,8 +542,27 @@ class ImageProcessor:
         # Scale to cover the target: for a square target this is torchvision's
         # Resize(shortest) (long side truncated with int()), as CLIP uses.
         if th * width >= tw * height:  # th/h >= tw/w: height is the binding side
-            return th, max(tw, int(th * width / height))
-        return max(th, int(tw * height / width)), tw
+            out = th, max(tw, int(th * width / height))
+        else:
+            out = max(th, int(tw * height / width)), tw
+        self._check_resize(height, width, out, name)
+        return out
+
+    def _check_resize(self, height: int, width: int, out: tuple[int, int], name: str) -> None:
+        """Refuses a cover resize to ``out`` (before the crop) of an image of extreme aspect
+        ratio or whose result has too many pixels (see ``max_aspect_ratio``, ``max_pixels``)."""
+        aspect = max(height, width) / min(height, width)
+        image = f"{name} (height {height}, width {width})"
+        becomes = f"{out[0]} x {out[1]} = {out[0] * out[1]} pixels before the crop"
+        if aspect > self.max_aspect_ratio:
+            raise ValueError(f"{image} has aspect ratio {aspect:.6g}, more than the maximum "
+                             f"{self.max_aspect_ratio:g} (max_aspect_ratio); it would be "
+                             f"resized to {becomes}")
+        limit = max(self.max_pixels or PIXEL_CEILING, self.size[0] * self.size[1])
+        if out[0] * out[1] > limit:
+            bound = f"max_pixels={limit}" if limit == self.max_pixels else f"{limit} pixels"
+            raise ImageTooLargeError(f"{image} would be resized to {becomes}, more than "
+                                     f"{bound}")
 
     def _crop_offset(self, overhang: int) -> int:
         """Where a centre crop starts, given how many pixels it leaves out on one axis."""
@@ -544,3 +598,20 @@ def _label(image: Any, name: str) -> str:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _finite_triple(values: Any) -> tuple[float, float, float] | None:
+    """Three finite numbers (not bools, not strings) as floats; None for anything else."""
+    if not (isinstance(values, (tuple, list)) and len(values) == 3):
+        return None
+    if not all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+               and math.isfinite(v) for v in values):
+        return None
+    return (float(values[0]), float(values[1]), float(values[2]))
+
+
+def _check_pixel_bound(name: str, value: Any, high: int) -> None:
+    """A pixel count setting: None, or a positive int up to ``high``."""
+    if value is not None and not (_is_int(value) and 0 < value <= high):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r} (allowed: "
+                         f"1..{high})")

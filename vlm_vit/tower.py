@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from vlm_vit.config import is_int
 from vlm_vit.files import read_json, read_safetensors, write_safetensors
 from vlm_vit.model import CONFIG_NAME, VisionEncoder, check_state_dict
 from vlm_vit.poolers import build_pooler, pool_packed
 from vlm_vit.processor import PROCESSOR_CONFIG_NAME, ImageProcessor
+from vlm_vit.registry import UnknownNameError
 
 POOLER_WEIGHTS_NAME = "pooler.safetensors"
 
@@ -169,23 +172,92 @@ class VisionTower(nn.Module):
         """Reads a tower written by `save_pretrained`, bit-exactly.
 
         Raises:
-            FileNotFoundError, ValueError: naming the missing or malformed file.
+            FileNotFoundError, ValueError: naming the missing or malformed file; the tower
+                section is checked (`read_tower_config`) before anything is built.
         """
         directory = Path(directory)
-        raw = read_json(directory / CONFIG_NAME)
-        tower = raw.get("tower")
-        if not isinstance(tower, dict):
-            raise ValueError(f"{directory / CONFIG_NAME} has no 'tower' section: it holds an "
-                             "encoder only (use load_encoder, or build a VisionTower)")
-        encoder = VisionEncoder.from_pretrained(directory, **encoder_overrides)
+        config_path = directory / CONFIG_NAME
+        tower = read_tower_config(read_json(config_path), config_path)
         spec = tower["pooler"]
-        pooler = build_pooler(spec["name"], in_dim=spec["in_dim"], out_dim=spec["out_dim"],
-                              **spec["options"])
+        try:  # first: its sizes are bounded before the encoder's weights are read
+            pooler = build_pooler(spec["name"], in_dim=spec["in_dim"], out_dim=spec["out_dim"],
+                                  **spec["options"])
+        except (ValueError, UnknownNameError) as error:
+            raise ValueError(f"{config_path}: tower.pooler: {error}") from None
+        encoder = VisionEncoder.from_pretrained(directory, **encoder_overrides)
         weights = directory / POOLER_WEIGHTS_NAME
         state = read_safetensors(weights)
         check_state_dict(pooler, state, weights)
         pooler.load_state_dict(state)
         processor = ImageProcessor.from_pretrained(directory) \
             if (directory / PROCESSOR_CONFIG_NAME).is_file() else None
-        return cls(encoder, pooler, feature_layer=tower["feature_layer"],
-                   drop_prefix=tower["drop_prefix"], processor=processor)
+        try:
+            return cls(encoder, pooler, feature_layer=tower["feature_layer"],
+                       drop_prefix=tower["drop_prefix"], processor=processor)
+        except ValueError as error:
+            raise ValueError(f"{config_path}: tower: {error}") from None
+
+
+TOWER_KEYS = ("feature_layer", "drop_prefix", "pooler")
+POOLER_SPEC_KEYS = ("name", "in_dim", "out_dim", "options")
+
+
+def read_tower_config(raw: dict[str, Any], source: object) -> dict[str, Any]:
+    """The `tower` section of a tower's `config.json`, checked field by field.
+
+    It holds `feature_layer` (null, an int, or a list of ints), `drop_prefix` (true or
+    false) and `pooler`: `{"name": str, "in_dim": int, "out_dim": int or null, "options":
+    {...}}`, as `VisionTower.save_pretrained` writes it. The pooler's sizes are bounded by
+    `build_pooler`.
+
+    Args:
+        raw: the whole parsed `config.json`.
+        source: the file, named in errors.
+
+    Returns:
+        The section, with `out_dim` and `options` filled in when left out.
+
+    Raises:
+        ValueError: naming `source` and the field (`tower.pooler.name`, ...) for a section
+            that is missing, of the wrong type, or has unknown keys.
+    """
+    tower = raw.get("tower")
+    if tower is None:
+        raise ValueError(f"{source} has no 'tower' section: it holds an encoder only (use "
+                         "load_encoder, or build a VisionTower)")
+    _check_object("tower", tower, TOWER_KEYS, source)
+    for key in ("pooler", "drop_prefix"):
+        if key not in tower:
+            raise ValueError(f"{source}: tower.{key} is missing")
+    if not isinstance(tower["drop_prefix"], bool):
+        raise ValueError(f"{source}: tower.drop_prefix must be true or false, got "
+                         f"{tower['drop_prefix']!r}")
+    layer = tower.get("feature_layer")
+    layers = layer if isinstance(layer, list) and layer else [layer]
+    if layer is not None and not all(is_int(index) for index in layers):
+        raise ValueError(f"{source}: tower.feature_layer must be null, an int or a non-empty "
+                         f"list of ints (hidden-state indices), got {layer!r}")
+    spec = tower["pooler"]
+    _check_object("tower.pooler", spec, POOLER_SPEC_KEYS, source)
+    for key in ("name", "in_dim"):
+        if key not in spec:
+            raise ValueError(f"{source}: tower.pooler.{key} is missing")
+    if not isinstance(spec["name"], str):
+        raise ValueError(f"{source}: tower.pooler.name must be a string, got {spec['name']!r}")
+    options = spec.get("options", {})
+    if not isinstance(options, dict):
+        raise ValueError(f"{source}: tower.pooler.options must be a JSON object of the "
+                         f"pooler's options, got {options!r}")
+    pooler = {"name": spec["name"], "in_dim": spec["in_dim"], "out_dim": spec.get("out_dim"),
+              "options": options}
+    return {"feature_layer": layer, "drop_prefix": tower["drop_prefix"], "pooler": pooler}
+
+
+def _check_object(name: str, value: Any, keys: tuple[str, ...], source: object) -> None:
+    if not isinstance(value, dict):
+        raise ValueError(f"{source}: {name} must be a JSON object with {', '.join(keys)}, got "
+                         f"{value!r}")
+    unknown = sorted(set(value) - set(keys))
+    if unknown:
+        raise ValueError(f"{source}: {name} has unknown keys {', '.join(unknown)}; known: "
+                         f"{', '.join(keys)}")

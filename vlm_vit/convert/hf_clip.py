@@ -25,15 +25,24 @@ Where the outputs line up with Hugging Face's:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from vlm_vit.config import EncoderConfig
-from vlm_vit.convert.base import Checkpoint, Converted, NativePooler, register_format
-from vlm_vit.convert.hf_common import PIL_RESAMPLE, activation
+from vlm_vit.config import EncoderConfig, is_int
+from vlm_vit.convert.base import (
+    Checkpoint,
+    Converted,
+    NativePooler,
+    check_block_count,
+    held_blocks,
+    read_processor,
+    register_format,
+)
+from vlm_vit.convert.hf_common import PIL_RESAMPLE, activation, hf_encoder_config
 from vlm_vit.convert.keymap import fuse_qkv, invert, rename, split_qkv
 from vlm_vit.files import atomic_write
 from vlm_vit.model import CONFIG_NAME, VisionEncoder
@@ -137,18 +146,21 @@ def split_pooler(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def hf_size(value: Any) -> tuple[int, int] | None:
     """(height, width) from a preprocessor `size` or `crop_size` (an int, `{height, width}`
-    or `{shortest_edge}`, a square side here); None when it says none of these."""
-    if isinstance(value, int):
-        return (value, value)
+    or `{shortest_edge}`, a square side here); None when it says none of these (or its
+    sides are not ints)."""
     if isinstance(value, dict) and "height" in value and "width" in value:
-        return (int(value["height"]), int(value["width"]))
-    if isinstance(value, dict) and "shortest_edge" in value:
-        return (int(value["shortest_edge"]),) * 2
+        value = (value["height"], value["width"])
+    elif isinstance(value, dict) and "shortest_edge" in value:
+        value = value["shortest_edge"]
+    if is_int(value):
+        return (int(value), int(value))
+    if isinstance(value, tuple) and all(is_int(side) for side in value):
+        return (int(value[0]), int(value[1]))
     return None
 
 
 def processor_from_hf(settings: dict[str, Any], fallback: ImageProcessor,
-                      rules: list[str]) -> ImageProcessor:
+                      rules: list[str], source: object = PREPROCESSOR_NAME) -> ImageProcessor:
     """An `ImageProcessor` from a Hugging Face `preprocessor_config.json`.
 
     `CLIPImageProcessor` resizes the shortest edge, then centre crops (flooring the crop's
@@ -160,10 +172,17 @@ def processor_from_hf(settings: dict[str, Any], fallback: ImageProcessor,
         settings: the parsed JSON.
         fallback: the family's preprocessing, for what the file leaves out.
         rules: appended to, for every approximation.
+        source: the file, named in errors.
 
     Returns:
         The processor.
+
+    Raises:
+        ValueError: naming `source`, for settings the processor refuses (a size over its
+            bounds, a mean that is not 3 finite numbers, ...).
     """
+    resample = settings.get("resample", 3)
+    resample = resample if is_int(resample) else None  # a list or dict is no PIL code
     cropped = settings.get("do_center_crop", "crop_size" in settings)
     size = settings.get("size")
     # A bare int is a legacy spelling: CLIP's (which always crops) meant the shortest edge.
@@ -182,15 +201,16 @@ def processor_from_hf(settings: dict[str, Any], fallback: ImageProcessor,
         f"size {size!r} is not understood; using {fallback.size}":
             size is not None and hf_size(size) is None,
         f"resample {settings.get('resample')!r} is not bilinear (2) or bicubic (3); using "
-        f"bicubic": settings.get("resample", 3) not in PIL_RESAMPLE,
+        f"bicubic": resample not in PIL_RESAMPLE,
     }
     rules.extend(f"{PREPROCESSOR_NAME}: {rule}" for rule, applies in approximations.items()
                  if applies)
     normalized = settings.get("do_normalize", True)
-    return ImageProcessor(
+    return read_processor(
+        source,
         size=output,
         resize_mode="shortest_edge" if shortest_edge else "squash",
-        resample=PIL_RESAMPLE.get(settings.get("resample", 3), "bicubic"),
+        resample=PIL_RESAMPLE.get(resample, "bicubic"),
         mean=settings.get("image_mean", fallback.mean) if normalized else (0.0, 0.0, 0.0),
         std=settings.get("image_std", fallback.std) if normalized else (1.0, 1.0, 1.0),
         crop_rounding="floor",  # transformers' center_crop
@@ -227,6 +247,10 @@ class HFVisionFormat:
                              f"tower but no config.json, which gives its head count and "
                              f"activation; load the directory it came from")
         config = checkpoint.config
+        for key in ("vision_config", "vision_config_dict"):
+            if not isinstance(config.get(key) or {}, dict):
+                raise ValueError(f"{checkpoint.path / CONFIG_NAME}: {key} must be a JSON object, "
+                                 f"got {type(config[key]).__name__}")
         # Early CLIP configs (openai/clip-vit-*) also keep the tower's settings in
         # `vision_config_dict`, which wins over `vision_config` (as in CLIPConfig).
         vision = {**(config.get("vision_config") or config),
@@ -240,14 +264,11 @@ class HFVisionFormat:
     def to_native(self, checkpoint: Checkpoint) -> Converted:
         rules: list[str] = []
         vision = self.vision_config(checkpoint, rules)
-        config = EncoderConfig(
-            image_size=vision["image_size"], patch_size=vision["patch_size"],
-            width=vision["hidden_size"], depth=vision["num_hidden_layers"],
-            heads=vision["num_attention_heads"], mlp_width=vision["intermediate_size"],
-            in_channels=vision["num_channels"], act=activation(vision["hidden_act"]),
-            norm_eps=vision["layer_norm_eps"], **self.architecture,
-        )
+        config = hf_encoder_config(vision, checkpoint.path / CONFIG_NAME, **self.architecture)
         prefix = VISION_PREFIX if checkpoint.has_prefix(VISION_PREFIX) else ""
+        # Before renaming, whose key map is expanded over the depth the config gives.
+        held = held_blocks(checkpoint.tensors, re.escape(prefix) + r"encoder\.layers\.(\d+)\.")
+        check_block_count(config.depth, held, checkpoint.path, CONFIG_NAME)
         key_map = {**{prefix + source: target for source, target in self.keys.items()},
                    **self.outer_keys}
         state = rename(checkpoint.tensors, key_map, config.depth, ignore=IGNORED,
@@ -258,12 +279,14 @@ class HFVisionFormat:
         settings = checkpoint.files.get(PREPROCESSOR_NAME)
         processor = self.default_processor(config.image_size)
         if settings is not None:
-            processor = processor_from_hf(settings, processor, rules)
+            processor = processor_from_hf(settings, processor, rules,
+                                          source=checkpoint.path / PREPROCESSOR_NAME)
         else:
             rules.append(f"no {PREPROCESSOR_NAME}: using {self.family}'s preprocessing "
                          f"{processor.to_dict()}")
         return Converted(config=config, state=state, pooler=self.pooler(vision, head),
-                         processor=processor, rules=rules)
+                         processor=processor, rules=rules, source=checkpoint.path,
+                         config_file=CONFIG_NAME)
 
     def pooler(self, vision: dict[str, Any], head: dict[str, torch.Tensor]) -> NativePooler | None:
         raise NotImplementedError
@@ -324,6 +347,9 @@ class HFSiglipFormat(HFVisionFormat):
     def pooler(self, vision: dict[str, Any],
                head: dict[str, torch.Tensor]) -> NativePooler | None:
         """The MAP head (`pooler_output`); None for towers built with `vision_use_head=False`."""
+        if not isinstance(vision["vision_use_head"], bool):
+            raise ValueError(f"config.json: vision_use_head must be true or false, got "
+                             f"{vision['vision_use_head']!r}")
         if not vision["vision_use_head"]:
             return None
         width = vision["hidden_size"]

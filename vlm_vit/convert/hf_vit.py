@@ -13,10 +13,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlm_vit.config import EncoderConfig
-from vlm_vit.convert.base import Checkpoint, Converted, NativePooler, register_format
-from vlm_vit.convert.hf_common import PIL_RESAMPLE, activation
-from vlm_vit.convert.keymap import count_blocks, fuse_qkv, rename
+from vlm_vit.config import EncoderConfig, is_real
+from vlm_vit.convert.base import (
+    Checkpoint,
+    Converted,
+    NativePooler,
+    check_block_count,
+    held_blocks,
+    register_format,
+)
+from vlm_vit.convert.hf_common import PIL_RESAMPLE, hf_encoder_config
+from vlm_vit.convert.keymap import fuse_qkv, rename
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
 
 MODEL_TYPE = "vit"
@@ -25,6 +32,7 @@ MODEL_TYPE = "vit"
 MODEL_TYPES = (MODEL_TYPE, "vit_mae")
 PREFIX = "vit."  # ViTForImageClassification / ViTForMaskedImageModeling wrap the ViTModel
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
+CONFIG_FILE = "config.json"
 
 # transformers' ViTConfig defaults, for config files written before a key existed.
 HF_DEFAULTS: dict[str, Any] = dict(
@@ -85,22 +93,15 @@ def encoder_config(hf: dict[str, Any], source: object = "config.json") -> Encode
     """Our architecture from a ViTConfig dict (its defaults filled in).
 
     Raises:
-        ValueError: for a `hidden_act` vlm-vit does not have, or sizes it refuses.
+        ValueError: for a `hidden_act` vlm-vit does not have, or sizes it refuses, naming
+            `source` and the key.
     """
     hf = {**HF_DEFAULTS, **hf}
-    act = activation(hf["hidden_act"], source)
-    try:
-        return EncoderConfig(
-            image_size=hf["image_size"], patch_size=hf["patch_size"], width=hf["hidden_size"],
-            depth=hf["num_hidden_layers"], heads=hf["num_attention_heads"],
-            mlp_width=hf["intermediate_size"], in_channels=hf["num_channels"],
-            act=act, norm_eps=hf["layer_norm_eps"],
-            qkv_bias=hf["qkv_bias"],
-            # ViTEmbeddings.interpolate_pos_encoding: bicubic, align_corners=False, no antialias
-            pos_resize_mode="bicubic", pos_resize_antialias=False,
-        )
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{source}: unusable ViT config: {error}") from error
+    # ViTEmbeddings.interpolate_pos_encoding: bicubic, align_corners=False, no antialias
+    extra = dict(pos_resize_mode="bicubic", pos_resize_antialias=False)
+    if not isinstance(hf["qkv_bias"], bool):
+        raise ValueError(f"{source}: qkv_bias must be true or false, got {hf['qkv_bias']!r}")
+    return hf_encoder_config(hf, source, qkv_bias=hf["qkv_bias"], **extra)
 
 
 def native_pooler(tensors: dict, hf: dict[str, Any], width: int,
@@ -141,16 +142,18 @@ def image_processor(settings: dict[str, Any] | None, image_size: tuple[int, int]
         return ImageProcessor(size=image_size, resize_mode="squash", resample="bilinear",
                               mean=mean, std=std, crop_rounding="floor"), [rule]
     size = settings.get("size", {"height": 224, "width": 224})
-    size = (size, size) if isinstance(size, int) else (size.get("height"), size.get("width"))
+    size = (size, size) if isinstance(size, int) else \
+        (size.get("height"), size.get("width")) if isinstance(size, dict) else (None, None)
     if None in size:
         raise ValueError(f"{source}: {PREPROCESSOR_CONFIG} size {settings.get('size')!r} has no "
                          "height and width (ViTImageProcessor resizes straight to them)")
     resample = settings.get("resample", 2)
-    if resample not in PIL_RESAMPLE:
+    if not isinstance(resample, int) or resample not in PIL_RESAMPLE:
         raise ValueError(f"{source}: {PREPROCESSOR_CONFIG} resample {resample!r} is not one of "
                          f"{PIL_RESAMPLE} (PIL codes vlm-vit's ImageProcessor supports)")
-    if not settings.get("do_rescale", True) or \
-            abs(settings.get("rescale_factor", 1 / 255) - 1 / 255) > 1e-9:
+    rescale_factor = settings.get("rescale_factor", 1 / 255)
+    if not settings.get("do_rescale", True) or not is_real(rescale_factor) or \
+            abs(rescale_factor - 1 / 255) > 1e-9:
         raise ValueError(f"{source}: {PREPROCESSOR_CONFIG} rescales pixels other than by 1/255 "
                          f"(do_rescale={settings.get('do_rescale')}, rescale_factor="
                          f"{settings.get('rescale_factor')}), which ImageProcessor cannot do")
@@ -185,12 +188,10 @@ class HfVitFormat:
                              "weights, so put the model's config.json next to them")
         hf = checkpoint.config
         missing = sorted(set(HF_DEFAULTS) - set(hf))
-        config = encoder_config(hf, checkpoint.path)
+        config = encoder_config(hf, checkpoint.path / CONFIG_FILE)
         tensors = strip_prefix(checkpoint.tensors)
-        found = count_blocks(tensors, BLOCK_PATTERN)
-        if found != config.depth:
-            raise ValueError(f"{checkpoint.path}: config.json says num_hidden_layers="
-                             f"{config.depth} but the weights have {found} layers")
+        check_block_count(config.depth, held_blocks(tensors, BLOCK_PATTERN), checkpoint.path,
+                          CONFIG_FILE)
         state = rename(tensors, KEY_MAP, config.depth, ignore=IGNORED, source=checkpoint.path)
         fuse_qkv(state, config.depth)
         processor, rules = image_processor(checkpoint.files.get(PREPROCESSOR_CONFIG),
@@ -201,7 +202,8 @@ class HfVitFormat:
             rules.append(f"config.json lacks {', '.join(missing)}: ViTConfig's defaults used")
         return Converted(config=config, state=state,
                          pooler=native_pooler(tensors, hf, config.width, checkpoint.path),
-                         processor=processor, rules=rules)
+                         processor=processor, rules=rules, source=checkpoint.path,
+                         config_file=CONFIG_FILE)
 
 
 register_format(HfVitFormat())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vlm_vit.config import EncoderConfig
 from vlm_vit.convert.base import Checkpoint, Converted, register_format
-from vlm_vit.model import MODEL_TYPE
+from vlm_vit.model import CONFIG_NAME, MODEL_TYPE
 from vlm_vit.processor import PROCESSOR_CONFIG_NAME, ImageProcessor
 
 
@@ -15,13 +15,22 @@ class NativeFormat:
         return bool(checkpoint.config) and checkpoint.config.get("model_type") == MODEL_TYPE
 
     def to_native(self, checkpoint: Checkpoint) -> Converted:
-        try:
-            config = EncoderConfig.from_dict(checkpoint.config["encoder"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"{checkpoint.path}: bad native config: {error}") from error
+        """The config and weights as they are, the config checked against the weights.
+
+        Raises:
+            ValueError: for a config without an `encoder` section, with a field out of type
+                or range, or with sizes the weights do not hold; each names the file.
+        """
+        config_path = checkpoint.path / CONFIG_NAME
+        if "encoder" not in checkpoint.config:
+            raise ValueError(f"{config_path} has no 'encoder' section (the encoder's fields); "
+                             "was it written by VisionEncoder.save_pretrained?")
+        config = EncoderConfig.from_dict(checkpoint.config["encoder"], source=config_path)
         settings = checkpoint.files.get(PROCESSOR_CONFIG_NAME)
-        processor = ImageProcessor.from_dict(settings) if settings is not None else None
-        return Converted(config=config, state=dict(checkpoint.tensors), processor=processor)
+        processor = None if settings is None else ImageProcessor.from_dict(
+            settings, source=checkpoint.path / PROCESSOR_CONFIG_NAME)
+        return Converted(config=config, state=dict(checkpoint.tensors), processor=processor,
+                         source=checkpoint.path, config_file=CONFIG_NAME)
 
 
 register_format(NativeFormat())

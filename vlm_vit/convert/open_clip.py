@@ -47,8 +47,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlm_vit.config import EncoderConfig
-from vlm_vit.convert.base import Checkpoint, Converted, NativePooler, register_format
+from vlm_vit.config import ConfigError, EncoderConfig, is_int
+from vlm_vit.convert.base import (
+    Checkpoint,
+    Converted,
+    NativePooler,
+    read_processor,
+    register_format,
+)
 from vlm_vit.convert.keymap import count_blocks, expand, invert, rename
 from vlm_vit.files import atomic_directory, write_safetensors
 from vlm_vit.model import VisionEncoder
@@ -59,6 +65,10 @@ from vlm_vit.processor import NORMALIZATION, ImageProcessor
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "open_clip_config.json"
+# Where open_clip's config (or the shapes) gives an EncoderConfig field, for errors.
+OPEN_CLIP_FIELDS = {"heads": "width // vision_cfg.head_width",
+                    "norm_eps": "vision_cfg.norm_kwargs.eps",
+                    "image_size": "vision_cfg.image_size"}
 OPENAI_HEAD_WIDTH = 64  # open_clip's CLIPVisionCfg.head_width default; OpenAI's width // 64
 NORM_EPS = 1e-5  # torch's LayerNorm default, which open_clip and OpenAI use
 
@@ -166,6 +176,9 @@ def _check_vision_cfg(vision_cfg: dict[str, Any], source: object) -> None:
                    if name in vision_cfg and vision_cfg[name] not in allowed]
     if not isinstance(vision_cfg.get("layers", 0), int):
         unsupported.append(f"layers={vision_cfg['layers']!r} (a ModifiedResNet tower)")
+    if not isinstance(vision_cfg.get("norm_kwargs") or {}, dict):
+        raise ValueError(f"{source}: vision_cfg.norm_kwargs must be a JSON object, got "
+                         f"{vision_cfg['norm_kwargs']!r}")
     unknown_norm = sorted(set(vision_cfg.get("norm_kwargs") or {}) - {"eps"})
     if unknown_norm:
         unsupported.append(f"norm_kwargs={vision_cfg['norm_kwargs']!r}")
@@ -178,7 +191,12 @@ def _grid(positions: int, vision_cfg: dict[str, Any], patch: int, source: object
     """The patch grid: from vision_cfg.image_size when given, else the square T - 1 = g^2."""
     size = vision_cfg.get("image_size")
     if size is not None:
-        height, width = (size, size) if isinstance(size, int) else size
+        pair = [size, size] if is_int(size) else size
+        if not (isinstance(pair, list) and len(pair) == 2 and all(is_int(s) and s > 0
+                                                                  for s in pair)):
+            raise ValueError(f"{source}: vision_cfg.image_size must be a positive int or a "
+                             f"[height, width] pair of them, got {size!r}")
+        height, width = pair
         grid = (height // patch, width // patch)
     else:
         side = round((positions - 1) ** 0.5)
@@ -191,17 +209,27 @@ def _grid(positions: int, vision_cfg: dict[str, Any], patch: int, source: object
 
 
 def _processor(preprocess_cfg: dict[str, Any] | None, image_size: tuple[int, int],
-               rules: list[str]) -> ImageProcessor | None:
-    """open_clip's eval preprocessing in our terms (its defaults where the config is silent)."""
+               rules: list[str], source: object = CONFIG_FILE) -> ImageProcessor | None:
+    """open_clip's eval preprocessing in our terms (its defaults where the config is silent).
+
+    Raises:
+        ValueError: naming `source`, for settings the processor refuses.
+    """
+    if not isinstance(preprocess_cfg or {}, dict):
+        raise ValueError(f"{source}: preprocess_cfg must be a JSON object, got "
+                         f"{preprocess_cfg!r}")
     settings = {"mean": NORMALIZATION["clip"][0], "std": NORMALIZATION["clip"][1],
                 "interpolation": "bicubic", "resize_mode": "shortest", "size": image_size,
                 **{k: v for k, v in (preprocess_cfg or {}).items() if v is not None}}
-    if settings["resize_mode"] not in RESIZE_MODES or settings["interpolation"] not in RESAMPLE:
+    if not isinstance(settings["resize_mode"], str) or settings["resize_mode"] not in RESIZE_MODES \
+            or not isinstance(settings["interpolation"], str) \
+            or settings["interpolation"] not in RESAMPLE:
         rules.append(f"preprocess_cfg resize_mode={settings['resize_mode']!r}, interpolation="
                      f"{settings['interpolation']!r} has no vlm-vit equivalent: no processor")
         return None
     mean, std = settings["mean"], settings["std"]
-    return ImageProcessor(
+    return read_processor(
+        source,
         size=settings["size"], resize_mode=RESIZE_MODES[settings["resize_mode"]],
         resample=RESAMPLE[settings["interpolation"]],
         mean=mean if isinstance(mean, (list, tuple)) else (mean,) * 3,  # open_clip allows one
@@ -259,27 +287,39 @@ class OpenClipFormat:
             raise ValueError(f"{source}: not an open_clip ViT image tower, it lacks "
                              f"{', '.join(missing)}")
         settings = checkpoint.files.get(CONFIG_FILE)
+        config_source = source if settings is None else source / CONFIG_FILE
         model_cfg = settings.get("model_cfg", settings) if settings is not None else {}
-        vision_cfg = model_cfg.get("vision_cfg", {})
-        _check_vision_cfg(vision_cfg, source)
+        vision_cfg = model_cfg.get("vision_cfg", {}) if isinstance(model_cfg, dict) else None
+        if not isinstance(vision_cfg, dict):
+            raise ValueError(f"{config_source}: model_cfg and its vision_cfg must be JSON "
+                             f"objects")
+        _check_vision_cfg(vision_cfg, config_source)
+        head_width = vision_cfg.get("head_width", OPENAI_HEAD_WIDTH)
+        quick_gelu = model_cfg.get("quick_gelu", False)
+        if not (is_int(head_width) and head_width > 0) or not isinstance(quick_gelu, bool):
+            raise ValueError(f"{config_source}: vision_cfg.head_width must be a positive int "
+                             f"and quick_gelu true or false, got {head_width!r} and "
+                             f"{quick_gelu!r}")
         # open_clip leaves quick_gelu out of configs trained with GELU.
-        act = CONFIGLESS_ACT if settings is None else (
-            "quick_gelu" if model_cfg.get("quick_gelu", False) else "gelu")
+        act = CONFIGLESS_ACT if settings is None else ("quick_gelu" if quick_gelu else "gelu")
 
         width, channels, patch, patch_cols = visual["conv1.weight"].shape  # [D, C, P, P]
         if patch != patch_cols:
             raise ValueError(f"{source}: non-square patches {patch}x{patch_cols} are not supported")
-        grid = _grid(visual["positional_embedding"].shape[0], vision_cfg, patch, source)
-        config = EncoderConfig(
-            image_size=(grid[0] * patch, grid[1] * patch), patch_size=patch, width=width,
-            depth=count_blocks(visual, r"transformer\.resblocks\.(\d+)\."),
-            heads=width // vision_cfg.get("head_width", OPENAI_HEAD_WIDTH),
-            mlp_width=visual["transformer.resblocks.0.mlp.c_fc.weight"].shape[0],
-            in_channels=channels, class_token=True, pre_norm="ln_pre.weight" in visual,
-            final_norm=True, act=act,
-            norm_eps=(vision_cfg.get("norm_kwargs") or {}).get("eps", NORM_EPS),
-            qkv_bias=True, patch_bias=False,
-        )
+        grid = _grid(visual["positional_embedding"].shape[0], vision_cfg, patch, config_source)
+        try:
+            config = EncoderConfig(
+                image_size=(grid[0] * patch, grid[1] * patch), patch_size=patch, width=width,
+                depth=count_blocks(visual, r"transformer\.resblocks\.(\d+)\."),
+                heads=width // head_width,
+                mlp_width=visual["transformer.resblocks.0.mlp.c_fc.weight"].shape[0],
+                in_channels=channels, class_token=True, pre_norm="ln_pre.weight" in visual,
+                final_norm=True, act=act,
+                norm_eps=(vision_cfg.get("norm_kwargs") or {}).get("eps", NORM_EPS),
+                qkv_bias=True, patch_bias=False,
+            )
+        except ConfigError as error:
+            raise error.located(config_source, OPEN_CLIP_FIELDS.get(error.field)) from None
         rules = [] if settings is not None else [
             f"no {CONFIG_FILE}: heads = width // {OPENAI_HEAD_WIDTH} = {config.heads} (the head "
             f"width of open_clip and OpenAI); act = {CONFIGLESS_ACT}, as OpenAI's CLIP (the "
@@ -298,9 +338,10 @@ class OpenClipFormat:
             "cls_linear", in_dim=width, out_dim=projection.shape[1], options={"bias": False},
             weights={"proj.weight": projection.T.contiguous()})  # x @ proj = Linear(proj.T)
         preprocess_cfg = settings.get("preprocess_cfg") if settings is not None else None
-        processor = _processor(preprocess_cfg, config.image_size, rules)
+        processor = _processor(preprocess_cfg, config.image_size, rules, config_source)
         return Converted(config=config, state=state, pooler=pooler, processor=processor,
-                         rules=rules)
+                         rules=rules, source=source,
+                         config_file=CONFIG_FILE if settings is not None else "the shapes")
 
     def from_native(self, encoder: VisionEncoder,
                     pooler: nn.Module | None = None) -> dict[str, torch.Tensor]:

@@ -25,8 +25,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlm_vit.config import VARIANTS, EncoderConfig
-from vlm_vit.convert.base import Checkpoint, Converted, NativePooler, register_format
+from vlm_vit.config import VARIANTS, ConfigError, EncoderConfig
+from vlm_vit.convert.base import (
+    Checkpoint,
+    Converted,
+    NativePooler,
+    read_processor,
+    register_format,
+)
 from vlm_vit.convert.keymap import count_blocks
 from vlm_vit.files import atomic_write, write_safetensors
 from vlm_vit.model import MODEL_TYPE
@@ -36,6 +42,10 @@ from vlm_vit.processor import ImageProcessor
 # Dropped on purpose: a classifier head (not part of the encoder) and its pooled norm.
 logger = logging.getLogger(__name__)
 IGNORED = ("head.", "fc_norm.")
+CONFIG_FILE = "config.json"
+# Where timm's config.json gives an EncoderConfig field, for errors.
+TIMM_FIELDS = {"heads": "model_args.num_heads", "image_size": "model_args.img_size",
+               "act": "model_args.act_layer"}
 
 
 def timm_model_kwargs(config: EncoderConfig) -> dict[str, Any]:
@@ -83,9 +93,9 @@ def to_timm_state_dict(state: dict[str, torch.Tensor], config: EncoderConfig) ->
     return state
 
 
-def _heads(width: int, depth: int, model_args: dict[str, Any], rules: list[str]) -> int:
+def _heads(width: int, depth: int, model_args: dict[str, Any], rules: list[str]) -> Any:
     if "num_heads" in model_args:
-        return int(model_args["num_heads"])
+        return model_args["num_heads"]  # EncoderConfig checks it is an int dividing width
     for variant, sizes in VARIANTS.items():
         if (sizes["width"], sizes["depth"]) == (width, depth):
             rules.append(f"heads {sizes['heads']} from the variant table ({variant} sizes)")
@@ -124,7 +134,11 @@ class TimmFormat:
         state = {k: v for k, v in tensors.items() if not k.startswith(IGNORED)}
         dropped = sorted(k for k in tensors if k not in state)
         rules = [f"ignored the classifier tensors {', '.join(dropped)}"] if dropped else []
+        config_source = checkpoint.path / CONFIG_FILE if checkpoint.config else checkpoint.path
         model_args = (checkpoint.config or {}).get("model_args", {})
+        if not isinstance(model_args, dict):
+            raise ValueError(f"{config_source}: model_args must be a JSON object, got "
+                             f"{type(model_args).__name__}")
         patch = state["patch_embed.proj.weight"]  # [D, C, P, P]
         width, channels, patch_size = patch.shape[0], patch.shape[1], patch.shape[2]
         depth = count_blocks(state, r"blocks\.(\d+)\.")
@@ -137,20 +151,25 @@ class TimmFormat:
             side = math.isqrt(grid_tokens) * patch_size
             image_size = (side, side)
             rules.append(f"square grid assumed: image size {side}")
-        config = EncoderConfig(
-            image_size=image_size, patch_size=patch_size, width=width, depth=depth,
-            heads=_heads(width, depth, model_args, rules),
-            mlp_width=state["blocks.0.mlp.fc1.weight"].shape[0], in_channels=channels,
-            class_token="cls_token" in state, num_register_tokens=registers,
-            pre_norm="norm_pre.weight" in state, final_norm="norm.weight" in state,
-            qkv_bias="blocks.0.attn.qkv.bias" in state,
-            patch_bias="patch_embed.proj.bias" in state,
-            act=model_args.get("act_layer", "gelu"),
-            norm_eps=(checkpoint.config or {}).get("norm_eps", 1e-6),
-        )
+        try:
+            config = EncoderConfig(
+                image_size=image_size, patch_size=patch_size, width=width, depth=depth,
+                heads=_heads(width, depth, model_args, rules),
+                mlp_width=state["blocks.0.mlp.fc1.weight"].shape[0], in_channels=channels,
+                class_token="cls_token" in state, num_register_tokens=registers,
+                pre_norm="norm_pre.weight" in state, final_norm="norm.weight" in state,
+                qkv_bias="blocks.0.attn.qkv.bias" in state,
+                patch_bias="patch_embed.proj.bias" in state,
+                act=model_args.get("act_layer", "gelu"),
+                norm_eps=(checkpoint.config or {}).get("norm_eps", 1e-6),
+            )
+        except ConfigError as error:
+            raise error.located(config_source, TIMM_FIELDS.get(error.field)) from None
         pooler = NativePooler("cls" if config.class_token else "mean", width, None, {}, {})
         return Converted(config=config, state=state, pooler=pooler,
-                         processor=_processor(checkpoint.config, config), rules=rules)
+                         processor=_processor(checkpoint.config, config, config_source),
+                         rules=rules, source=checkpoint.path,
+                         config_file=CONFIG_FILE if checkpoint.config else "the shapes")
 
     def write(self, encoder, destination: str | Path, *, pooler=None, processor=None) -> None:
         """Writes `model.safetensors` and a timm `config.json` into `destination`, which
@@ -229,12 +248,21 @@ def _grid_tokens(table_length: int, cls: int, registers: int) -> int:
     return table_length - cls - registers  # a non-square grid: the config must say
 
 
-def _processor(config: dict | None, encoder_config: EncoderConfig) -> ImageProcessor | None:
+def _processor(config: dict | None, encoder_config: EncoderConfig,
+               source: object = CONFIG_FILE) -> ImageProcessor | None:
+    """The preprocessing of timm's `pretrained_cfg` (mean, std, input size), if it has one.
+
+    Raises:
+        ValueError: naming `source`, for settings the processor refuses.
+    """
     cfg = (config or {}).get("pretrained_cfg")
-    if not cfg or "mean" not in cfg or "std" not in cfg:
+    if not isinstance(cfg, dict) or "mean" not in cfg or "std" not in cfg:
         return None
-    return ImageProcessor(size=tuple(cfg.get("input_size", [3, *encoder_config.image_size])[1:]),
-                          mean=tuple(cfg["mean"]), std=tuple(cfg["std"]))
+    input_size = cfg.get("input_size", [3, *encoder_config.image_size])
+    if not (isinstance(input_size, list) and len(input_size) == 3):
+        raise ValueError(f"{source}: pretrained_cfg.input_size must be [channels, height, "
+                         f"width], got {input_size!r}")
+    return read_processor(source, size=tuple(input_size[1:]), mean=cfg["mean"], std=cfg["std"])
 
 
 register_format(TimmFormat())

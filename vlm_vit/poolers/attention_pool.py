@@ -6,7 +6,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlm_vit.poolers.base import FeedForward, default_heads, register_pooler, split_tokens
+from vlm_vit.poolers.base import (
+    MAX_POOLER_TOKENS,
+    FeedForward,
+    check_count,
+    check_heads,
+    check_mlp_ratio,
+    default_heads,
+    register_pooler,
+    split_tokens,
+)
 
 
 @register_pooler("attention_pool")
@@ -29,8 +38,8 @@ class AttentionPool(nn.Module):
                  heads: int | None = None, mlp_ratio: float = 4.0, act: str = "gelu",
                  eps: float = 1e-5):
         super().__init__()
-        if num_queries < 1:
-            raise ValueError(f"num_queries must be >= 1, got {num_queries}")
+        num_queries = check_count("num_queries", num_queries, MAX_POOLER_TOKENS)
+        heads, mlp_ratio = check_heads(heads, in_dim), check_mlp_ratio(mlp_ratio)
         self.in_dim, self.out_dim, self.num_queries = in_dim, out_dim or in_dim, num_queries
         self.probe = nn.Parameter(torch.empty(1, num_queries, in_dim))
         nn.init.xavier_uniform_(self.probe)

@@ -10,6 +10,11 @@ Packed input (images of different sizes end to end, `vlm_vit.packing`) goes thro
 `pool_packed`: a pooler with a `forward_packed` method takes the whole `[total, D]` matrix
 at once (the per-token projectors do); any other runs once per image, automatically.
 
+Sizes are bounded before anything is allocated, so a tower config cannot ask for a pooler
+that exhausts memory: `in_dim` and `out_dim` 1..65536 (`MAX_POOLER_WIDTH`, four times the
+widest LLM's 16384), `mlp{N}x_gelu` and other depths 1..64 (`MAX_POOLER_DEPTH`), query and
+latent counts 1..4096 (`MAX_POOLER_TOKENS`), MLP ratios in (0, 64].
+
 Built-ins register with `@register_pooler(name)`; other installed distributions add theirs
 through the entry-point group `vlm_vit.poolers` (the entry's name is the pooler's name, its
 object the class or a factory taking `in_dim`, `out_dim=None` and options).
@@ -23,11 +28,56 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from vlm_vit.config import ConfigError, check_int, is_real
 from vlm_vit.layers import build_activation
 from vlm_vit.registry import Registry
 
 POOLERS = Registry("pooler", entry_point_group="vlm_vit.poolers")
 _MLP_DEPTH = re.compile(r"mlp(\d+)x_gelu")
+
+MAX_POOLER_WIDTH = 65_536  # in_dim, out_dim
+MAX_POOLER_DEPTH = 64  # mlp{N}x_gelu's N, the perceiver's layers
+MAX_POOLER_TOKENS = 4_096  # learned queries or latents (Qwen-VL: 256, Flamingo: 64)
+MAX_MLP_RATIO = 64.0
+
+
+def check_width(name: str, value: Any, optional: bool = False) -> int | None:
+    """A pooler width (`in_dim`, `out_dim`): an int in 1..`MAX_POOLER_WIDTH` (or None when
+    `optional`).
+
+    Raises:
+        ConfigError: (a ValueError) naming the field, the bounds and the value.
+    """
+    if optional and value is None:
+        return None
+    try:
+        return check_int(name, value, 1, MAX_POOLER_WIDTH)
+    except ConfigError as error:
+        if not optional:
+            raise
+        raise ConfigError(name, value, f"{error.allowed} or None") from None
+
+
+def check_count(name: str, value: Any, high: int) -> int:
+    """A pooler's depth or token count: an int in 1..`high`, else a ConfigError."""
+    return check_int(name, value, 1, high)
+
+
+def check_heads(value: Any, width: int) -> int | None:
+    """Attention heads: None (the default) or a positive int dividing `width`."""
+    if value is None:
+        return None
+    heads = check_int("heads", value, 1, width)
+    if width % heads:
+        raise ConfigError("heads", value, f"a divisor of the width {width}")
+    return heads
+
+
+def check_mlp_ratio(value: Any) -> float:
+    """An MLP hidden width as a multiple of the token width: a finite number in (0, 64]."""
+    if not (is_real(value) and 0 < value <= MAX_MLP_RATIO):
+        raise ConfigError("mlp_ratio", value, f"a finite number in (0, {MAX_MLP_RATIO:g}]")
+    return float(value)
 
 
 @runtime_checkable
@@ -68,11 +118,20 @@ def build_pooler(name: str, *, in_dim: int, out_dim: int | None = None, **option
 
     Raises:
         UnknownNameError: for an unknown name, with the close matches.
-        ValueError: for options the pooler does not take, or bad values.
+        ValueError: for options the pooler does not take, or bad values; for sizes out of
+            their bounds (see the module docstring), before anything is allocated.
     """
+    if not isinstance(name, str):
+        raise ValueError(f"a pooler name must be a string, got {name!r}")
+    in_dim = check_width("in_dim", in_dim)
+    out_dim = check_width("out_dim", out_dim, optional=True)
     match = _MLP_DEPTH.fullmatch(name)
     if match and name not in POOLERS:
-        factory, extra = POOLERS.get("mlp2x_gelu"), {"depth": int(match[1])}
+        depth = match[1]  # digits; a thousand of them are not turned into an int
+        if len(depth) > 2 or not 1 <= int(depth) <= MAX_POOLER_DEPTH:
+            raise ValueError(f"{name}: the depth {depth} is out of range; mlp{{N}}x_gelu "
+                             f"takes N in 1..{MAX_POOLER_DEPTH}")
+        factory, extra = POOLERS.get("mlp2x_gelu"), {"depth": int(depth)}
     else:
         factory, extra = POOLERS.get(name), {}
     try:
@@ -171,5 +230,7 @@ class FeedForward(nn.Sequential):
     """LayerNorm, Linear, activation, Linear: the MLP inside the attention poolers."""
 
     def __init__(self, width: int, hidden: int, act: str = "gelu", eps: float = 1e-5) -> None:
+        if not (is_real(eps) and 0 < eps <= 1):
+            raise ConfigError("eps", eps, "a finite number in (0, 1]")
         super().__init__(nn.LayerNorm(width, eps=eps), nn.Linear(width, hidden),
                          build_activation(act), nn.Linear(hidden, width))

@@ -8,7 +8,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlm_vit.poolers.base import TokenWise, register_pooler, split_tokens
+from vlm_vit.poolers.base import (
+    MAX_POOLER_DEPTH,
+    TokenWise,
+    check_count,
+    register_pooler,
+    split_tokens,
+)
 
 
 @register_pooler("linear")
@@ -38,8 +44,7 @@ class MLPProjector(TokenWise, nn.Sequential):
     """
 
     def __init__(self, in_dim: int, out_dim: int | None = None, depth: int = 2):
-        if depth < 1:
-            raise ValueError(f"an MLP projector needs depth >= 1, got {depth}")
+        depth = check_count("depth", depth, MAX_POOLER_DEPTH)
         out_dim = out_dim or in_dim
         layers: list[nn.Module] = [nn.Linear(in_dim, out_dim)]
         for _ in range(depth - 1):

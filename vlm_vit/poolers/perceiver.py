@@ -8,7 +8,17 @@ import torch
 from torch import nn
 
 from vlm_vit.layers import sincos_2d_pos_embed
-from vlm_vit.poolers.base import FeedForward, default_heads, register_pooler, split_tokens
+from vlm_vit.poolers.base import (
+    MAX_POOLER_DEPTH,
+    MAX_POOLER_TOKENS,
+    FeedForward,
+    check_count,
+    check_heads,
+    check_mlp_ratio,
+    default_heads,
+    register_pooler,
+    split_tokens,
+)
 
 
 class ResamplerLayer(nn.Module):
@@ -44,8 +54,9 @@ class PerceiverResampler(nn.Module):
     def __init__(self, in_dim: int, out_dim: int | None = None, num_latents: int = 64,
                  depth: int = 2, heads: int | None = None, mlp_ratio: float = 4.0):
         super().__init__()
-        if num_latents < 1 or depth < 1:
-            raise ValueError(f"num_latents and depth must be >= 1, got {num_latents}, {depth}")
+        num_latents = check_count("num_latents", num_latents, MAX_POOLER_TOKENS)
+        depth = check_count("depth", depth, MAX_POOLER_DEPTH)
+        heads, mlp_ratio = check_heads(heads, in_dim), check_mlp_ratio(mlp_ratio)
         if in_dim % 4:
             raise ValueError(f"the perceiver needs in_dim divisible by 4 (2D sin-cos "
                              f"positions), got {in_dim}")

@@ -7,7 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_vit.poolers.base import register_pooler, split_tokens
+from vlm_vit.poolers.base import check_count, register_pooler, split_tokens
+
+MAX_SCALE = 16  # InternVL and Idefics3 merge 2 x 2 to 4 x 4 blocks
+MAX_MERGED_WIDTH = 1 << 18  # in_dim * scale**2: Idefics3's 1152 x 16 = 18432
 
 
 @register_pooler("pixel_shuffle")
@@ -26,10 +29,12 @@ class PixelShuffle(nn.Module):
 
     def __init__(self, in_dim: int, out_dim: int | None = None, scale: int = 2):
         super().__init__()
-        if scale < 1:
-            raise ValueError(f"scale must be >= 1, got {scale}")
+        scale = check_count("scale", scale, MAX_SCALE)
         self.in_dim, self.out_dim, self.scale = in_dim, out_dim or in_dim, scale
         merged = in_dim * scale * scale
+        if merged > MAX_MERGED_WIDTH:
+            raise ValueError(f"pixel_shuffle: in_dim {in_dim} x scale {scale} squared = "
+                             f"{merged} merged channels, more than {MAX_MERGED_WIDTH}")
         self.mlp = nn.Sequential(nn.LayerNorm(merged), nn.Linear(merged, self.out_dim),
                                  nn.GELU(), nn.Linear(self.out_dim, self.out_dim))
 

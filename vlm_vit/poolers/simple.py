@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlm_vit.config import check_bool
 from vlm_vit.poolers.base import no_weights_out_dim, register_pooler, split_tokens
 
 
@@ -16,7 +17,7 @@ class AllTokens(nn.Module):
     def __init__(self, in_dim: int, out_dim: int | None = None, keep_prefix: bool = False):
         super().__init__()
         self.in_dim = self.out_dim = no_weights_out_dim("all", in_dim, out_dim)
-        self.keep_prefix = keep_prefix
+        self.keep_prefix = check_bool("keep_prefix", keep_prefix)
 
     def forward(self, tokens, *, num_prefix_tokens: int, grid: tuple[int, int]) -> torch.Tensor:
         _, patches = split_tokens(tokens, num_prefix_tokens, grid, self.in_dim)
@@ -77,7 +78,7 @@ class ClassTokenLinear(nn.Module):
         if act not in (None, "tanh"):
             raise ValueError(f"act must be None or 'tanh', got {act!r}")
         self.in_dim, self.out_dim = in_dim, out_dim or in_dim
-        self.proj = nn.Linear(in_dim, self.out_dim, bias=bias)
+        self.proj = nn.Linear(in_dim, self.out_dim, bias=check_bool("bias", bias))
         self.act = nn.Tanh() if act == "tanh" else nn.Identity()
 
     def forward(self, tokens, *, num_prefix_tokens: int, grid: tuple[int, int]) -> torch.Tensor:
