@@ -32,17 +32,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlm_vit.config import EncoderConfig, is_int
+from vlm_vit.config import EncoderConfig
 from vlm_vit.convert.base import (
     Checkpoint,
     Converted,
     NativePooler,
     check_block_count,
     held_blocks,
-    read_processor,
     register_format,
 )
-from vlm_vit.convert.hf_common import PIL_RESAMPLE, activation, hf_encoder_config
+from vlm_vit.convert.hf_common import (
+    PIL_RESAMPLE,
+    PREPROCESSOR_NAME,
+    activation,
+    hf_encoder_config,
+    processor_from_hf,
+)
 from vlm_vit.convert.keymap import fuse_qkv, invert, rename, split_qkv
 from vlm_vit.files import atomic_write
 from vlm_vit.model import CONFIG_NAME, VisionEncoder
@@ -51,7 +56,6 @@ from vlm_vit.shards import DEFAULT_MAX_SHARD_SIZE, write_weights
 
 VISION_PREFIX = "vision_model."  # composite models, and vision-only files before transformers 5
 POOLER_PREFIX = "pooler."  # where renaming parks the pooling head's weights, apart from the encoder
-PREPROCESSOR_NAME = "preprocessor_config.json"
 
 # Source tensors deliberately dropped: the text tower, the contrastive scale and bias, and the
 # `position_ids` buffer that older transformers saved.
@@ -143,79 +147,6 @@ def split_pooler(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # -- reading ----------------------------------------------------------------------------------
-
-def hf_size(value: Any) -> tuple[int, int] | None:
-    """(height, width) from a preprocessor `size` or `crop_size` (an int, `{height, width}`
-    or `{shortest_edge}`, a square side here); None when it says none of these (or its
-    sides are not ints)."""
-    if isinstance(value, dict) and "height" in value and "width" in value:
-        value = (value["height"], value["width"])
-    elif isinstance(value, dict) and "shortest_edge" in value:
-        value = value["shortest_edge"]
-    if is_int(value):
-        return (int(value), int(value))
-    if isinstance(value, tuple) and all(is_int(side) for side in value):
-        return (int(value[0]), int(value[1]))
-    return None
-
-
-def processor_from_hf(settings: dict[str, Any], fallback: ImageProcessor,
-                      rules: list[str], source: object = PREPROCESSOR_NAME) -> ImageProcessor:
-    """An `ImageProcessor` from a Hugging Face `preprocessor_config.json`.
-
-    `CLIPImageProcessor` resizes the shortest edge, then centre crops (flooring the crop's
-    offset: `crop_rounding="floor"`); `SiglipImageProcessor` resizes to `{height, width}`,
-    ignoring the aspect ratio. What `ImageProcessor` cannot express is approximated, with a
-    rule saying how.
-
-    Args:
-        settings: the parsed JSON.
-        fallback: the family's preprocessing, for what the file leaves out.
-        rules: appended to, for every approximation.
-        source: the file, named in errors.
-
-    Returns:
-        The processor.
-
-    Raises:
-        ValueError: naming `source`, for settings the processor refuses (a size over its
-            bounds, a mean that is not 3 finite numbers, ...).
-    """
-    resample = settings.get("resample", 3)
-    resample = resample if is_int(resample) else None  # a list or dict is no PIL code
-    cropped = settings.get("do_center_crop", "crop_size" in settings)
-    size = settings.get("size")
-    # A bare int is a legacy spelling: CLIP's (which always crops) meant the shortest edge.
-    shortest_edge = ((isinstance(size, dict) and "shortest_edge" in size)
-                     or (isinstance(size, int) and cropped))
-    resized = hf_size(size) or fallback.size
-    output = (hf_size(settings.get("crop_size")) if cropped else resized) or fallback.size
-    approximations = {
-        f"resizes the shortest edge to {resized[0]}, then crops {output}; approximated by "
-        f"resizing to cover {output}, then cropping":
-            shortest_edge and cropped and resized != output,
-        f"resizes the shortest edge to {resized[0]} without cropping; approximated by "
-        f"cropping the centre {output}": shortest_edge and not cropped,
-        f"resizes to {resized}, then crops {output}; approximated by resizing to {output}":
-            not shortest_edge and cropped and resized != output,
-        f"size {size!r} is not understood; using {fallback.size}":
-            size is not None and hf_size(size) is None,
-        f"resample {settings.get('resample')!r} is not bilinear (2) or bicubic (3); using "
-        f"bicubic": resample not in PIL_RESAMPLE,
-    }
-    rules.extend(f"{PREPROCESSOR_NAME}: {rule}" for rule, applies in approximations.items()
-                 if applies)
-    normalized = settings.get("do_normalize", True)
-    return read_processor(
-        source,
-        size=output,
-        resize_mode="shortest_edge" if shortest_edge else "squash",
-        resample=PIL_RESAMPLE.get(resample, "bicubic"),
-        mean=settings.get("image_mean", fallback.mean) if normalized else (0.0, 0.0, 0.0),
-        std=settings.get("image_std", fallback.std) if normalized else (1.0, 1.0, 1.0),
-        crop_rounding="floor",  # transformers' center_crop
-    )
-
 
 class HFVisionFormat:
     """What the Hugging Face CLIP and SigLIP towers share: names, config, processor.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlm_vit.config import EncoderConfig, is_real
+from vlm_vit.config import EncoderConfig
 from vlm_vit.convert.base import (
     Checkpoint,
     Converted,
@@ -22,7 +22,12 @@ from vlm_vit.convert.base import (
     held_blocks,
     register_format,
 )
-from vlm_vit.convert.hf_common import PIL_RESAMPLE, hf_encoder_config
+from vlm_vit.convert.hf_common import (
+    PREPROCESSOR_NAME,
+    VIT_IMAGE_PROCESSOR,
+    hf_encoder_config,
+    processor_from_hf,
+)
 from vlm_vit.convert.keymap import fuse_qkv, rename
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
 
@@ -31,7 +36,7 @@ MODEL_TYPE = "vit"
 # MAE decoder of ViTMAEForPreTraining is dropped like a classifier.
 MODEL_TYPES = (MODEL_TYPE, "vit_mae")
 PREFIX = "vit."  # ViTForImageClassification / ViTForMaskedImageModeling wrap the ViTModel
-PREPROCESSOR_CONFIG = "preprocessor_config.json"
+PREPROCESSOR_CONFIG = PREPROCESSOR_NAME
 CONFIG_FILE = "config.json"
 
 # transformers' ViTConfig defaults, for config files written before a key existed.
@@ -129,45 +134,25 @@ def image_processor(settings: dict[str, Any] | None, image_size: tuple[int, int]
                     source: object) -> tuple[ImageProcessor, list[str]]:
     """The ImageProcessor a `preprocessor_config.json` describes, and the rules applied.
 
-    ViTImageProcessor resizes straight to {"height", "width"} (no crop), then rescales and
-    normalises. Without the file, its defaults are used at the model's image size.
+    ViTImageProcessor resizes straight to {"height", "width"} (no crop), bilinear unless the
+    file says otherwise, then rescales and normalises (`hf_common.processor_from_hf`, the
+    parser every Hugging Face family shares). Without the file, its defaults are used at the
+    model's image size.
 
     Raises:
         ValueError: for settings the ImageProcessor cannot reproduce, naming them.
     """
     mean, std = NORMALIZATION["inception"]  # ViTImageProcessor's default 0.5 / 0.5
+    defaults = ImageProcessor(size=image_size, resize_mode="squash", resample="bilinear",
+                              mean=mean, std=std, crop_rounding="floor")
     if settings is None:
-        rule = (f"no {PREPROCESSOR_CONFIG}: ViTImageProcessor's defaults (squash resize, "
-                f"bilinear, mean/std 0.5) at the model's image size {image_size}")
-        return ImageProcessor(size=image_size, resize_mode="squash", resample="bilinear",
-                              mean=mean, std=std, crop_rounding="floor"), [rule]
-    size = settings.get("size", {"height": 224, "width": 224})
-    size = (size, size) if isinstance(size, int) else \
-        (size.get("height"), size.get("width")) if isinstance(size, dict) else (None, None)
-    if None in size:
-        raise ValueError(f"{source}: {PREPROCESSOR_CONFIG} size {settings.get('size')!r} has no "
-                         "height and width (ViTImageProcessor resizes straight to them)")
-    resample = settings.get("resample", 2)
-    if not isinstance(resample, int) or resample not in PIL_RESAMPLE:
-        raise ValueError(f"{source}: {PREPROCESSOR_CONFIG} resample {resample!r} is not one of "
-                         f"{PIL_RESAMPLE} (PIL codes vlm-vit's ImageProcessor supports)")
-    rescale_factor = settings.get("rescale_factor", 1 / 255)
-    if not settings.get("do_rescale", True) or not is_real(rescale_factor) or \
-            abs(rescale_factor - 1 / 255) > 1e-9:
-        raise ValueError(f"{source}: {PREPROCESSOR_CONFIG} rescales pixels other than by 1/255 "
-                         f"(do_rescale={settings.get('do_rescale')}, rescale_factor="
-                         f"{settings.get('rescale_factor')}), which ImageProcessor cannot do")
-    if settings.get("do_normalize", True):
-        mean, std = settings.get("image_mean", mean), settings.get("image_std", std)
-    else:
-        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-    try:
-        processor = ImageProcessor(size=size, resize_mode="squash",
-                                   resample=PIL_RESAMPLE[resample], mean=mean, std=std,
-                                   crop_rounding="floor")  # transformers', were it to crop
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{source}: unusable {PREPROCESSOR_CONFIG}: {error}") from error
-    return processor, []
+        return defaults, [f"no {PREPROCESSOR_CONFIG}: ViTImageProcessor's defaults (squash "
+                          f"resize, bilinear, mean/std 0.5) at the model's image size "
+                          f"{image_size}"]
+    rules: list[str] = []
+    processor = processor_from_hf(settings, defaults, rules, source,
+                                  processor_class=VIT_IMAGE_PROCESSOR)
+    return processor, rules
 
 
 class HfVitFormat:
