@@ -150,7 +150,7 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, tiny_encoder):
     x = images()
     assert torch.equal(loaded(x).tokens, tiny_encoder(x).tokens)
     assert sorted(p.name for p in (tmp_path / "enc").iterdir()) == [
-        "README.md", "config.json", "model.safetensors"]  # no temporary file left behind
+        "README.md", "config.json", "manifest.json", "model.safetensors"]  # no temporary file
 
 
 def test_load_with_new_image_size_resizes_the_table(tmp_path, tiny_encoder):
@@ -166,8 +166,10 @@ def test_loading_errors_name_the_file(tmp_path, tiny_encoder):
         load_encoder(tmp_path / "nowhere")
     tiny_encoder.save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 10)
-    with pytest.raises(ValueError, match="model.safetensors is not a readable"):
+    with pytest.raises(ValueError, match="model.safetensors does not match its manifest"):
         load_encoder(tmp_path)
+    with pytest.raises(ValueError, match="model.safetensors is too short|not a readable"):
+        load_encoder(tmp_path, verify=False)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json is not valid JSON"):
         load_encoder(tmp_path)
@@ -180,13 +182,15 @@ def test_mismatched_weights_are_all_listed(tmp_path, tiny_encoder):
     state = dict(tiny_encoder.state_dict())
     state.pop("norm.weight")
     state["extra.weight"] = torch.zeros(1)
-    state["pos_embed"] = torch.zeros(1, 5, 32)
+    # (a position table of the wrong length is refused earlier, against the config: see
+    # tests/test_config_validation.py)
+    state["blocks.0.attn.proj.bias"] = torch.zeros(5)
     write_safetensors(state, tmp_path / "model.safetensors")
     with pytest.raises(ValueError) as error:
-        load_encoder(tmp_path)
+        load_encoder(tmp_path, verify=False)  # the weights were changed on purpose
     message = str(error.value)
     assert "missing: norm.weight" in message and "unexpected: extra.weight" in message
-    assert "pos_embed (checkpoint [1, 5, 32], model [1, 17, 32])" in message
+    assert "blocks.0.attn.proj.bias (checkpoint [5], model [32])" in message
 
 
 @pytest.mark.parametrize("mode, antialias", [("bilinear", True), ("bicubic", False)])

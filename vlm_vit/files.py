@@ -1,16 +1,21 @@
 """Safe, loud file helpers: atomic writes, and readers that name the file in every error.
 
-Nothing here unpickles: weights are read with safetensors.
+Nothing here unpickles: weights are read with safetensors, `.npz` arrays by their `.npy`
+headers. Every header is checked against the file's size before anything is allocated, and
+JSON is bounded in size and nesting (`MAX_JSON_BYTES`, `MAX_JSON_DEPTH`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -18,6 +23,17 @@ from typing import IO, Any
 import torch
 
 logger = logging.getLogger(__name__)
+
+# A JSON config larger than this is refused unread; Gemma's tokenizer.json, among the largest
+# JSON files a model repository holds, is 34 MB.
+MAX_JSON_BYTES = 64_000_000
+# Deeper nesting is refused: no config nests past a handful of levels, and Python's parser
+# raises RecursionError near 1000.
+MAX_JSON_DEPTH = 200
+# The safetensors library's own bound on its header.
+MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
+# A zip member claiming to inflate more than this is refused (deflate's maximum is ~1032).
+MAX_NPZ_INFLATION = 1100
 
 # File suffixes read as images when a folder is searched.
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp",
@@ -51,57 +67,398 @@ def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO]:
         raise
 
 
-@contextlib.contextmanager
-def atomic_directory(path: str | Path) -> Iterator[Path]:
-    """Yields a temporary folder beside `path` to fill; on success it replaces `path`.
+# What a directory save replaces in an existing folder: the files of the model it held.
+# Everything else (a README, the user's own files and folders) is carried over.
+MODEL_FILES = ("*.safetensors", "*.json")
+_FILLING: set[Path] = set()  # temporary folders an atomic_directory of this process fills
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
-    A crash half-way leaves the old folder (or none), never a half-written one. An existing
-    folder is moved aside first and removed only once the new one is in place.
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swaps two paths in one step (Linux `renameat2(RENAME_EXCHANGE)`); False where the
+    system or file system cannot, so the caller falls back to two renames."""
+    import ctypes
+    import errno
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _leftovers(path: Path) -> list[tuple[Path, str]]:
+    """(folder, kind) of the hidden `.NAME.PID.*.{tmp,new,old}` folders that dead writers of
+    `path` left beside it; kind is "tmp" (half-written), "new" (written, not yet in place)
+    or "old" (the folder it was replacing)."""
+    found = []
+    for entry in path.parent.glob(f".{glob.escape(path.name)}.*"):
+        parts = entry.name[len(path.name) + 2:].split(".")
+        if len(parts) < 2 or parts[-1] not in ("tmp", "new", "old") or not parts[0].isdigit():
+            continue
+        if entry.is_dir() and not _alive(int(parts[0])):
+            found.append((entry, parts[-1]))
+    return found
+
+
+def recover_directory(path: str | Path) -> Path:
+    """Repairs what a writer killed inside `atomic_directory(path)` left: where `path` is
+    gone, the new folder it had finished is put in place (else the old one it was replacing
+    is put back); then the dead writers' hidden folders are removed. Saves and loads call
+    it first. Returns `path`.
+
+    Raises:
+        FileNotFoundError: when `path` is missing and a hidden copy could not be moved back
+            (read-only file system), naming the copy to use.
     """
     path = Path(path)
+    leftovers = _leftovers(path) if path.parent.is_dir() else []
+    if not path.exists():
+        for kind in ("new", "old"):
+            candidates = sorted(folder for folder, found in leftovers if found == kind)
+            if candidates:
+                try:
+                    os.replace(candidates[-1], path)
+                except OSError as error:
+                    raise FileNotFoundError(
+                        f"{path} is missing: a save was interrupted, and its "
+                        f"{'finished' if kind == 'new' else 'previous'} copy {candidates[-1]} "
+                        f"could not be moved back ({error}); load that folder instead") from None
+                logger.warning("%s: an interrupted save left it missing; restored %s copy %s",
+                               path, "its finished" if kind == "new" else "the previous",
+                               candidates[-1].name)
+                leftovers = _leftovers(path)
+                break
+    for folder, _ in leftovers:
+        shutil.rmtree(folder, ignore_errors=True)
+    return path
+
+
+def _carry_over(old: Path, new: Path, replaces: tuple[str, ...]) -> None:
+    """Hard-links (or copies) into `new` what `old` holds besides the model files
+    `replaces` names; these win over what `new` wrote under the same name (a README the
+    user edited stays)."""
+    import fnmatch
+
+    for entry in old.iterdir():
+        if any(fnmatch.fnmatch(entry.name, pattern) for pattern in replaces):
+            continue
+        target = new / entry.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, new / entry.name, symlinks=True,
+                            copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, new / entry.name)
+
+
+def _link_or_copy(source, destination) -> None:
+    try:
+        os.link(source, destination, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(source, destination, follow_symlinks=False)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | Path, *, replaces: tuple[str, ...] = MODEL_FILES
+                     ) -> Iterator[Path]:
+    """Yields a temporary folder beside `path` to fill; on success it becomes `path`.
+
+    Every multi-file save goes through here, so a reader sees the old folder or the new
+    one, never a mix (B's config with A's weights):
+
+    - the new folder is filled under a hidden name (`.NAME.PID.*.tmp`), then renamed
+      `.NAME.PID.new` once complete;
+    - what the existing folder holds besides the model files `replaces` names (a README,
+      the user's own files) is carried over by hard links;
+    - the two folders are swapped in one step where the system can (Linux
+      `renameat2(RENAME_EXCHANGE)`), else the old one is renamed `.NAME.PID.old` first; a
+      writer killed between those renames leaves `path` missing, and `recover_directory`
+      (run by the next save or load) puts the finished or the old folder back.
+
+    Nested calls compose: a save inside another's temporary folder (a tower saving its
+    encoder) writes straight into it.
+    """
+    path = Path(path)
+    if path.resolve() in _FILLING or path.parent.resolve() in _FILLING:
+        path.mkdir(parents=True, exist_ok=True)
+        yield path  # the outer atomic_directory makes it appear at once
+        return
+    path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    recover_directory(path)
+    temp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.",
+                                 suffix=".tmp"))
+    filling = temp
+    _FILLING.add(filling)
+    old = None
     try:
         yield temp
         os.chmod(temp, 0o777 & ~_umask())  # mkdtemp makes 0700; give the usual permissions
-        old = None
+        if path.is_dir():
+            _carry_over(path, temp, replaces)
+        finished = temp.with_name(temp.name.removesuffix(".tmp") + ".new")
+        os.replace(temp, finished)
+        temp = finished
+        if path.exists() and _exchange(finished, path):
+            shutil.rmtree(finished, ignore_errors=True)  # it now holds the old folder
+            return
         if path.exists():
-            old = path.with_name(f".{path.name}.{os.getpid()}.old")
+            old = finished.with_name(finished.name.removesuffix(".new") + ".old")
             os.replace(path, old)
-        os.replace(temp, path)
+        os.replace(finished, path)
         if old is not None:
-            shutil.rmtree(old)
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
+        if old is not None and old.exists() and not path.exists():
+            os.replace(old, path)  # an error (not a kill) between the renames: roll back
         shutil.rmtree(temp, ignore_errors=True)
         raise
+    finally:
+        _FILLING.discard(filling)
 
 
-def read_json(path: str | Path) -> dict[str, Any]:
-    """Reads a JSON object, naming `path` when it is missing or malformed."""
+def read_json(path: str | Path, max_bytes: int | None = None) -> dict[str, Any]:
+    """Reads a JSON object, naming `path` when it is missing, malformed or hostile.
+
+    Args:
+        path: the file.
+        max_bytes: refuse larger files before reading them (default `MAX_JSON_BYTES`).
+
+    Raises:
+        FileNotFoundError: when `path` is missing.
+        ValueError: for invalid JSON, a file over `max_bytes`, nesting deeper than
+            `MAX_JSON_DEPTH`, or anything but an object at the top.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist or is not a file")
+    limit = MAX_JSON_BYTES if max_bytes is None else max_bytes
+    size = path.stat().st_size
+    if size > limit:
+        raise ValueError(f"{path} is {size / 1e6:.1f} MB, over the {limit / 1e6:.0f} MB a JSON "
+                         f"config may be; refused")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{path} is not valid JSON: {error}") from error
+    except RecursionError:
+        raise ValueError(f"{path} is nested too deeply to parse (more than "
+                         f"{MAX_JSON_DEPTH} levels of arrays and objects); refused") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, found {type(data).__name__}")
+    if _nesting_exceeds(data, MAX_JSON_DEPTH):
+        raise ValueError(f"{path} is nested more than {MAX_JSON_DEPTH} levels of arrays and "
+                         f"objects deep; refused")
     return data
 
 
+def _nesting_exceeds(data: Any, limit: int) -> bool:
+    """Whether lists and dicts nest more than `limit` deep (iterative: no recursion)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (dict, list)))
+    return False
+
+
+# -- safetensors ---------------------------------------------------------------------------
+
+# Bits per element of each safetensors dtype (the format's own list, sub-byte floats included).
+SAFETENSORS_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16,
+    "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "F64": 64, "I64": 64,
+    "U64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+
+
+def check_safetensors_header(path: str | Path) -> dict[str, Any]:
+    """Reads and checks a safetensors header against the file before any tensor is read.
+
+    The header length must fit the file and `MAX_SAFETENSORS_HEADER_BYTES`; every tensor's
+    `data_offsets` must lie inside the data and span exactly shape x dtype size.
+
+    Returns:
+        The parsed header.
+
+    Raises:
+        ValueError: naming the file (and the tensor) for anything else.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{path} is {size} bytes, too short for a safetensors file "
+                             f"(8-byte header length first)")
+        declared = int.from_bytes(prefix, "little")
+        if declared > min(size - 8, MAX_SAFETENSORS_HEADER_BYTES) or declared < 2:
+            raise ValueError(f"{path} declares a header of {declared} bytes, but the file has "
+                             f"{size - 8} after the length (and a header may be 2 to "
+                             f"{MAX_SAFETENSORS_HEADER_BYTES} bytes): truncated or not "
+                             f"safetensors")
+        raw = handle.read(declared)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise ValueError(f"{path}: the safetensors header is not valid JSON: "
+                         f"{type(error).__name__}: {str(error)[:200]}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header must be a JSON object, found "
+                         f"{type(header).__name__}")
+    data_size = size - 8 - declared
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where} must be {{dtype, shape, data_offsets}}, got {entry!r:.80}")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in SAFETENSORS_DTYPE_BITS:
+            raise ValueError(f"{where} has dtype {dtype!r:.40}, not one of "
+                             f"{', '.join(SAFETENSORS_DTYPE_BITS)}")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise ValueError(f"{where} has shape {shape!r:.80}, not a list of sizes >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+            raise ValueError(f"{where} has data_offsets {offsets!r:.80}, not [begin, end] "
+                             f"with 0 <= begin <= end")
+        if offsets[1] > data_size:
+            raise ValueError(f"{where} has data_offsets {offsets}, outside the "
+                             f"{data_size} bytes of data the file holds: truncated or corrupt")
+        expected = (math.prod(shape) * SAFETENSORS_DTYPE_BITS[dtype] + 7) // 8
+        if offsets[1] - offsets[0] != expected:
+            raise ValueError(f"{where} spans {offsets[1] - offsets[0]} bytes, but shape "
+                             f"{shape} x {dtype} needs {expected}")
+    return header
+
+
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Reads every tensor of a safetensors file, naming `path` when it is missing or broken."""
+    """Reads every tensor of a safetensors file, naming `path` when it is missing or broken.
+
+    The header is checked against the file size first (`check_safetensors_header`).
+    """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist or is not a file")
+    check_safetensors_header(path)
     try:
         return load_file(path)
     except (SafetensorError, OSError, ValueError) as error:
         raise ValueError(f"{path} is not a readable safetensors file: {error}") from error
+
+
+# -- npz -----------------------------------------------------------------------------------
+
+
+def read_npz(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every array of a numpy `.npz` archive as a tensor, each header checked first.
+
+    Nothing is unpickled (object arrays are refused) and nothing is allocated before the
+    member's header is checked against the sizes the zip records: an array may not declare
+    more bytes than its member holds, and a member may not claim to inflate more than
+    `MAX_NPZ_INFLATION` times its compressed size (deflate's own limit is about 1032).
+
+    Raises:
+        ValueError: naming the file and the array for anything unreadable.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist or is not a file")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+            names = [m.filename for m in members]
+            if len(set(names)) != len(names):
+                raise ValueError(f"{path} names an array twice: not a numpy .npz archive")
+            return {m.filename.removesuffix(".npy"): _read_npy_member(archive, m, path)
+                    for m in members}
+    except (OSError, zipfile.BadZipFile, EOFError, NotImplementedError) as error:
+        raise ValueError(f"{path} is not a readable .npz file (truncated or corrupt?): "
+                         f"{error}") from error
+
+
+def _read_npy_member(archive: zipfile.ZipFile, member: zipfile.ZipInfo,
+                     path: Path) -> torch.Tensor:
+    import numpy as np
+    from numpy.lib import format as npy
+
+    name = member.filename.removesuffix(".npy")
+    where = f"{path}: array {name!r}"
+    archive_size = path.stat().st_size
+    if member.compress_size > archive_size:
+        raise ValueError(f"{where}: its zip entry claims {member.compress_size} compressed "
+                         f"bytes, more than the {archive_size}-byte file holds")
+    stored = member.compress_type == zipfile.ZIP_STORED
+    inflation = member.file_size / max(member.compress_size, 1)
+    if (stored and member.file_size != member.compress_size) or inflation > MAX_NPZ_INFLATION:
+        raise ValueError(f"{where}: its zip entry claims {member.file_size} bytes from "
+                         f"{member.compress_size} compressed ones: corrupt or a zip bomb")
+    with archive.open(member) as handle:
+        try:
+            version = npy.read_magic(handle)
+            if version == (1, 0):
+                shape, fortran, dtype = npy.read_array_header_1_0(handle)
+            elif version == (2, 0):
+                shape, fortran, dtype = npy.read_array_header_2_0(handle)
+            else:
+                raise ValueError(f".npy format version {version} is not 1.0 or 2.0")
+        except ValueError as error:
+            raise ValueError(f"{where} has no readable .npy header: {error}") from error
+        if dtype.hasobject:
+            raise ValueError(f"{where} has dtype {dtype}: object arrays need unpickling, "
+                             f"which vlm-vit never does; refused")
+        if dtype.fields is not None or dtype.subdtype is not None or not dtype.itemsize:
+            raise ValueError(f"{where} has the structured dtype {dtype}, which torch cannot "
+                             f"hold")
+        count = math.prod(shape)
+        nbytes = count * dtype.itemsize
+        header_bytes = handle.tell()
+        if nbytes > member.file_size - header_bytes:
+            raise ValueError(f"{where} declares shape {shape} of {dtype} ({nbytes} bytes), "
+                             f"but its member holds {member.file_size - header_bytes} bytes "
+                             f"after the header: corrupt or hostile")
+        array = np.empty(count, dtype=dtype)
+        view = memoryview(array.view(np.uint8))  # (nbytes,): filled in place, no copy
+        filled = 0
+        while filled < nbytes:
+            read = handle.readinto(view[filled:])
+            if not read:
+                raise ValueError(f"{where} ends after {filled} of its {nbytes} bytes: "
+                                 f"truncated")
+            filled += read
+    array = array.reshape(shape, order="F" if fortran else "C")
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    try:
+        return torch.from_numpy(array)
+    except TypeError as error:
+        raise ValueError(f"{where} has dtype {dtype}, which torch cannot hold") from error
 
 
 def write_safetensors(

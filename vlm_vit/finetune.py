@@ -12,7 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_vit.files import atomic_write, read_json, read_safetensors, write_safetensors
+from vlm_vit.files import (
+    atomic_directory,
+    atomic_write,
+    read_json,
+    read_safetensors,
+    write_safetensors,
+)
 from vlm_vit.model import VisionEncoder, check_state_dict
 from vlm_vit.pretrain.base import ObjectiveOutput
 from vlm_vit.processor import ImageProcessor
@@ -82,14 +88,15 @@ class ImageClassifier(nn.Module):
         if classes is not None and len(classes) != self.head.out_features:
             raise ValueError(f"{len(classes)} class names for {self.head.out_features} classes")
         directory = Path(directory)
-        self.backbone.save_pretrained(directory)
-        write_safetensors(self.head.state_dict(), directory / HEAD_WEIGHTS_NAME)
-        with atomic_write(directory / CLASSIFIER_CONFIG_NAME, "w") as handle:
-            json.dump({"num_classes": self.head.out_features, "pooling": self.pooling,
-                       "backbone": "tower" if isinstance(self.backbone, VisionTower)
-                       else "encoder", "classes": classes}, handle, indent=2)
-        if processor is not None:
-            processor.save_pretrained(directory)
+        with atomic_directory(directory) as temp:  # every file appears at once
+            self.backbone.save_pretrained(temp)
+            write_safetensors(self.head.state_dict(), temp / HEAD_WEIGHTS_NAME)
+            with atomic_write(temp / CLASSIFIER_CONFIG_NAME, "w") as handle:
+                json.dump({"num_classes": self.head.out_features, "pooling": self.pooling,
+                           "backbone": "tower" if isinstance(self.backbone, VisionTower)
+                           else "encoder", "classes": classes}, handle, indent=2)
+            if processor is not None:
+                processor.save_pretrained(temp)
         return directory
 
     @classmethod

@@ -124,6 +124,10 @@ def locate(name: str | Path | Location, revision: str | None = None, *,
     """
     if isinstance(name, Location):
         return name
+    if not Path(name).exists():  # a save killed mid-swap leaves it missing: put it back
+        from vlm_vit.files import recover_directory
+
+        recover_directory(name)
     if isinstance(name, Path) or Path(name).exists():
         path = Path(name)
         if not path.exists():

@@ -1,8 +1,11 @@
 """Reading checkpoints: safe file readers, `load_encoder`, `load_tower`, `load_processor`.
 
 Weights are read without running code: safetensors first, `torch.load(weights_only=True)`
-for PyTorch files, `numpy.load(allow_pickle=False)` for `.npz`. The format is told from the
-content (see `vlm_vit.convert`), never from the file name.
+for PyTorch files, `.npz` arrays by their `.npy` headers (`files.read_npz`, checked against
+the archive before anything is allocated). The format is told from the content (see
+`vlm_vit.convert`), never from the file name. A directory with a `manifest.json` (what
+vlm-vit writes) has its weight files checked against the recorded sha256 first; `verify=False`
+or `VLM_VIT_VERIFY=0` skips that (`vlm_vit.integrity`).
 """
 
 from __future__ import annotations
@@ -13,13 +16,13 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import SafetensorError
 
 from vlm_vit import hub
 from vlm_vit.convert import FORMATS, Checkpoint, Converted, NativePooler, detect_format
-from vlm_vit.files import read_json, read_safetensors
+from vlm_vit.files import read_json, read_npz, read_safetensors
+from vlm_vit.integrity import MANIFEST_NAME, verify_files
 from vlm_vit.model import CONFIG_NAME, VisionEncoder, check_state_dict
 from vlm_vit.processor import ImageProcessor
 from vlm_vit.shards import SHARD_INDEX, read_sharded
@@ -64,15 +67,6 @@ def _unwrap_state_dict(loaded: Any, path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _read_npz(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            return {k: torch.from_numpy(np.array(archive[k])) for k in archive.files}
-    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as error:
-        raise ValueError(f"{path} is not a readable .npz file (object arrays, truncated or "
-                         f"corrupt?): {error}") from error
-
-
 def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of one weight file, the container told by its first bytes.
 
@@ -99,45 +93,52 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
                              "release); loading it means running its code, which vlm-vit "
                              "refuses. Save its state_dict() as safetensors and load that.")
         if names and all(n.endswith(".npy") for n in names):
-            return _read_npz(path)
+            return read_npz(path)
     return _read_pickled(path)
 
 
-def read_checkpoint(path: str | Path) -> Checkpoint:
+def read_checkpoint(path: str | Path, verify: bool | None = None) -> Checkpoint:
     """A file, directory or model name as a `Checkpoint`: tensors, config and the JSON files
     beside them. Names (`org/name`, `hf-hub:org/name`, open_clip's `MODEL/TAG`) come from
     the Hugging Face cache, fetched if needed and allowed (`vlm_vit.hub`).
 
+    Args:
+        path: a file, directory or name.
+        verify: check a directory's weight files against its `manifest.json`, where it has
+            one (default: on unless `VLM_VIT_VERIFY=0`).
+
     Raises:
         FileNotFoundError: when nothing is there, or a directory has no weight file;
             `hub.NotCachedError` for a name neither cached nor reachable.
-        ValueError: for malformed files, naming them.
+        ValueError: for malformed files, naming them; `integrity.IntegrityError` for a
+            weight file that does not match its manifest hash.
     """
     location = hub.locate(path)
     path = location.directory
     if path.is_file():
         return Checkpoint(path=path, tensors=read_tensors(path))
     files = {p.name: read_json(p) for p in sorted(path.glob("*.json"))
-             if p.name not in (CONFIG_NAME, SHARD_INDEX)}
+             if p.name not in (CONFIG_NAME, SHARD_INDEX, MANIFEST_NAME)}
     config = read_json(path / CONFIG_NAME) if (path / CONFIG_NAME).is_file() else None
     weight_files = location.weight_files or WEIGHT_FILES
     if location.weight_files is None and (path / SHARD_INDEX).is_file():
-        tensors = read_sharded(path)
+        tensors = read_sharded(path, verify)
     else:
         found = next((path / name for name in weight_files if (path / name).is_file()), None)
         if found is None:
             raise FileNotFoundError(f"{path} holds none of the weight files "
                                     f"{', '.join(weight_files)}")
+        verify_files(path, [found], verify)
         tensors = read_tensors(found)
     return Checkpoint(path=path, tensors=tensors, config=config, files=files)
 
 
-def convert_checkpoint(path: str | Path | hub.Location,
-                       format: str | None = None) -> Converted:
+def convert_checkpoint(path: str | Path | hub.Location, format: str | None = None,
+                       verify: bool | None = None) -> Converted:
     """Reads a checkpoint (a path or model name) and converts it to native terms (no model
-    is built)."""
+    is built); `verify` as in `read_checkpoint`."""
     location = hub.locate(path)
-    checkpoint = read_checkpoint(location)
+    checkpoint = read_checkpoint(location, verify)
     format = format or location.format
     fmt = FORMATS.get(format) if format else detect_format(checkpoint)
     converted = fmt.to_native(checkpoint)
@@ -148,7 +149,7 @@ def convert_checkpoint(path: str | Path | hub.Location,
 
 def load_encoder(
     path: str | Path, *, format: str | None = None, dtype: torch.dtype | None = None,
-    **overrides: Any,
+    verify: bool | None = None, **overrides: Any,
 ) -> VisionEncoder:
     """Loads an encoder from any supported checkpoint.
 
@@ -159,6 +160,9 @@ def load_encoder(
             the Hugging Face cache (see `vlm_vit.hub`).
         format: skip detection and read the checkpoint as this format.
         dtype: cast the weights to this dtype (default: as stored).
+        verify: check the weight files against the sha256 in the directory's
+            `manifest.json`, where there is one (what `save_pretrained` writes). Default: on,
+            unless the environment sets `VLM_VIT_VERIFY=0`; False skips the check.
         **overrides: `EncoderConfig` fields to change, e.g. ``act="quick_gelu"``;
             ``image_size=(h, w)`` resizes the position table (paper section 3.2).
 
@@ -166,22 +170,24 @@ def load_encoder(
         FileNotFoundError: when `path` does not exist.
         ValueError: for an unknown or ambiguous format, or weights that do not fit, with
             every missing, unexpected and mis-shaped key listed; nothing is loaded half-way.
+            `vlm_vit.integrity.IntegrityError` (a ValueError) for a weight file that does
+            not match its manifest hash (corrupt or changed since it was written).
     """
-    converted = convert_checkpoint(path, format)
+    converted = convert_checkpoint(path, format, verify)
     return VisionEncoder.from_state_dict(converted.state, converted.config, dtype=dtype,
                                          source=path, **overrides)
 
 
 def load_with_processor(
     path: str | Path, *, format: str | None = None, dtype: torch.dtype | None = None,
-    **overrides: Any,
+    verify: bool | None = None, **overrides: Any,
 ) -> tuple[VisionEncoder, ImageProcessor]:
     """The encoder and the preprocessing its checkpoint records, reading the weights once.
 
     A checkpoint that records none gets ImageNet normalisation at the encoder's image size
     (logged). Arguments as in `load_encoder`.
     """
-    converted = convert_checkpoint(path, format)
+    converted = convert_checkpoint(path, format, verify)
     encoder = VisionEncoder.from_state_dict(converted.state, converted.config, dtype=dtype,
                                             source=path, **overrides)
     processor = converted.processor
@@ -227,7 +233,8 @@ def build_native_pooler(own: NativePooler, source: object = "checkpoint"):
 def load_tower(path: str | Path, pooler: str | None = None, *, out_dim: int | None = None,
                pooler_options: dict[str, Any] | None = None, format: str | None = None,
                feature_layer: int | list[int] | None = None, drop_prefix: bool | None = None,
-               dtype: torch.dtype | None = None, **overrides: Any):
+               dtype: torch.dtype | None = None, verify: bool | None = None,
+               **overrides: Any):
     """Loads a `VisionTower` whose pooler is the checkpoint's own, or one named.
 
     The checkpoint's own pooling: CLIP's image embedding (class token, final norm,
@@ -242,6 +249,7 @@ def load_tower(path: str | Path, pooler: str | None = None, *, out_dim: int | No
         feature_layer, drop_prefix: as in `VisionTower` (defaults: the final tokens; the
             prefix kept for poolers that read the class token, dropped otherwise).
         dtype: cast the weights.
+        verify: as in `load_encoder`.
         **overrides: `EncoderConfig` fields, as in `load_encoder`.
 
     Raises:
@@ -254,9 +262,9 @@ def load_tower(path: str | Path, pooler: str | None = None, *, out_dim: int | No
     directory = location.directory
     if pooler is None and (directory / CONFIG_NAME).is_file() and \
             "tower" in read_json(directory / CONFIG_NAME):
-        tower = VisionTower.from_pretrained(directory, **overrides)
+        tower = VisionTower.from_pretrained(directory, verify=verify, **overrides)
         return tower.to(dtype) if dtype is not None else tower
-    converted = convert_checkpoint(location, format)
+    converted = convert_checkpoint(location, format, verify)
     encoder = VisionEncoder.from_state_dict(converted.state, converted.config, source=path,
                                             **overrides)
     if pooler is not None:

@@ -23,7 +23,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from vlm_vit.config import EncoderConfig
-from vlm_vit.files import atomic_write, read_json
+from vlm_vit.files import atomic_directory, atomic_write, read_json
+from vlm_vit.integrity import write_manifest
 from vlm_vit.layers import Attention, Mlp, PatchEmbed, Segments, resample_pos_embed
 from vlm_vit.shards import WEIGHTS_NAME as WEIGHTS_NAME
 from vlm_vit.shards import read_weights, write_weights
@@ -354,7 +355,8 @@ class VisionEncoder(nn.Module):
 
     def save_pretrained(self, directory: str | Path, *, extra_config: dict | None = None,
                         max_shard_size: int | str = "5GB", model_card: bool = True) -> Path:
-        """Writes `config.json` and `model.safetensors` into `directory`, each atomically.
+        """Writes `config.json`, `model.safetensors` and `manifest.json` (the weights' sha256,
+        checked on load: `vlm_vit.integrity`) into `directory`, each atomically.
 
         Args:
             directory: created if needed.
@@ -368,32 +370,39 @@ class VisionEncoder(nn.Module):
             The directory.
         """
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
         config = {"model_type": MODEL_TYPE, "format_version": 1, "encoder": self.config.to_dict(),
                   **(extra_config or {})}
-        with atomic_write(directory / CONFIG_NAME, "w") as handle:
-            json.dump(config, handle, indent=2)
-        write_weights(self.state_dict(), directory, max_shard_size)
-        if model_card:
-            from vlm_vit.card import write_model_card
+        # The whole folder appears at once (a reader never sees this config with the weights
+        # it replaces); files besides the model's are carried over (`atomic_directory`).
+        with atomic_directory(directory) as temp:
+            with atomic_write(temp / CONFIG_NAME, "w") as handle:
+                json.dump(config, handle, indent=2)
+            write_manifest(temp, write_weights(self.state_dict(), temp, max_shard_size))
+            if model_card:
+                from vlm_vit.card import write_model_card
 
-            write_model_card(directory, self.config, extra_config)
+                write_model_card(temp, self.config, extra_config)
         return directory
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | Path, *, dtype: torch.dtype | None = None, **overrides
+        cls, directory: str | Path, *, dtype: torch.dtype | None = None,
+        verify: bool | None = None, **overrides
     ) -> VisionEncoder:
         """Reads a directory written by `save_pretrained`, bit-exactly.
 
         Args:
             directory: holds `config.json` and `model.safetensors`.
             dtype: cast the weights to this dtype (default: as stored).
+            verify: check the weights against `manifest.json` where there is one (default:
+                on, unless the environment sets `VLM_VIT_VERIFY=0`); False skips it.
             **overrides: `EncoderConfig` fields to change; a new `image_size` resizes the
                 position table.
 
         Raises:
-            FileNotFoundError, ValueError: naming the file that is missing or malformed.
+            FileNotFoundError, ValueError: naming the file that is missing or malformed;
+                `vlm_vit.integrity.IntegrityError` (a ValueError) for weights that do not
+                match their manifest hash.
         """
         directory = Path(directory)
         config_path = directory / CONFIG_NAME
@@ -407,7 +416,7 @@ class VisionEncoder(nn.Module):
             config = EncoderConfig.from_dict(raw["encoder"])
         except (TypeError, ValueError) as error:
             raise ValueError(f"{config_path}: {error}") from error
-        state = read_weights(directory)
+        state = read_weights(directory, verify)
         return cls.from_state_dict(state, config, dtype=dtype, source=directory, **overrides)
 
     @classmethod

@@ -4,7 +4,9 @@ The layout is transformers': shards `model-00001-of-00003.safetensors`, ... and 
 `{"metadata": {"total_size": bytes}, "weight_map": {tensor name: shard file}}`. Reading goes
 shard by shard, keeping each shard's tensors (the model's own, not a copy), so the peak is
 the model plus the shard being parsed. A shard is named by a plain relative path inside the
-checkpoint's directory: an index that names `../x` or `/x` is refused, never followed.
+checkpoint's directory: an index that names `../x`, `/x`, a link out of the directory or
+anything but a `.safetensors` file is refused, never followed. A directory with a manifest
+(`vlm_vit.integrity`) has its shards checked against it before they are read.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from vlm_vit.files import atomic_write, read_json, read_safetensors, write_safetensors
+from vlm_vit.integrity import verify_files
 
 WEIGHTS_NAME = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -44,36 +47,93 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def shard_path(directory: Path, name: object, index: Path) -> Path:
-    """`directory / name` for a shard the index names, refusing names that leave it."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{index}: a shard name must be a file name, got {name!r}")
-    pure = PurePosixPath(name.replace("\\", "/"))
-    if pure.is_absolute() or ".." in pure.parts or re.match(r"^[A-Za-z]:", name):
-        raise ValueError(f"{index} names the shard {name!r}, outside {directory}; refused")
-    return directory / pure
+def _allowed_roots(directory: Path) -> list[Path]:
+    """Where a shard may resolve to: the directory, and for a Hugging Face cache snapshot
+    (`models--org--name/snapshots/<commit>/`, whose files are links into `../../blobs/`)
+    that repository's `blobs/` too."""
+    root = directory.resolve()
+    roots = [root]
+    if root.parent.name == "snapshots" and (root.parent.parent / "blobs").is_dir():
+        roots.append((root.parent.parent / "blobs").resolve())
+    return roots
 
 
-def read_sharded(directory: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a sharded safetensors checkpoint, read shard by shard.
+def shard_path(directory: Path, name: object, index: Path, tensor: str | None = None) -> Path:
+    """`directory / name` for a shard the index names, refusing names that leave it.
+
+    A shard must be a relative `.safetensors` path that stays inside `directory` after
+    symbolic links are followed (a Hub snapshot's links into its `blobs/` are allowed).
 
     Raises:
-        ValueError: for a malformed index, a shard outside the directory, or a tensor the
-            index names but its shard lacks, each naming the file.
-        FileNotFoundError: for a missing shard.
+        ValueError: naming the index, the entry and what is wrong.
+    """
+    entry = f"weight_map entry {tensor!r} -> {name!r}" if tensor is not None \
+        else f"shard {name!r}"
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{index}: {entry}: a shard name must be a file name (a string)")
+    pure = PurePosixPath(name.replace("\\", "/"))
+    if pure.is_absolute() or ".." in pure.parts or re.match(r"^[A-Za-z]:", name):
+        raise ValueError(f"{index}: {entry} is outside {directory}; refused")
+    if pure.suffix != ".safetensors":
+        raise ValueError(f"{index}: {entry} is not a .safetensors file; a shard index names "
+                         f"only safetensors shards")
+    path = directory / pure
+    resolved = path.resolve()
+    if not any(resolved.is_relative_to(root) for root in _allowed_roots(directory)):
+        raise ValueError(f"{index}: {entry} is a link to {resolved}, outside {directory}; "
+                         f"refused")
+    return path
+
+
+def read_index(directory: str | Path) -> dict[str, list[str]]:
+    """A shard index's tensors by shard, every entry checked (`shard_path`).
+
+    The index must be `{"weight_map": {tensor name: shard file}}` (strings to strings;
+    `metadata` and other keys are ignored).
+
+    Raises:
+        ValueError: naming the index and the entry for anything else.
     """
     directory = Path(directory)
     index = directory / SHARD_INDEX
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{index} has no weight_map of tensor names to shard files")
+        raise ValueError(f"{index}: weight_map must be a non-empty object of tensor names "
+                         f"to shard file names, got {type(weight_map).__name__} "
+                         f"{str(weight_map)[:60]}")
     by_shard: dict[str, list[str]] = {}
     for tensor, shard in weight_map.items():
-        shard_path(directory, shard, index)
+        shard_path(directory, shard, index, tensor)
         by_shard.setdefault(shard, []).append(tensor)
+    return by_shard
+
+
+def read_sharded(directory: str | Path, verify: bool | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded safetensors checkpoint, read shard by shard.
+
+    Args:
+        directory: holds the index and its shards.
+        verify: check the shards against the directory's manifest, when it has one (see
+            `vlm_vit.integrity`; default: on unless `VLM_VIT_VERIFY=0`).
+
+    Raises:
+        ValueError: for a malformed index, a shard outside the directory, a shard that does
+            not match its manifest hash, or a tensor the index names but its shard lacks,
+            each naming the file.
+        FileNotFoundError: for a missing shard.
+    """
+    directory = Path(directory)
+    index = directory / SHARD_INDEX
+    by_shard = read_index(directory)
+    paths = {shard: shard_path(directory, shard, index) for shard in by_shard}
+    for shard, path in paths.items():
+        if not path.is_file():
+            raise FileNotFoundError(f"{index} names the shard {shard!r}, but {path} does not "
+                                    f"exist")
+    verify_files(directory, paths.values(), verify)  # a wrong index fails below, never silently
     tensors: dict[str, torch.Tensor] = {}
     for shard, names in sorted(by_shard.items()):
-        read = read_safetensors(shard_path(directory, shard, index))
+        read = read_safetensors(paths[shard])
         missing = sorted(set(names) - read.keys())
         if missing:
             raise ValueError(f"{index} maps {len(missing)} tensor(s) to {shard}, which does "
@@ -83,12 +143,16 @@ def read_sharded(directory: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
-    """`model.safetensors`, or the shards its index names, from a directory."""
+def read_weights(directory: str | Path, verify: bool | None = None) -> dict[str, torch.Tensor]:
+    """`model.safetensors`, or the shards its index names, from a directory, checked against
+    the directory's manifest when it has one (`verify` as in `read_sharded`)."""
     directory = Path(directory)
     if (directory / SHARD_INDEX).is_file():
-        return read_sharded(directory)
-    return read_safetensors(directory / WEIGHTS_NAME)
+        return read_sharded(directory, verify)
+    weights = directory / WEIGHTS_NAME
+    if weights.is_file():
+        verify_files(directory, [weights], verify)
+    return read_safetensors(weights)
 
 
 def write_weights(tensors: dict[str, torch.Tensor], directory: str | Path,

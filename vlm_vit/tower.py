@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from vlm_vit.config import is_int
-from vlm_vit.files import read_json, read_safetensors, write_safetensors
+from vlm_vit.files import atomic_directory, read_json, read_safetensors, write_safetensors
 from vlm_vit.model import CONFIG_NAME, VisionEncoder, check_state_dict
 from vlm_vit.poolers import build_pooler, pool_packed
 from vlm_vit.processor import PROCESSOR_CONFIG_NAME, ImageProcessor
@@ -160,11 +160,12 @@ class VisionTower(nn.Module):
         directory = Path(directory)
         tower = {"feature_layer": self.feature_layer, "drop_prefix": self.drop_prefix,
                  "pooler": spec}
-        self.encoder.save_pretrained(directory, extra_config={"tower": tower},
-                                     max_shard_size=max_shard_size, model_card=model_card)
-        write_safetensors(self.pooler.state_dict(), directory / POOLER_WEIGHTS_NAME)
-        if self.processor is not None:
-            self.processor.save_pretrained(directory)
+        with atomic_directory(directory) as temp:  # every file appears at once
+            self.encoder.save_pretrained(temp, extra_config={"tower": tower},
+                                         max_shard_size=max_shard_size, model_card=model_card)
+            write_safetensors(self.pooler.state_dict(), temp / POOLER_WEIGHTS_NAME)
+            if self.processor is not None:
+                self.processor.save_pretrained(temp)
         return directory
 
     @classmethod

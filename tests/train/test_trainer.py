@@ -187,7 +187,8 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one_whole(data, tmp_path,
 
     assert latest_checkpoint(run_dir) == checkpoint_path(run_dir, 2)
     assert load_checkpoint(checkpoint_path(run_dir, 2))["step"] == 2
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002.pt"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step_00000002.pt", "step_00000002.pt.sha256"]
 
 
 # -- bad data and bad steps ------------------------------------------------------------------

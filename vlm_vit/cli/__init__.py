@@ -2,15 +2,27 @@
 
 Subcommands are small functions; installed plugins add their own through the entry-point
 group `vlm_vit.commands` (each entry is a function that takes the argparse subparsers and
-adds one), read only when the command runs. A user error prints one line and exits 1.
+adds one), read only when the command runs.
+
+Every failure is one line on stderr and exit status 1: an error of ours (`USER_ERRORS`: bad
+arguments or files, a full disk, a diverging run) says what is wrong; any other exception
+says it is unexpected and where its full traceback was written (`traceback_path`). With
+`-v` the traceback is printed too.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import os
+import pickle
+import shlex
 import sys
+import tempfile
+import traceback
 from importlib import metadata
+from pathlib import Path
 
 from vlm_vit.cli import (
     analyze,
@@ -25,23 +37,31 @@ from vlm_vit.cli import (
     probe,
     shards,
 )
-from vlm_vit.processor import ImageLoadError, ImageTooLargeError
 from vlm_vit.registry import UnknownNameError
+from vlm_vit.train.trainer import NonFiniteLossError
 
 COMMAND_GROUP = "vlm_vit.commands"
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
-               UnknownNameError, ImageLoadError, ImageTooLargeError, PermissionError)
 
 
 class CliError(Exception):
     """A user error the command reports in one line."""
 
 
+# Errors of ours, and of the system (OSError: permissions, a full disk, missing files), that
+# a user can cause and fix: printed as their message alone. ValueError covers the image,
+# config and integrity errors; ImportError says which extra to install.
+USER_ERRORS = (CliError, ValueError, OSError, ImportError, UnknownNameError, NonFiniteLossError)
+# An OSError without a file name while a command writes: said to concern its --out.
+_WRITE_ERRNOS = frozenset(getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EROFS", "EFBIG")
+                          if hasattr(errno, name))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vlm-vit", description="Vision Transformer encoders for multimodal pipelines."
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log progress details; a failure prints its full traceback too")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     info.add_parser(subparsers)
     encode.add_parser(subparsers)
@@ -75,12 +95,55 @@ def main(argv: list[str] | None = None) -> int:
 
             check_device(args.device)
         return int(args.run(args) or 0)
-    except (CliError, *USER_ERRORS) as error:
-        print(f"vlm-vit {args.command}: error: {error}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print(f"vlm-vit {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:
+        if args.verbose:
+            traceback.print_exception(error, file=sys.stderr)
+        line = describe_error(error, args, sys.argv[1:] if argv is None else argv)
+        print(f"vlm-vit {args.command}: error: {line}", file=sys.stderr)
+        return 1
+
+
+def describe_error(error: Exception, args: argparse.Namespace, argv: list[str]) -> str:
+    """One line for a failure: the message of an error of ours; for any other exception its
+    type and first line, and where its full traceback (after the command line `argv`) was
+    written."""
+    if isinstance(error, OSError) and error.strerror:  # the system's: "[Errno 28] ..." reworded
+        if error.filename is not None:
+            where = f"{error.filename}" + (f" -> {error.filename2}" if error.filename2 else "")
+            return f"{where}: {error.strerror}"
+        out = getattr(args, "out", None)
+        if error.errno in _WRITE_ERRNOS and out is not None:
+            return f"{error.strerror} (writing to {out})"
+        return str(error.strerror)
+    if isinstance(error, USER_ERRORS):
+        return _one_line(str(error)) or type(error).__name__
+    if isinstance(error, pickle.UnpicklingError):  # another library's torch.load refused it
+        from vlm_vit.cli.common import unpickling_refusal
+
+        needs_code, reason = unpickling_refusal(error)
+        return (f"a weight file {'needs arbitrary code to load' if needs_code else 'is corrupt'}"
+                f" and was refused ({reason})")
+    path = traceback_path()
+    try:
+        path.write_text(f"vlm-vit {shlex.join(argv)}\n\n"
+                        + "".join(traceback.format_exception(error)))
+        where = f"the full traceback is in {path}" + ("" if args.verbose else "; -v prints it")
+    except OSError as failed:
+        where = f"could not write the traceback to {path} ({failed.strerror}); -v prints it"
+    first = _one_line(str(error).split("\n", 1)[0]).rstrip(":")
+    return f"unexpected {type(error).__name__}{f': {first}' if first else ''} ({where})"
+
+
+def traceback_path() -> Path:
+    """Where an unexpected error's traceback goes: the system temp dir, one file per process."""
+    return Path(tempfile.gettempdir()) / f"vlm-vit-traceback-{os.getpid()}.txt"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 if __name__ == "__main__":

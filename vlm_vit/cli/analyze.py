@@ -7,6 +7,7 @@ from pathlib import Path
 
 from vlm_vit import analysis
 from vlm_vit.analysis.report import JSON_NAME
+from vlm_vit.cli.common import reading_checkpoint
 from vlm_vit.cli.encode import find_images
 from vlm_vit.loading import load_with_processor
 
@@ -34,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     if args.filters < 1:
         raise ValueError(f"--filters must be at least 1, got {args.filters}")
     files = find_images(args.images)  # a missing path fails before the checkpoint is read
-    encoder, processor = load_with_processor(args.encoder)
+    with reading_checkpoint(args.encoder):
+        encoder, processor = load_with_processor(args.encoder)
     encoder = encoder.to(args.device).eval()
     result = analysis.analyze(encoder, files, args.out, processor=processor,
                               filter_count=args.filters, progress=not args.quiet)

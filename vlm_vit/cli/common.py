@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import pickle
+import struct
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from vlm_vit.config import EncoderConfig, available_variants
 from vlm_vit.model import VisionEncoder
+from vlm_vit.registry import UnknownNameError
 
 
 def check_device(device: str) -> None:
@@ -62,7 +65,7 @@ def variant_or_checkpoint(model: str, size: tuple[int, int] | int | None) -> Vis
         return VisionEncoder(EncoderConfig.from_name(model, **overrides))
     from vlm_vit.loading import load_encoder
 
-    with not_a_variant_either(model):
+    with reading_checkpoint(model):
         return load_encoder(model, **overrides)
 
 
@@ -80,3 +83,106 @@ def not_a_variant_either(model: str) -> Iterator[None]:
         except (KeyError, ValueError) as unknown:  # UnknownNameError, with close matches
             raise NotCachedError(f"{error}. Nor a variant: {unknown}") from error
         raise
+
+
+# What a weight file that is no checkpoint at all makes the readers of other libraries raise
+# (torch.load of text gives `KeyError: 101`, of a cut file `EOFError`).
+_GARBAGE_ERRORS = (pickle.UnpicklingError, KeyError, IndexError, EOFError, struct.error,
+                   UnicodeDecodeError)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+def unpickling_refusal(error: BaseException) -> tuple[bool, str]:
+    """Whether torch's weights-only unpickler refused a file because it needs code to load
+    (a global, a class or a call) rather than because it is no pickle at all, and its
+    reason in one line (`Unsupported global: GLOBAL builtins.print ...`)."""
+    text = str(error)
+    _, marker, after = text.partition("WeightsUnpickler error:")
+    lines = [line.strip() for line in (after if marker else text).splitlines() if line.strip()]
+    reason = lines[0].split(". ", 1)[0] if lines else type(error).__name__
+    needs_code = any(word in reason.lower() for word in ("global", "reduce", "class", "build"))
+    return needs_code, reason
+
+
+@contextlib.contextmanager
+def reading_checkpoint(model: str | Path) -> Iterator[None]:
+    """Reading (and building from) the checkpoint `model`: a file that is not a checkpoint
+    becomes one ValueError naming it, whatever the reader below raised; and the error of a
+    name that is no path, variant or cached model lists the variants (`not_a_variant_either`).
+
+    Raises:
+        ValueError: `MODEL is not a readable checkpoint` for a file none of the readers can
+            read, `MODEL is a pickle that needs arbitrary code` for one that would run code.
+    """
+    try:
+        with not_a_variant_either(str(model)):
+            yield
+    except UnknownNameError:  # a KeyError, but ours
+        raise
+    except _GARBAGE_ERRORS as error:
+        if isinstance(error, pickle.UnpicklingError) and unpickling_refusal(error)[0]:
+            raise ValueError(f"{model} is a pickle that needs arbitrary code to load, and "
+                             f"vlm-vit never runs code from a checkpoint "
+                             f"({unpickling_refusal(error)[1]})") from error
+        raise ValueError(f"{model} is not a readable checkpoint: no safetensors, PyTorch or "
+                         f".npz file that loads ({type(error).__name__}: {error})") from error
+    except ValueError as error:
+        # A pickle refused by the weights-only unpickler is not always one that needs code:
+        # random bytes are refused too (`Unsupported operand`). Say which it was.
+        cause = error.__cause__
+        if isinstance(cause, pickle.UnpicklingError) and not unpickling_refusal(cause)[0]:
+            raise ValueError(f"{model} is not a readable checkpoint: no safetensors, PyTorch "
+                             f"or .npz file that loads ({unpickling_refusal(cause)[1]})"
+                             ) from error
+        raise
+
+
+@contextlib.contextmanager
+def refusing_pickles(directory: str | Path, what: str) -> Iterator[None]:
+    """Loading `directory` through another library (transformers, peft) that reads `.bin`
+    files with torch's weights-only unpickler: its refusal becomes one ValueError naming
+    `what` (the argument, e.g. MODEL) and the pickle files there.
+
+    Raises:
+        ValueError: for a weight file that needs code to load or is no pickle at all.
+    """
+    try:
+        yield
+    except pickle.UnpicklingError as error:
+        directory = Path(directory)
+        pickles = sorted(str(path.relative_to(directory)) for path in directory.rglob("*")
+                         if path.suffix in PICKLE_SUFFIXES and path.is_file()) \
+            if directory.is_dir() else [directory.name]
+        files = ", ".join(pickles) or "a weight file"
+        needs_code, reason = unpickling_refusal(error)
+        problem = ("is a pickle that needs arbitrary code to load, and vlm-vit never runs code "
+                   "from a checkpoint; re-save its weights as safetensors" if needs_code else
+                   "is not a readable PyTorch file (truncated or corrupt?)")
+        raise ValueError(f"{what} {directory}: {files} {problem} ({reason})") from error
+
+
+def check_output_apart(out: Path, model: str | Path, inputs: Iterable[str | Path], *,
+                       inputs_are: str = "one of the inputs") -> None:
+    """Refuses an output path that would overwrite what the command reads: the model (its
+    file, or anything inside its folder) or one of `inputs` (those that exist).
+
+    Args:
+        out: the -o path (a file or a folder).
+        model: the model argument; only a local path can be overwritten.
+        inputs: the paths read; an output equal to one of them is refused.
+        inputs_are: how the message calls such an input.
+
+    Raises:
+        ValueError: naming the output and what it would overwrite.
+    """
+    target = out.resolve()
+    model_path = Path(str(model))
+    if model_path.exists():
+        root = model_path.resolve()
+        if model_path.is_dir() and target.is_relative_to(root):
+            raise ValueError(f"-o {out} is inside the model folder {model}; write the output "
+                             "elsewhere")
+        if target == root:
+            raise ValueError(f"-o {out} is the model file {model}; write the output elsewhere")
+    if target in {Path(item).resolve() for item in inputs if Path(item).exists()}:
+        raise ValueError(f"-o {out} is {inputs_are}; write the output elsewhere")

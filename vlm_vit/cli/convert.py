@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from vlm_vit.cli.common import image_size
+from vlm_vit.cli.common import image_size, reading_checkpoint
 from vlm_vit.convert import FORMATS
 from vlm_vit.loading import build_native_pooler, convert_checkpoint
 from vlm_vit.model import VisionEncoder
@@ -59,11 +59,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-shard-size: {target} is read from one weight file; "
                              f"shards are written for {', '.join(SHARDABLE)} only")
         shards = {"max_shard_size": parse_size(args.max_shard_size)}
-    converted = convert_checkpoint(args.source, args.source_format)
     size = image_size(args.image_size)
     overrides = {"image_size": size} if size else {}
-    encoder = VisionEncoder.from_state_dict(converted.state, converted.config,
-                                            source=args.source, **overrides)
+    with reading_checkpoint(args.source):
+        converted = convert_checkpoint(args.source, args.source_format)
+        encoder = VisionEncoder.from_state_dict(converted.state, converted.config,
+                                                source=args.source, **overrides)
     pooler = (build_native_pooler(converted.pooler, args.source)
               if converted.pooler is not None else None)
     processor = converted.processor

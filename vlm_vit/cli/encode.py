@@ -16,7 +16,13 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from vlm_vit.cli.common import image_size, is_variant, not_a_variant_either, variant_or_checkpoint
+from vlm_vit.cli.common import (
+    check_output_apart,
+    image_size,
+    is_variant,
+    reading_checkpoint,
+    variant_or_checkpoint,
+)
 from vlm_vit.files import IMAGE_SUFFIXES, image_files, write_safetensors
 from vlm_vit.loading import load_with_processor
 from vlm_vit.model import VisionEncoder
@@ -107,7 +113,7 @@ def _model_and_processor(args: argparse.Namespace) -> tuple[VisionEncoder, Image
         encoder = variant_or_checkpoint(args.model, size)
         processor = ImageProcessor.for_family("imagenet", size=encoder.config.image_size)
     else:
-        with not_a_variant_either(args.model):
+        with reading_checkpoint(args.model):
             encoder, processor = load_with_processor(
                 args.model, **({"image_size": size} if size else {}))
     settings = processor.to_dict() | {"size": list(encoder.config.image_size)}
@@ -169,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         return run_shards(args)
     if args.out.suffix != ".safetensors":
         raise ValueError(f"--out must end in .safetensors, got {args.out}")
+    check_output_apart(args.out, args.model, args.inputs)
     if args.native_resolution and args.image_size:
         raise ValueError("--native-resolution keeps each image's own size; drop --image-size")
     files = find_images(args.inputs)

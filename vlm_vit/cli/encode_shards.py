@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from vlm_vit.cli.common import check_output_apart
 from vlm_vit.cli.encode import DTYPES, encode_batch, prepare_encoder
 from vlm_vit.files import write_safetensors
 from vlm_vit.model import VisionEncoder
@@ -88,16 +89,9 @@ def _check_output_folder(args: argparse.Namespace, shards: list[str]) -> None:
                          f"got the file name {out}")
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"-o {out} is a file; with tar shards, -o is a folder")
-    target = out.resolve()
-    model = Path(str(args.model))
-    if model.is_dir() and target.is_relative_to(model.resolve()):
-        raise ValueError(f"-o {out} is inside the model folder {model}; write the tokens "
-                         "elsewhere")
     local = [Path(url) for url in shards if not url.startswith(URL_PREFIXES)]
-    inputs = {path.resolve() for path in map(Path, args.inputs) if path.exists()}
-    if target in inputs | {path.resolve().parent for path in local}:
-        raise ValueError(f"-o {out} is the folder of the input shards; write the tokens to "
-                         "another folder")
+    check_output_apart(out, args.model, [*args.inputs, *(path.parent for path in local)],
+                       inputs_are="the folder of the input shards")
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from vlm_vit.cli.common import reading_checkpoint, refusing_pickles
 from vlm_vit.files import atomic_write, read_json
 
 FINETUNE_NAME = "finetune.json"  # what `merge` needs to rebuild the model
@@ -108,8 +109,11 @@ def run(args: argparse.Namespace) -> int:
     settings = {"encoder": str(args.encoder), "image_size": args.image_size,
                 "pooling": args.pooling, "classes": classes, "qlora": args.qlora,
                 "lora": parse_lora(args.lora) if args.lora else None}
+    out = Path(args.out)
+    recorded = _recorded_settings(out, settings) if args.resume and not args.overwrite else None
     torch.manual_seed(args.seed)
-    model, processor = build_model(settings)
+    with reading_checkpoint(args.encoder):
+        model, processor = build_model(settings)
     from vlm_vit.lora import describe_trainable
 
     if int(os.environ.get("RANK", "0")) == 0:
@@ -124,12 +128,14 @@ def run(args: argparse.Namespace) -> int:
                          grad_checkpointing=args.grad_checkpointing, seed=args.seed,
                          num_workers=args.num_workers, device=args.device,
                          checkpoint_every=max(args.steps // 5, 1))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_write(out / FINETUNE_NAME, "w") as handle:
-        json.dump(settings, handle, indent=2)
-    Trainer(model, train, config, out, collate=collate_labelled).fit(
-        resume=args.resume, overwrite=args.overwrite)
+    trainer = Trainer(model, train, config, out, collate=collate_labelled)
+    # finetune.json only once the run is accepted: a refused one leaves the earlier run's.
+    trainer.check_run_dir(resume=args.resume, overwrite=args.overwrite)
+    if recorded is None and int(os.environ.get("RANK", "0")) == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        with atomic_write(out / FINETUNE_NAME, "w") as handle:
+            json.dump(settings, handle, indent=2)
+    trainer.fit(resume=args.resume, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     if held_out is not None:
@@ -149,6 +155,32 @@ def run(args: argparse.Namespace) -> int:
               f"{1 / len(classes):.3f})")
     print(f"fine-tuned {args.steps} steps; outputs in {out}")
     return 0
+
+
+def _recorded_settings(out: Path, settings: dict) -> dict | None:
+    """The settings a run to resume recorded in its finetune.json (None when it has none).
+
+    Raises:
+        ValueError: when they differ from this run's, naming each difference (`merge` folds
+            the adapter into the recorded encoder, so a resume must train that one).
+    """
+    path = out / FINETUNE_NAME
+    if not path.is_file():
+        return None
+    recorded = read_json(path)
+
+    def same(name: str, before, after) -> bool:
+        if name == "encoder" and Path(str(before)).exists() and Path(str(after)).exists():
+            return Path(str(before)).resolve() == Path(str(after)).resolve()
+        return before == after
+
+    changed = [f"{name} {recorded.get(name)!r} -> {value!r}" for name, value in settings.items()
+               if not same(name, recorded.get(name), value)]
+    if changed:
+        raise ValueError(f"{path} records other settings than this run's (recorded -> now): "
+                         f"{'; '.join(changed)}; resume with the same ones, or start afresh "
+                         "with --overwrite")
+    return recorded
 
 
 def _folder_parts(args: argparse.Namespace, processor, classes: list[str]):
@@ -227,8 +259,10 @@ def run_merge(args: argparse.Namespace) -> int:
     adapter = args.run_dir / "adapter"
     if not adapter.is_dir():
         raise FileNotFoundError(f"{adapter} is missing: has the run finished?")
-    model, processor = build_model(settings)
-    model = set_adapter(load_adapter(model, adapter, "trained"), "trained")
+    with reading_checkpoint(settings["encoder"]):
+        model, processor = build_model(settings)
+    with refusing_pickles(adapter, "the adapter"):
+        model = set_adapter(load_adapter(model, adapter, "trained"), "trained")
     merged, error = merge_lora(model, report=True)
     merged.save_pretrained(args.out, classes=settings["classes"], processor=processor)
     print(f"wrote the merged classifier to {args.out} (ImageClassifier.from_pretrained; "

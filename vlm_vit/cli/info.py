@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from vlm_vit.cli.common import image_size, is_variant, not_a_variant_either
+from vlm_vit.cli.common import image_size, is_variant, reading_checkpoint
 from vlm_vit.config import EncoderConfig, available_variants
 from vlm_vit.flops import count_macs
 from vlm_vit.model import VisionEncoder
@@ -36,7 +36,7 @@ def resolve_config(model: str) -> EncoderConfig:
         return EncoderConfig.from_name(model)
     from vlm_vit.loading import convert_checkpoint
 
-    with not_a_variant_either(model):
+    with reading_checkpoint(model):
         return convert_checkpoint(model).config
 
 

@@ -23,12 +23,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from vlm_vit.cli.common import reading_checkpoint
     from vlm_vit.cli.encode import find_images
     from vlm_vit.finetune import ImageClassifier
     from vlm_vit.processor import ImageProcessor
 
     files = find_images(args.inputs)
-    classifier = ImageClassifier.from_pretrained(args.classifier).to(args.device)
+    with reading_checkpoint(args.classifier):
+        classifier = ImageClassifier.from_pretrained(args.classifier).to(args.device)
     names = classifier.classes or [str(k) for k in range(classifier.head.out_features)]
     if not 1 <= args.top <= len(names):
         raise ValueError(f"--top must lie in [1, {len(names)}], got {args.top}")

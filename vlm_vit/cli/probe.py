@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from vlm_vit.cli.common import reading_checkpoint
 from vlm_vit.evaluate import POOLINGS, evaluate_folder, evaluate_shards
 from vlm_vit.files import atomic_write
 from vlm_vit.loading import load_with_processor
@@ -70,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
                          "sub-folders")
     elif not Path(args.data).is_dir():
         raise FileNotFoundError(f"--data {args.data} does not exist or is not a folder")
-    encoder, processor = load_with_processor(args.encoder)
+    with reading_checkpoint(args.encoder):
+        encoder, processor = load_with_processor(args.encoder)
     options = dict(processor=processor, shots=args.shots, test_fraction=args.test_fraction,
                    seed=args.seed, pooling=args.pooling, batch_size=args.batch_size,
                    device=args.device, progress=not args.quiet)

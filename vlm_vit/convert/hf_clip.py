@@ -49,7 +49,7 @@ from vlm_vit.convert.hf_common import (
     processor_from_hf,
 )
 from vlm_vit.convert.keymap import fuse_qkv, invert, rename, split_qkv
-from vlm_vit.files import atomic_write
+from vlm_vit.files import atomic_directory, atomic_write
 from vlm_vit.model import CONFIG_NAME, VisionEncoder
 from vlm_vit.processor import ImageProcessor
 from vlm_vit.shards import DEFAULT_MAX_SHARD_SIZE, write_weights
@@ -453,11 +453,11 @@ def save_hf_clip(encoder: VisionEncoder, directory: str | Path, *,
     projection = tensors.get("visual_projection.weight")
     hf_config = hf_clip_config(encoder, None if projection is None else projection.shape[0])
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    write_json(hf_config, directory / CONFIG_NAME)
-    write_weights(tensors, directory, max_shard_size)
-    if settings is not None:
-        write_json(settings, directory / PREPROCESSOR_NAME)
+    with atomic_directory(directory) as temp:  # every file appears at once
+        write_json(hf_config, temp / CONFIG_NAME)
+        write_weights(tensors, temp, max_shard_size)
+        if settings is not None:
+            write_json(settings, temp / PREPROCESSOR_NAME)
     return directory
 
 

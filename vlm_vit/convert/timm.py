@@ -34,7 +34,7 @@ from vlm_vit.convert.base import (
     register_format,
 )
 from vlm_vit.convert.keymap import count_blocks
-from vlm_vit.files import atomic_write, write_safetensors
+from vlm_vit.files import atomic_directory, atomic_write, write_safetensors
 from vlm_vit.model import MODEL_TYPE
 from vlm_vit.optional import require
 from vlm_vit.processor import ImageProcessor
@@ -185,7 +185,6 @@ class TimmFormat:
         architecture = timm_architecture(config)
         args = {k: v for k, v in timm_model_kwargs(config).items() if k != "norm_layer"}
         args["img_size"] = list(config.image_size)
-        destination.mkdir(parents=True, exist_ok=True)
         meta = {"architecture": architecture, "num_classes": 0, "model_args": args,
                 "norm_eps": config.norm_eps}
         # timm reads a config without "pretrained_cfg" as a flat legacy one: always write it.
@@ -193,10 +192,11 @@ class TimmFormat:
         if processor is not None:
             meta["pretrained_cfg"] = {"mean": list(processor.mean), "std": list(processor.std),
                                       "input_size": [3, *processor.size]}
-        with atomic_write(destination / "config.json", "w") as handle:
-            json.dump(meta, handle, indent=2)
-        write_safetensors(to_timm_state_dict(encoder.state_dict(), config),
-                          destination / "model.safetensors")
+        with atomic_directory(destination) as temp:  # both files appear at once
+            with atomic_write(temp / "config.json", "w") as handle:
+                json.dump(meta, handle, indent=2)
+            write_safetensors(to_timm_state_dict(encoder.state_dict(), config),
+                              temp / "model.safetensors")
 
 
 # timm registrations whose LayerNorm eps a config file cannot set (its `norm_layer` is code):

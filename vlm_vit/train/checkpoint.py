@@ -1,11 +1,18 @@
-"""Training checkpoints: written atomically, read without unpickling code.
+"""Training checkpoints: written atomically, hashed, read without unpickling code.
 
 A checkpoint is one `torch.save` file of tensors and plain containers (dicts, lists, ints,
 floats, strings), so `torch.load(weights_only=True)` reads it. Files are written to a
 temporary name in the same directory and renamed, so a kill at any moment leaves every
-`step_*.pt` whole; the newest is the one to resume from.
+`step_*.pt` whole. Once it is whole its sha256 is written beside it (`sha256sum`'s format,
+atomically too), and loading checks it (`vlm_vit.integrity`; `verify=False` or
+`VLM_VIT_VERIFY=0` skips that). A checkpoint without a sidecar (older versions, or a kill
+between the two renames) loads unverified.
 
     run_dir/checkpoints/step_00000004.pt
+    run_dir/checkpoints/step_00000004.pt.sha256
+
+The newest usable checkpoint is the one to resume from (`load_latest_checkpoint`): a newer
+one that fails its hash or cannot be read is reported, moved aside (`.corrupt`) and skipped.
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ import numpy as np
 import torch
 
 from vlm_vit.files import atomic_write
+from vlm_vit.integrity import sidecar_path, verify_sidecar, write_sidecar
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
+CORRUPT_SUFFIX = ".corrupt"  # an unusable checkpoint moved aside on resume
 FORMAT_VERSION = 1  # bump when the layout of the saved dict changes
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 
@@ -48,10 +57,93 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint in `run_dir`, or None when there is none."""
+def latest_checkpoint(run_dir: str | Path, *, usable: bool = False) -> Path | None:
+    """The newest complete checkpoint in `run_dir`, or None when there is none.
+
+    Args:
+        run_dir: the run directory.
+        usable: return the newest one that loads and matches its hash instead (reading
+            each, newest first; those skipped are logged at WARNING level, and nothing is
+            moved); a ValueError when there are checkpoints but none is usable.
+    """
+    if usable:
+        loaded = load_latest_checkpoint(run_dir)
+        return loaded[0] if loaded else None
     found = list_checkpoints(run_dir)
     return found[-1][1] if found else None
+
+
+def load_latest_checkpoint(
+    run_dir: str | Path, *, verify: bool | None = None, required: tuple[str, ...] = (),
+    move_aside: bool = False, log: Any = logger,
+) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that matches its hash and loads, and its state.
+
+    Newer ones that fail (a hash mismatch, an unreadable file, a missing `required` key)
+    are reported at WARNING level, naming each and why; the previous one is tried next.
+
+    Args:
+        run_dir: the run directory.
+        verify: as in `load_checkpoint`.
+        required: keys the state must hold.
+        move_aside: rename the unusable checkpoints newer than the one used to
+            `<name>.corrupt` (with their sidecars), so they are neither resumed from again
+            nor counted as the newest when older checkpoints are pruned.
+        log: where the warnings go.
+
+    Returns:
+        (path, state), or None when `run_dir` holds no checkpoint.
+
+    Raises:
+        ValueError: when there are checkpoints but none is usable, naming each and why.
+    """
+    found = list_checkpoints(run_dir)
+    failed: list[tuple[Path, str]] = []
+    for _, path in reversed(found):
+        try:
+            state = load_checkpoint(path, verify=verify)
+            missing = [key for key in required if key not in state]
+            if missing:
+                raise ValueError(f"checkpoint {path} lacks {', '.join(map(repr, missing))}: "
+                                 f"not a checkpoint of this trainer, or damaged")
+        except (ValueError, OSError) as error:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            if str(path) not in reason:
+                reason = f"checkpoint {path} is unusable: {reason}"
+            log.warning("%s; trying the previous checkpoint", reason)
+            failed.append((path, reason))
+            continue
+        if failed:
+            moved = [_move_aside(bad) for bad, _ in failed] if move_aside else []
+            log.warning("resuming from %s instead of the newest checkpoint%s, which %s "
+                        "unusable%s", path, "s" if len(failed) > 1 else "",
+                        "are" if len(failed) > 1 else "is",
+                        f" (moved aside to {', '.join(str(m) for m in moved)})" if moved else "")
+        return path, state
+    if failed:
+        directory = Path(run_dir) / CHECKPOINT_DIR
+        reasons = "; ".join(f"{path.name}: {reason}" for path, reason in failed)
+        raise ValueError(f"none of the {len(failed)} checkpoints in {directory} is usable "
+                         f"({reasons}); pass --overwrite (overwrite=True) to start afresh, "
+                         f"or use another run directory")
+    return None
+
+
+def _move_aside(path: Path) -> Path:
+    """Renames an unusable checkpoint (and its sidecar) to `<name>.corrupt`, or
+    `<name>.corrupt.N` when an earlier one was moved aside under that name."""
+    suffix, number = CORRUPT_SUFFIX, 1
+    while path.with_name(path.name + suffix).exists():
+        suffix, number = f"{CORRUPT_SUFFIX}.{number}", number + 1
+    aside = path.with_name(path.name + suffix)
+    try:
+        path.replace(aside)
+        sidecar = sidecar_path(path)
+        if sidecar.is_file():
+            sidecar.replace(sidecar_path(aside))
+    except FileNotFoundError:  # another process moved it first
+        pass
+    return aside
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
@@ -66,22 +158,30 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    sidecar_path(path).unlink(missing_ok=True)  # never a stale hash beside a new file
     with atomic_write(path, "wb") as handle:
         torch.save({"format_version": FORMAT_VERSION, **state}, handle)
+    write_sidecar(path)  # after the rename: the hash is of the whole file
     return path
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, verify: bool | None = None) -> dict[str, Any]:
     """Reads a checkpoint written by `save_checkpoint`, onto the CPU.
+
+    Args:
+        path: the checkpoint.
+        verify: check it against its `.sha256` sidecar first, where there is one (default:
+            on, unless the environment sets `VLM_VIT_VERIFY=0`).
 
     Raises:
         FileNotFoundError: when `path` is missing.
-        ValueError: naming the file when it is corrupt, holds code to unpickle, or has
-            another format version.
+        ValueError: naming the file when it is corrupt (`vlm_vit.integrity.IntegrityError`
+            when it fails its hash), holds code to unpickle, or has another format version.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist or is not a file")
+    verify_sidecar(path, verify)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
@@ -89,6 +189,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
                          f"containers: {str(error).splitlines()[0]}") from error
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as error:
         raise ValueError(f"checkpoint {path} is truncated or corrupt: {error}") from error
+    except Exception as error:  # damaged bytes surface as any parser error (UnicodeDecodeError...)
+        raise ValueError(f"checkpoint {path} is corrupt: {type(error).__name__}: "
+                         f"{str(error)[:200]}") from error
     version = state.get("format_version") if isinstance(state, dict) else None
     if version != FORMAT_VERSION:
         raise ValueError(f"checkpoint {path} has format_version {version!r}, expected "
@@ -106,6 +209,7 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
     doomed = [path for _, path in found[:-keep]] if keep > 0 else []
     for path in doomed:
         path.unlink(missing_ok=True)
+        sidecar_path(path).unlink(missing_ok=True)
     return doomed
 
 

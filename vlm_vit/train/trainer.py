@@ -77,6 +77,9 @@ TENSORBOARD_DIR = "tensorboard"
 RUN_OUTPUTS = (ckpt.CHECKPOINT_DIR, METRICS_NAME, RUN_CONFIG_NAME, ENCODER_DIR, TENSORBOARD_DIR,
                SAMPLES_DIR)
 ADAPTER_DIR = "adapter"  # a LoRA run saves its adapter here instead of the encoder
+# What a resume reads from a checkpoint; one without them is skipped like a corrupt one.
+_CHECKPOINT_KEYS = ("progress", "objective", "optimizer", "scheduler", "scaler", "rng",
+                    "config")
 # Config fields that may change between a checkpoint and its resume without a warning.
 _HARMLESS_CHANGES = frozenset({"log_every", "checkpoint_every", "keep_checkpoints",
                                "num_workers", "device", "compile", "max_bad_steps"})
@@ -400,12 +403,13 @@ class Trainer:
             A `TrainResult`.
 
         Raises:
-            FileExistsError: when `run_dir` holds an earlier run and neither a checkpoint to
-                resume nor `overwrite` says what to do with it.
+            NotADirectoryError, FileExistsError, ValueError: as `check_run_dir`, before
+                anything is written.
             NonFiniteLossError: after `config.max_bad_steps` non-finite steps in a row.
             ValueError: when the batch does not split over processes and micro-batches, or
                 the dataset is smaller than one batch.
         """
+        self.check_run_dir(resume, overwrite)
         context = distributed.setup(self.config.device)
         flushing = self.config.flush_denormal and context.device.type == "cpu" \
             and torch.set_flush_denormal(True)  # False where the CPU cannot (no SSE3)
@@ -415,6 +419,59 @@ class Trainer:
             if flushing:
                 torch.set_flush_denormal(False)
             distributed.teardown(context)
+
+    def check_run_dir(self, resume: bool = False, overwrite: bool = False) -> None:
+        """Refuses, without writing anything, a `run_dir` that `fit(resume, overwrite)` would
+        refuse; `fit` runs it first. A command writes its own files there (`finetune.json`)
+        only once this passes, so a refused run leaves the directory as it was.
+
+        Args:
+            resume, overwrite: as in `fit`.
+
+        Raises:
+            NotADirectoryError: when `run_dir` is a file.
+            FileExistsError: when `run_dir` holds an earlier run and neither a checkpoint to
+                resume nor `overwrite` says what to do with it.
+            ValueError: when resuming a run whose `run_config.json` records another encoder
+                or objective than this trainer's, naming each setting that differs.
+        """
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise NotADirectoryError(f"{self.run_dir} is a file, not a run directory; give "
+                                     "--out (run_dir) a folder")
+        if overwrite:
+            return
+        entries = [name for name in RUN_OUTPUTS if (self.run_dir / name).exists()]
+        found = ckpt.latest_checkpoint(self.run_dir)
+        if found is not None and not resume:
+            raise FileExistsError(f"{self.run_dir} already holds checkpoints (newest {found}); "
+                                  "pass --resume (resume=True) to continue that run, "
+                                  "--overwrite to replace it, or use another run directory")
+        if found is None and entries:
+            what = (f"has no checkpoint to resume from, but holds an earlier run's "
+                    f"{_listing(entries)}" if resume else
+                    f"holds an earlier run's {_listing(entries)}")
+            raise FileExistsError(f"{self.run_dir} {what}; pass --overwrite (overwrite=True) "
+                                  f"to start afresh there, or use another run directory")
+        recorded = self.run_dir / RUN_CONFIG_NAME
+        if found is None or not recorded.is_file():
+            return
+        from vlm_vit.files import read_json
+
+        saved = read_json(recorded)
+        now = json.loads(json.dumps(self._described_model(), default=str))  # as recorded
+        changed = []
+        for part, settings in now.items():  # "objective", "encoder"
+            before = saved.get(part)
+            if not (isinstance(before, dict) and isinstance(settings, dict)):
+                continue
+            # A field only one side has (one library version's) is no difference.
+            changed += [f"{part} {key} {before[key]!r} -> {value!r}"
+                        for key, value in settings.items()
+                        if key in before and before[key] != value]
+        if changed:
+            raise ValueError(f"{self.run_dir} was trained with another model than this run's "
+                             f"({recorded.name} -> now): {'; '.join(changed)}; resume with the "
+                             f"same model and settings, or start afresh with --overwrite")
 
     def _fit(self, context: DistributedContext, resume: bool, overwrite: bool) -> TrainResult:
         config, objective = self.config, self.objective
@@ -464,7 +521,13 @@ class Trainer:
         progress = _Progress()
         rng_states = data_states = None
         if found is not None:
-            state = ckpt.load_checkpoint(found)
+            # The newest checkpoint that matches its hash and loads; newer ones that do not
+            # are reported (WARNING), moved aside by rank 0, and skipped.
+            loaded = ckpt.load_latest_checkpoint(
+                self.run_dir, required=_CHECKPOINT_KEYS, move_aside=context.is_main, log=log)
+            if loaded is None:
+                raise FileNotFoundError(f"{found} was removed while the run started")
+            found, state = loaded
             data_states = state.get("data")
             self._check_resumed_config(state["config"], log)
             objective.load_state_dict(state["objective"])
@@ -676,9 +739,8 @@ class Trainer:
             raise NonFiniteLossError(
                 f"{progress.bad_streak} consecutive steps (up to step {progress.step}) had a "
                 f"non-finite loss or gradient norm (last: loss {loss_value}, grad norm "
-                f"{grad_norm}); giving up. The newest checkpoint is "
-                f"{ckpt.latest_checkpoint(self.run_dir)}. Lower the lr, add warmup, use bf16 "
-                "instead of fp16, or check the data."
+                f"{grad_norm}); giving up. {_newest_checkpoint(self.run_dir)} Lower the lr, add "
+                "warmup, use bf16 instead of fp16, or check the data."
             )
         seconds = time.perf_counter() - started
         row = {"step": progress.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
@@ -838,21 +900,26 @@ class Trainer:
                         "will differ from an uninterrupted one",
                         ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
 
-    def _write_run_config(self, context: DistributedContext, resumed_from: Path | None) -> None:
-        from vlm_vit import __version__
-
-        encoder = self.objective.encoder
-        encoder_config = getattr(encoder, "config", None)
+    def _described_model(self) -> dict[str, Any]:
+        """The objective and encoder settings run_config.json records (a resume must match)."""
+        encoder_config = getattr(self.objective.encoder, "config", None)
         objective_config = getattr(self.objective, "config", None)
-        run_config = {
-            "command": self.command,
-            "train": self.config.to_dict(),
+        return {
             "objective": {
                 "type": f"{type(self.objective).__module__}.{type(self.objective).__qualname__}",
                 **({"config": dataclasses.asdict(objective_config)}
                    if dataclasses.is_dataclass(objective_config) else {}),
             },
             "encoder": encoder_config.to_dict() if hasattr(encoder_config, "to_dict") else None,
+        }
+
+    def _write_run_config(self, context: DistributedContext, resumed_from: Path | None) -> None:
+        from vlm_vit import __version__
+
+        run_config = {
+            "command": self.command,
+            "train": self.config.to_dict(),
+            **self._described_model(),
             "dataset": describe_dataset(self.dataset),
             "world_size": context.world_size,
             "device": str(context.device),
@@ -884,6 +951,11 @@ class Trainer:
         else:
             log.warning("%s has no save_pretrained; only %s was written",
                         type(encoder).__name__, self.run_dir / OBJECTIVE_NAME)
+
+
+def _newest_checkpoint(run_dir: Path) -> str:
+    found = ckpt.latest_checkpoint(run_dir)
+    return f"The newest checkpoint is {found}." if found else "No checkpoint was written yet."
 
 
 def _unpack(batch: Any) -> tuple[torch.Tensor, list[UndecodableImage], torch.Tensor | None]:

@@ -134,6 +134,17 @@ def _model(value: str | Path, what: str) -> Path:
         raise type(error)(f"{what}: {error}") from error
 
 
+def load_multimodal(value: str | Path, what: str, *, trainable: bool = False):
+    """A saved `MultimodalLM` from a path or name; a weight file that would need code to load
+    (a pickled `pytorch_model.bin` or adapter) is refused in one line naming it."""
+    from vlm_vit.cli.common import refusing_pickles
+    from vlm_vit_llm.model import MultimodalLM
+
+    directory = _model(value, what)
+    with refusing_pickles(directory, what):
+        return MultimodalLM.from_pretrained(directory, trainable=trainable)
+
+
 def build_model(args: argparse.Namespace):
     """The model to train: `--model`, or a new one from `--tower` and `--llm`."""
     from vlm_vit_llm.model import MultimodalLM
@@ -141,16 +152,17 @@ def build_model(args: argparse.Namespace):
     if args.model is not None:
         if args.tower or args.llm:
             raise ValueError("give --model, or --tower with --llm, not both")
-        return MultimodalLM.from_pretrained(_model(args.model, "--model"),
-                                            trainable=True)
+        return load_multimodal(args.model, "--model", trainable=True)
     if not (args.tower and args.llm):
         raise ValueError("give --model (a saved multimodal model), or both --tower and --llm")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vlm_vit import load_processor, load_tower
+    from vlm_vit.cli.common import reading_checkpoint, refusing_pickles
 
     llm_dir = _model(args.llm, "--llm")
-    llm = AutoModelForCausalLM.from_pretrained(llm_dir)
+    with refusing_pickles(llm_dir, "--llm"):
+        llm = AutoModelForCausalLM.from_pretrained(llm_dir)
     tokenizer = AutoTokenizer.from_pretrained(llm_dir)
     width = llm.get_input_embeddings().embedding_dim
     from vlm_vit import hub
@@ -159,8 +171,9 @@ def build_model(args: argparse.Namespace):
         tower_at = hub.locate(str(args.tower))
     except FileNotFoundError as error:
         raise type(error)(f"--tower: {error}") from error
-    tower = load_tower(tower_at, args.projector, out_dim=width,
-                       feature_layer=args.feature_layer, drop_prefix=True)
+    with reading_checkpoint(args.tower):
+        tower = load_tower(tower_at, args.projector, out_dim=width,
+                           feature_layer=args.feature_layer, drop_prefix=True)
     return MultimodalLM(tower, llm, tokenizer, processor=load_processor(tower_at, required=False))
 
 
@@ -288,9 +301,7 @@ def _data(args: argparse.Namespace, mm, records, shards: bool):
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from vlm_vit_llm.model import MultimodalLM
-
-    mm = MultimodalLM.from_pretrained(_model(args.model, "MODEL"))
+    mm = load_multimodal(args.model, "MODEL")
     images = [_existing(path, "--image") for path in args.image]
     prompt = args.prompt if args.prompt is not None else mm.image_token * len(images) + "\n"
     if args.chat:
@@ -305,8 +316,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     from vlm_vit_llm.llava import export_llava
-    from vlm_vit_llm.model import MultimodalLM
 
-    mm = MultimodalLM.from_pretrained(_model(args.model, "MODEL"))
+    mm = load_multimodal(args.model, "MODEL")
     print(f"wrote {export_llava(mm, args.out)} (LlavaForConditionalGeneration)")
     return 0

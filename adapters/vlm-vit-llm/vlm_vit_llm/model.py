@@ -16,6 +16,7 @@ import contextlib
 import copy
 import json
 import logging
+import numbers
 import re
 import warnings
 from collections.abc import Iterator, Sequence
@@ -196,14 +197,18 @@ class MultimodalLM(nn.Module):
             padding_side: "right" for training, "left" for generation.
 
         Raises:
-            ValueError: for a prompt whose placeholders do not match its images, mismatched
-                list lengths, or a sequence longer than the LLM's context.
+            ValueError: naming the argument and the shape it needs: for no prompts, a
+                sequence without a token, a token id outside the LLM's vocabulary, images
+                not given as one list per prompt, a prompt whose placeholders do not match
+                its images, mismatched list lengths, or a sequence longer than the LLM's
+                context.
         """
         if isinstance(texts, str):
             raise ValueError("texts must be a list of prompts, not one string")
-        images = [[] for _ in texts] if images is None else images
-        if len(images) != len(texts):
-            raise ValueError(f"{len(texts)} prompts but images for {len(images)}")
+        if len(texts) == 0:
+            raise ValueError("texts is empty: give one prompt or more (strings, or lists of "
+                             "token ids)")
+        images = _images_per_prompt(images, len(texts))
         if targets is not None and len(targets) != len(texts):
             raise ValueError(f"{len(texts)} prompts but {len(targets)} targets")
         if token_labels is not None:
@@ -218,7 +223,6 @@ class MultimodalLM(nn.Module):
         token_ids = [self._prompt_ids(text, prompt) for prompt, text in enumerate(texts)]
         pixels, counts = [], []
         for prompt, per_prompt in enumerate(images):
-            per_prompt = list(per_prompt or [])
             placeholders = token_ids[prompt].count(self.image_token_id)
             if placeholders != len(per_prompt):
                 raise ValueError(f"prompt {prompt} has {placeholders} {self.image_token!r} "
@@ -232,7 +236,8 @@ class MultimodalLM(nn.Module):
         sequences, label_rows, image_counts = [], [], iter(counts)
         for prompt, ids in enumerate(token_ids):
             expanded, labels = [], []
-            given = token_labels[prompt] if token_labels is not None else [IGNORE_INDEX] * len(ids)
+            given = (self._token_ids(token_labels[prompt], f"token_labels[{prompt}]", labels=True)
+                     if token_labels is not None else [IGNORE_INDEX] * len(ids))
             for token, label in zip(ids, given, strict=True):
                 if token == self.image_token_id:  # never learned, whatever the label says
                     count = next(image_counts)
@@ -243,12 +248,16 @@ class MultimodalLM(nn.Module):
                     labels.append(label)
             if targets is not None:
                 target = targets[prompt]
-                target = self.encode_target(target) if isinstance(target, str) else list(target)
+                target = self.encode_target(target) if isinstance(target, str) else \
+                    self._token_ids(target, f"targets[{prompt}]", labels=True)
                 target = [t for t in target if t != IGNORE_INDEX]
                 if self.image_token_id in target:
                     raise ValueError(f"target {prompt} holds the image token "
                                      f"{self.image_token!r}; targets are text only")
                 expanded, labels = expanded + target, labels + target
+            if not expanded:
+                raise ValueError(f"texts[{prompt}] is empty: it gives no token (and no target "
+                                 f"follows it); every sequence needs one token or more")
             sequences.append(expanded)
             label_rows.append(labels)
         limit = getattr(getattr(self.llm, "config", None), "max_position_embeddings", None)
@@ -281,13 +290,35 @@ class MultimodalLM(nn.Module):
 
     def _prompt_ids(self, text: str | Sequence[int], prompt: int) -> list[int]:
         if not isinstance(text, str):
-            return list(text)
+            return self._token_ids(text, f"texts[{prompt}]")
         ids = list(self.tokenizer(text)["input_ids"])
         if ids.count(self.image_token_id) != text.count(self.image_token):
             raise ValueError(f"prompt {prompt}: the tokenizer reads "
                              f"{ids.count(self.image_token_id)} image tokens in "
                              f"{text.count(self.image_token)} placeholders: {text[:80]!r}")
         return ids
+
+    def _token_ids(self, ids: Sequence[int] | torch.Tensor, name: str, *,
+                   labels: bool = False) -> list[int]:
+        """`ids` as a list of ints, each a row of the LLM's embeddings (or, for `labels`,
+        `IGNORE_INDEX`).
+
+        Raises:
+            ValueError: naming `name[position]` for an entry that is no int or out of range.
+        """
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, torch.Tensor)):
+            raise ValueError(f"{name} is a {type(ids).__name__}; give a string or a list of "
+                             "token ids [L]")
+        values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        rows = self.llm.get_input_embeddings().num_embeddings
+        for position, value in enumerate(values):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{name}[{position}] is {value!r}, not a token id: {name} must "
+                                 f"be a flat list of ints [L] in 0..{rows - 1}")
+            if not 0 <= value < rows and not (labels and value == IGNORE_INDEX):
+                raise ValueError(f"{name}[{position}] is token id {value}, outside the "
+                                 f"vocabulary 0..{rows - 1} of the LLM's embeddings")
+        return [int(value) for value in values]
 
     def embed(self, batch: MultimodalBatch) -> torch.Tensor:
         """The LLM's input embeddings with the image tokens spliced in, `[B, L, D]`."""
@@ -491,6 +522,27 @@ class MultimodalLM(nn.Module):
         if encoder_adapter is not None:
             copied.tower.encoder = encoder_adapter.merge_and_unload()
         return copied
+
+
+def _images_per_prompt(images: Any, count: int) -> list[list[Any]]:
+    """`prepare`'s images as one list per prompt (None or [] for a prompt without).
+
+    Raises:
+        ValueError: for images not given as a list of `count` lists, naming the entry.
+    """
+    if images is None:
+        return [[] for _ in range(count)]
+    if not isinstance(images, (list, tuple)):
+        raise ValueError(f"images must be a list with one list of images per prompt, got a "
+                         f"{type(images).__name__}: for one prompt with one image, [[image]]")
+    if len(images) != count:
+        raise ValueError(f"{count} prompts but images for {len(images)}")
+    for index, per_prompt in enumerate(images):
+        if per_prompt is not None and not isinstance(per_prompt, (list, tuple)):
+            raise ValueError(f"images[{index}] is a {type(per_prompt).__name__}, not a list of "
+                             f"that prompt's images: images takes one list per prompt, "
+                             f"[[image]] for one prompt with one image")
+    return [list(per_prompt or []) for per_prompt in images]
 
 
 def target_ids(tokenizer: Any, text: str) -> list[int]:
