@@ -33,13 +33,42 @@ def test_a_second_process_is_refused_by_pid_until_the_holder_dies(tmp_path):
         assert str(os.getpid()) in lock.path.read_text()
 
 
-def test_the_lock_is_released_on_exit_and_refuses_within_one_process_too(tmp_path):
-    first = RunLock(tmp_path)
-    first.acquire()
-    with pytest.raises(RunDirectoryInUse):
-        RunLock(tmp_path).acquire()  # a second open file description: flock refuses it
-    first.release()
+TRY = ("import sys\nfrom vlm_vit.train.run_lock import RunDirectoryInUse, RunLock\n"
+       "try:\n    RunLock(sys.argv[1]).acquire()\nexcept RunDirectoryInUse:\n    sys.exit(3)\n")
+
+
+def another_process_gets_it(directory) -> bool:
+    return subprocess.run([sys.executable, "-c", TRY, str(directory)]).returncode == 0
+
+
+def test_within_one_process_the_lock_is_reentrant_until_the_outermost_release(tmp_path):
+    """A command may hold it around the trainer, which takes it again."""
+    outer = RunLock(tmp_path)
+    outer.acquire()
     started = time.monotonic()
-    with RunLock(tmp_path):
+    with RunLock(tmp_path):  # the trainer inside the command
         pass
     assert time.monotonic() - started < 1  # never waits
+    assert not another_process_gets_it(tmp_path)  # the inner release kept it
+    outer.release()
+    assert another_process_gets_it(tmp_path)
+
+
+def test_two_pretrain_runs_on_one_directory_cannot_mix(tmp_path):
+    """The second of two runs started together is refused, naming the first's pid."""
+    from tests.train.toy import config, image_folder, toy_objective, write_noise_images
+    from vlm_vit.train import Trainer
+
+    write_noise_images(tmp_path / "data", 8)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "run")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        trainer = Trainer(toy_objective(), image_folder(tmp_path / "data"), config(steps=2),
+                          tmp_path / "run", progress_bar=False)
+        with pytest.raises(RunDirectoryInUse, match=f"pid {holder.pid}"):
+            trainer.fit()
+        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock"]
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from vlm_vit.processor import ImageProcessor
     from vlm_vit.train import TrainConfig, Trainer
     from vlm_vit.train.data import collate_labelled
+    from vlm_vit.train.run_lock import RunLock
 
     if args.qlora and not args.lora:
         raise ValueError("--qlora needs --lora (QLoRA trains LoRA adapters on 4-bit weights)")
@@ -129,13 +131,17 @@ def run(args: argparse.Namespace) -> int:
                          num_workers=args.num_workers, device=args.device,
                          checkpoint_every=max(args.steps // 5, 1))
     trainer = Trainer(model, train, config, out, collate=collate_labelled)
-    # finetune.json only once the run is accepted: a refused one leaves the earlier run's.
-    trainer.check_run_dir(resume=args.resume, overwrite=args.overwrite)
-    if recorded is None and int(os.environ.get("RANK", "0")) == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        with atomic_write(out / FINETUNE_NAME, "w") as handle:
-            json.dump(settings, handle, indent=2)
-    trainer.fit(resume=args.resume, overwrite=args.overwrite)
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    # The run directory is locked from the checks to the end (the trainer takes the same
+    # lock again); finetune.json only once the run is accepted: a refused one leaves the
+    # earlier run's.
+    with RunLock(out) if main_rank else contextlib.nullcontext():
+        trainer.check_run_dir(resume=args.resume, overwrite=args.overwrite)
+        if recorded is None and main_rank:
+            out.mkdir(parents=True, exist_ok=True)
+            with atomic_write(out / FINETUNE_NAME, "w") as handle:
+                json.dump(settings, handle, indent=2)
+        trainer.fit(resume=args.resume, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     if held_out is not None:

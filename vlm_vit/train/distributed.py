@@ -67,6 +67,12 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def launched_rank() -> int:
+    """This process's rank as torchrun set it (0 when not launched by torchrun), before any
+    process group exists."""
+    return _env_int("RANK", 0)
+
+
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:
     """A device from a config string; "auto" is CUDA when available, else CPU.
 

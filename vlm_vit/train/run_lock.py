@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 LOCK_NAME = ".lock"
+_HELD: dict[Path, int] = {}  # lock files this process holds -> how many holders, reentrant
 
 
 class RunDirectoryInUse(FileExistsError):
@@ -37,6 +38,7 @@ class RunLock:
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / LOCK_NAME
         self._handle = None
+        self._nested = False
 
     def __enter__(self) -> RunLock:
         self.acquire()
@@ -51,6 +53,11 @@ class RunLock:
         except ImportError:  # not POSIX: no lock, as before (documented)
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        key = self.path.resolve()
+        if key in _HELD:  # this process holds it already (a command around the trainer)
+            _HELD[key] += 1
+            self._nested = True
+            return
         handle = open(self.path, "a+")  # noqa: SIM115  (held open for the lock's lifetime)
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -67,9 +74,16 @@ class RunLock:
                                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
         handle.flush()
         self._handle = handle
+        _HELD[key] = 1
 
     def release(self) -> None:
+        key = self.path.resolve()
+        if self._nested:
+            _HELD[key] -= 1
+            self._nested = False
+            return
         if self._handle is not None:
+            _HELD.pop(key, None)
             with contextlib.suppress(OSError):
                 self._handle.close()  # closing drops the flock
             self._handle = None

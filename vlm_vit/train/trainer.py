@@ -59,6 +59,7 @@ from vlm_vit.train.data import (
     mixed_seed,
 )
 from vlm_vit.train.distributed import DistributedContext
+from vlm_vit.train.run_lock import RunLock
 from vlm_vit.train.tar_shards import SAMPLES_DIR, SampleLog, ShardStream, StreamState
 
 logger = logging.getLogger(__name__)
@@ -409,16 +410,24 @@ class Trainer:
             ValueError: when the batch does not split over processes and micro-batches, or
                 the dataset is smaller than one batch.
         """
-        self.check_run_dir(resume, overwrite)
-        context = distributed.setup(self.config.device)
-        flushing = self.config.flush_denormal and context.device.type == "cpu" \
-            and torch.set_flush_denormal(True)  # False where the CPU cannot (no SSE3)
+        # One run per directory: rank 0 holds an OS lock on it until this process ends.
+        lock = RunLock(self.run_dir) if distributed.launched_rank() == 0 else None
+        if lock is not None and (self.run_dir.is_dir() or not self.run_dir.exists()):
+            lock.acquire()  # RunDirectoryInUse, naming the holder's pid
         try:
-            return self._fit(context, resume, overwrite)
+            self.check_run_dir(resume, overwrite)
+            context = distributed.setup(self.config.device)
+            flushing = self.config.flush_denormal and context.device.type == "cpu" \
+                and torch.set_flush_denormal(True)  # False where the CPU cannot (no SSE3)
+            try:
+                return self._fit(context, resume, overwrite)
+            finally:
+                if flushing:
+                    torch.set_flush_denormal(False)
+                distributed.teardown(context)
         finally:
-            if flushing:
-                torch.set_flush_denormal(False)
-            distributed.teardown(context)
+            if lock is not None:
+                lock.release()
 
     def check_run_dir(self, resume: bool = False, overwrite: bool = False) -> None:
         """Refuses, without writing anything, a `run_dir` that `fit(resume, overwrite)` would
@@ -495,18 +504,7 @@ class Trainer:
                     shutil.rmtree(path) if path.is_dir() and not path.is_symlink() \
                         else path.unlink()
             distributed.barrier(context)
-            entries = []
-        found = ckpt.latest_checkpoint(self.run_dir)
-        if found is not None and not resume:
-            raise FileExistsError(f"{self.run_dir} already holds checkpoints (newest {found}); "
-                                  "pass --resume (resume=True) to continue that run, "
-                                  "--overwrite to replace it, or use another run directory")
-        if found is None and entries:
-            what = (f"has no checkpoint to resume from, but holds an earlier run's "
-                    f"{_listing(entries)}" if resume else
-                    f"holds an earlier run's {_listing(entries)}")
-            raise FileExistsError(f"{self.run_dir} {what}; pass --overwrite (overwrite=True) "
-                                  f"to start afresh there, or use another run directory")
+        found = ckpt.latest_checkpoint(self.run_dir)  # `check_run_dir` accepted what is here
         if context.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt.remove_stale_temporaries(self.run_dir)
