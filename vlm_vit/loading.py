@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import struct
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -34,20 +35,38 @@ WEIGHT_FILES = ("model.safetensors", "open_clip_model.safetensors", "pytorch_mod
                 "open_clip_pytorch_model.bin", "model.npz")
 
 
+def unpickling_refusal(error: BaseException) -> tuple[bool, str]:
+    """Whether torch's weights-only unpickler refused a file because it needs code to load
+    (a global, a class or a call) rather than because it is no pickle at all (random bytes
+    are refused too: `invalid load key`, `Unsupported operand`), and its reason in one line
+    (`Unsupported global: GLOBAL builtins.print ...`)."""
+    text = str(error)
+    _, marker, after = text.partition("WeightsUnpickler error:")
+    lines = [line.strip() for line in (after if marker else text).splitlines() if line.strip()]
+    reason = lines[0].split(". ", 1)[0] if lines else type(error).__name__
+    needs_code = any(word in reason.lower() for word in ("global", "reduce", "class", "build"))
+    return needs_code, reason
+
+
 def _read_pickled(path: Path) -> dict[str, torch.Tensor]:
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
+        needs_code, reason = unpickling_refusal(error)
+        if not needs_code:
+            raise ValueError(f"{path} is not a readable weight file (safetensors, PyTorch or "
+                             f"npz): {reason}") from error
         raise ValueError(
             f"{path} is a pickle that needs arbitrary code to load, and vlm-vit never runs "
             f"code from a checkpoint; re-save it as a plain state dict (ideally safetensors) "
-            f"with the library that made it. ({str(error).splitlines()[0]})"
+            f"with the library that made it. ({reason})"
         ) from error
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile,
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError,
+            IndexError, struct.error, UnicodeDecodeError,
             SafetensorError) as error:  # torch.load hands *.safetensors names to safetensors
         raise ValueError(f"{path} is not a readable weight file (safetensors, PyTorch or "
                          f"npz; truncated or corrupt?): "
-                         f"{error}") from error
+                         f"{type(error).__name__}: {error}") from error
     return _unwrap_state_dict(loaded, path)
 
 

@@ -476,8 +476,11 @@ def _check_indices(index: torch.Tensor, shape: tuple[int, int], limit: int, name
 
 
 def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: object) -> None:
-    """Raises one ValueError listing every missing, unexpected and mis-shaped key."""
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    """Raises one ValueError listing every missing, unexpected, mis-shaped and mis-typed key
+    (integer or boolean weights where the model has floating-point ones: a cast would load
+    them silently as whole numbers)."""
+    own = model.state_dict()
+    expected = {name: tuple(t.shape) for name, t in own.items()}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     misshaped = sorted(
@@ -485,10 +488,16 @@ def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: o
         for name in set(expected) & set(state)
         if tuple(state[name].shape) != expected[name]
     )
+    mistyped = sorted(
+        f"{name} (checkpoint {str(state[name].dtype).removeprefix('torch.')}, model "
+        f"{str(own[name].dtype).removeprefix('torch.')})"
+        for name in set(expected) & set(state)
+        if own[name].is_floating_point() and not state[name].is_floating_point()
+    )
     problems = [
         f"{label}: {', '.join(names)}"
         for label, names in (("missing", missing), ("unexpected", unexpected),
-                             ("wrong shape", misshaped))
+                             ("wrong shape", misshaped), ("not floating point", mistyped))
         if names
     ]
     if problems:

@@ -121,7 +121,7 @@ def describe_error(error: Exception, args: argparse.Namespace, argv: list[str]) 
     if isinstance(error, USER_ERRORS):
         return _one_line(str(error)) or type(error).__name__
     if isinstance(error, pickle.UnpicklingError):  # another library's torch.load refused it
-        from vlm_vit.cli.common import unpickling_refusal
+        from vlm_vit.loading import unpickling_refusal
 
         needs_code, reason = unpickling_refusal(error)
         return (f"a weight file {'needs arbitrary code to load' if needs_code else 'is corrupt'}"

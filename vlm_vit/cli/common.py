@@ -92,18 +92,6 @@ _GARBAGE_ERRORS = (pickle.UnpicklingError, KeyError, IndexError, EOFError, struc
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 
-def unpickling_refusal(error: BaseException) -> tuple[bool, str]:
-    """Whether torch's weights-only unpickler refused a file because it needs code to load
-    (a global, a class or a call) rather than because it is no pickle at all, and its
-    reason in one line (`Unsupported global: GLOBAL builtins.print ...`)."""
-    text = str(error)
-    _, marker, after = text.partition("WeightsUnpickler error:")
-    lines = [line.strip() for line in (after if marker else text).splitlines() if line.strip()]
-    reason = lines[0].split(". ", 1)[0] if lines else type(error).__name__
-    needs_code = any(word in reason.lower() for word in ("global", "reduce", "class", "build"))
-    return needs_code, reason
-
-
 @contextlib.contextmanager
 def reading_checkpoint(model: str | Path) -> Iterator[None]:
     """Reading (and building from) the checkpoint `model`: a file that is not a checkpoint
@@ -114,6 +102,8 @@ def reading_checkpoint(model: str | Path) -> Iterator[None]:
         ValueError: `MODEL is not a readable checkpoint` for a file none of the readers can
             read, `MODEL is a pickle that needs arbitrary code` for one that would run code.
     """
+    from vlm_vit.loading import unpickling_refusal
+
     try:
         with not_a_variant_either(str(model)):
             yield
@@ -126,15 +116,6 @@ def reading_checkpoint(model: str | Path) -> Iterator[None]:
                              f"({unpickling_refusal(error)[1]})") from error
         raise ValueError(f"{model} is not a readable checkpoint: no safetensors, PyTorch or "
                          f".npz file that loads ({type(error).__name__}: {error})") from error
-    except ValueError as error:
-        # A pickle refused by the weights-only unpickler is not always one that needs code:
-        # random bytes are refused too (`Unsupported operand`). Say which it was.
-        cause = error.__cause__
-        if isinstance(cause, pickle.UnpicklingError) and not unpickling_refusal(cause)[0]:
-            raise ValueError(f"{model} is not a readable checkpoint: no safetensors, PyTorch "
-                             f"or .npz file that loads ({unpickling_refusal(cause)[1]})"
-                             ) from error
-        raise
 
 
 @contextlib.contextmanager
@@ -146,6 +127,8 @@ def refusing_pickles(directory: str | Path, what: str) -> Iterator[None]:
     Raises:
         ValueError: for a weight file that needs code to load or is no pickle at all.
     """
+    from vlm_vit.loading import unpickling_refusal
+
     try:
         yield
     except pickle.UnpicklingError as error:

@@ -33,6 +33,7 @@ class RunLock:
 
     Raises (on entering):
         RunDirectoryInUse: naming the holder's pid, host and start time.
+        NotADirectoryError: when `run_dir` is a file.
     """
 
     def __init__(self, run_dir: str | Path) -> None:
@@ -52,6 +53,9 @@ class RunLock:
             import fcntl
         except ImportError:  # not POSIX: no lock, as before (documented)
             return
+        if self.path.parent.exists() and not self.path.parent.is_dir():
+            raise NotADirectoryError(f"{self.path.parent} is a file, not a run directory; "
+                                     "give --out (run_dir) a folder")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         key = self.path.resolve()
         if key in _HELD:  # this process holds it already (a command around the trainer)

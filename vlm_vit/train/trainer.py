@@ -412,7 +412,7 @@ class Trainer:
         """
         # One run per directory: rank 0 holds an OS lock on it until this process ends.
         lock = RunLock(self.run_dir) if distributed.launched_rank() == 0 else None
-        if lock is not None and (self.run_dir.is_dir() or not self.run_dir.exists()):
+        if lock is not None:
             lock.acquire()  # RunDirectoryInUse, naming the holder's pid
         try:
             self.check_run_dir(resume, overwrite)
