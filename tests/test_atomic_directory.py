@@ -135,3 +135,24 @@ def test_the_swap_is_one_step_where_the_system_allows(tmp_path):
     if not _exchange(a, b):
         pytest.skip("renameat2(RENAME_EXCHANGE) is not available here")
     assert (b / "x").read_text() == "a" and not (a / "x").exists()
+
+
+def test_a_tower_and_a_classifier_hash_their_own_weights_too(tmp_path):
+    from vlm_vit import VisionTower, build_pooler
+    from vlm_vit.finetune import ImageClassifier
+    from vlm_vit.integrity import IntegrityError, read_manifest
+
+    tower = VisionTower(encoder(0), build_pooler("mlp2x_gelu", in_dim=32, out_dim=16))
+    tower.save_pretrained(tmp_path / "tower")
+    assert "pooler.safetensors" in read_manifest(tmp_path / "tower")
+    ImageClassifier(encoder(0), num_classes=3).save_pretrained(tmp_path / "classifier")
+    assert "classifier_head.safetensors" in read_manifest(tmp_path / "classifier")
+    for folder, name in (("tower", "pooler.safetensors"),
+                         ("classifier", "classifier_head.safetensors")):
+        data = bytearray((tmp_path / folder / name).read_bytes())
+        data[-3] ^= 0xFF  # inside the last tensor's bytes
+        (tmp_path / folder / name).write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="pooler.safetensors does not match"):
+        VisionTower.from_pretrained(tmp_path / "tower")
+    with pytest.raises(IntegrityError, match="classifier_head.safetensors does not match"):
+        ImageClassifier.from_pretrained(tmp_path / "classifier")

@@ -19,6 +19,7 @@ from vlm_vit.files import (
     read_safetensors,
     write_safetensors,
 )
+from vlm_vit.integrity import verify_files, write_manifest
 from vlm_vit.model import VisionEncoder, check_state_dict
 from vlm_vit.pretrain.base import ObjectiveOutput
 from vlm_vit.processor import ImageProcessor
@@ -91,6 +92,7 @@ class ImageClassifier(nn.Module):
         with atomic_directory(directory) as temp:  # every file appears at once
             self.backbone.save_pretrained(temp)
             write_safetensors(self.head.state_dict(), temp / HEAD_WEIGHTS_NAME)
+            write_manifest(temp, [HEAD_WEIGHTS_NAME], merge=True)  # beside the backbone's
             with atomic_write(temp / CLASSIFIER_CONFIG_NAME, "w") as handle:
                 json.dump({"num_classes": self.head.out_features, "pooling": self.pooling,
                            "backbone": "tower" if isinstance(self.backbone, VisionTower)
@@ -115,6 +117,7 @@ class ImageClassifier(nn.Module):
             raise ValueError(f"{directory / CLASSIFIER_CONFIG_NAME}: {error!r}") from error
         backbone = (VisionTower if kind == "tower" else VisionEncoder).from_pretrained(directory)
         classifier = cls(backbone, num_classes, pooling=pooling)
+        verify_files(directory, [directory / HEAD_WEIGHTS_NAME])
         state = read_safetensors(directory / HEAD_WEIGHTS_NAME)
         check_state_dict(classifier.head, state, directory / HEAD_WEIGHTS_NAME)
         classifier.head.load_state_dict(state)

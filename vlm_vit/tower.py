@@ -11,6 +11,7 @@ from torch import nn
 
 from vlm_vit.config import is_int
 from vlm_vit.files import atomic_directory, read_json, read_safetensors, write_safetensors
+from vlm_vit.integrity import verify_files, write_manifest
 from vlm_vit.model import CONFIG_NAME, VisionEncoder, check_state_dict
 from vlm_vit.poolers import build_pooler, pool_packed
 from vlm_vit.processor import PROCESSOR_CONFIG_NAME, ImageProcessor
@@ -164,6 +165,7 @@ class VisionTower(nn.Module):
             self.encoder.save_pretrained(temp, extra_config={"tower": tower},
                                          max_shard_size=max_shard_size, model_card=model_card)
             write_safetensors(self.pooler.state_dict(), temp / POOLER_WEIGHTS_NAME)
+            write_manifest(temp, [POOLER_WEIGHTS_NAME], merge=True)  # beside the encoder's
             if self.processor is not None:
                 self.processor.save_pretrained(temp)
         return directory
@@ -187,6 +189,7 @@ class VisionTower(nn.Module):
             raise ValueError(f"{config_path}: tower.pooler: {error}") from None
         encoder = VisionEncoder.from_pretrained(directory, **encoder_overrides)
         weights = directory / POOLER_WEIGHTS_NAME
+        verify_files(directory, [weights], encoder_overrides.get("verify"))
         state = read_safetensors(weights)
         check_state_dict(pooler, state, weights)
         pooler.load_state_dict(state)

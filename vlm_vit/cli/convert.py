@@ -8,6 +8,7 @@ from pathlib import Path
 
 from vlm_vit.cli.common import image_size, reading_checkpoint
 from vlm_vit.convert import FORMATS
+from vlm_vit.files import atomic_directory
 from vlm_vit.loading import build_native_pooler, convert_checkpoint
 from vlm_vit.model import VisionEncoder
 from vlm_vit.shards import parse_size
@@ -71,9 +72,10 @@ def run(args: argparse.Namespace) -> int:
     if args.crop_rounding is not None and processor is not None:
         processor = dataclasses.replace(processor, crop_rounding=args.crop_rounding)
     if target == "native":
-        encoder.save_pretrained(args.destination, **shards)
-        if processor is not None:
-            processor.save_pretrained(args.destination)
+        with atomic_directory(args.destination) as temp:  # weights and processor at once
+            encoder.save_pretrained(temp, **shards)
+            if processor is not None:
+                processor.save_pretrained(temp)
     else:
         FORMATS.get(target).write(encoder, args.destination, pooler=pooler, processor=processor,
                                   **shards)
