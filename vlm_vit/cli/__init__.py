@@ -43,14 +43,10 @@ from vlm_vit.train.trainer import NonFiniteLossError
 COMMAND_GROUP = "vlm_vit.commands"
 
 
-class CliError(Exception):
-    """A user error the command reports in one line."""
-
-
 # Errors of ours, and of the system (OSError: permissions, a full disk, missing files), that
 # a user can cause and fix: printed as their message alone. ValueError covers the image,
 # config and integrity errors; ImportError says which extra to install.
-USER_ERRORS = (CliError, ValueError, OSError, ImportError, UnknownNameError, NonFiniteLossError)
+USER_ERRORS = (ValueError, OSError, ImportError, UnknownNameError, NonFiniteLossError)
 # An OSError without a file name while a command writes: said to concern its --out.
 _WRITE_ERRNOS = frozenset(getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EROFS", "EFBIG")
                           if hasattr(errno, name))
