@@ -208,7 +208,7 @@ def padding_waste(config: EncoderConfig, images: list[torch.Tensor],
 
 
 def max_difference(tokens: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
-    return max((a - b).abs().max().item() for a, b in zip(tokens, reference))
+    return max((a - b).abs().max().item() for a, b in zip(tokens, reference, strict=True))
 
 
 def build(args: argparse.Namespace) -> tuple[EncoderConfig, VisionEncoder, list[torch.Tensor]]:
@@ -309,7 +309,7 @@ def main() -> None:
         for _ in range(3):  # the share of NaFlexVit's time that is its patchify and collate
             naflexvit_inputs(images, config.patch_size)
             inputs.append(time.perf_counter())
-        input_seconds = statistics.median(b - a for a, b in zip(inputs, inputs[1:]))
+        input_seconds = statistics.median(b - a for a, b in zip(inputs, inputs[1:], strict=True))
 
     child_arguments = ["--variant", args.variant, "--depth", str(args.depth or 0), "--images",
                        str(args.images), "--shrink", str(args.shrink)]

@@ -90,8 +90,8 @@ def main() -> int:
 
     mm.eval()
     images = [[work / f"{name}.png"] for name in CAPTIONS]
-    for (name, caption), said in zip(CAPTIONS.items(),
-                                     mm.generate(["<image>\n"] * 4, images, do_sample=False)):
+    said_all = mm.generate(["<image>\n"] * 4, images, do_sample=False)
+    for (name, caption), said in zip(CAPTIONS.items(), said_all, strict=True):
         print(f"{name:<10} -> {said!r} (trained on {caption!r})")
 
     export_llava(mm, work / "llava")

@@ -141,7 +141,7 @@ def test_knn_votes_by_weighted_cosine_neighbours():
 ])
 def test_metrics_validate_inputs(separable, function, change, message):
     names = ("train_x", "train_y", "test_x", "test_y")
-    arguments = change(dict(zip(names, separable)))
+    arguments = change(dict(zip(names, separable, strict=True)))
     with pytest.raises(ValueError, match=message):
         function(*(arguments[n] for n in names))
 

@@ -108,7 +108,8 @@ def test_projector_only_training_of_a_tower():
 def digits_folder(tmp_path):
     datasets = pytest.importorskip("sklearn.datasets")
     digits = datasets.load_digits(n_class=3)
-    for index, (image, label) in enumerate(zip(digits.images[:150], digits.target[:150])):
+    pairs = zip(digits.images[:150], digits.target[:150], strict=True)
+    for index, (image, label) in enumerate(pairs):
         folder = tmp_path / "digits" / str(label)
         folder.mkdir(parents=True, exist_ok=True)
         pixels = (image / 16 * 255).astype(np.uint8)

@@ -69,7 +69,8 @@ def test_feature_layers_in_the_order_asked(tiny_encoder):
     x = images()
     hidden = tiny_encoder(x, output_hidden_states=True).hidden_states
     out = tiny_encoder(x, feature_layers=[-1, 0, 2])
-    assert [torch.equal(f, hidden[i]) for f, i in zip(out.features, [-1, 0, 2])] == [True] * 3
+    assert [torch.equal(f, hidden[i])
+            for f, i in zip(out.features, [-1, 0, 2], strict=True)] == [True] * 3
     assert out.tokens is not None  # the last layer was asked, so the run was complete
 
 
@@ -83,7 +84,7 @@ def test_sdpa_equals_explicit_attention(tiny_encoder):
     x = images(height=40, width=24)
     fast = tiny_encoder(x, output_hidden_states=True)
     explicit = tiny_encoder(x, output_hidden_states=True, output_attentions=True)
-    for a, b in zip(fast.hidden_states, explicit.hidden_states):
+    for a, b in zip(fast.hidden_states, explicit.hidden_states, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     maps = explicit.attentions
     assert len(maps) == 3 and maps[0].shape == (2, 4, 16, 16)

@@ -103,7 +103,7 @@ def test_normalisation_of_constant_colour_is_exact(family):
     proc = ImageProcessor.for_family(family, size=12)
     out = proc(Image.new("RGB", (30, 20), rgb))[0]
     mean, std = NORMALIZATION[family]
-    want = [(v / 255.0 - m) / s for v, m, s in zip(rgb, mean, std)]
+    want = [(v / 255.0 - m) / s for v, m, s in zip(rgb, mean, std, strict=True)]
     for c in range(3):
         assert torch.allclose(out[c], torch.full((12, 12), want[c]), atol=1e-6, rtol=0)
     # Float input takes the torch resize path; a constant stays constant there too.
@@ -630,7 +630,7 @@ def test_photos_get_their_native_sizes(kwargs, expected):
     proc = native(**kwargs)
     out = proc(list(photos.values()))
     assert isinstance(out, list) and len(out) == 3
-    for (name, photo), pixels in zip(photos.items(), out):
+    for (name, photo), pixels in zip(photos.items(), out, strict=True):
         assert pixels.shape == (3, *expected[name]), name
         assert pixels.dtype == torch.float32 and pixels.is_contiguous()
         # No crop: the same pixels as squashing the whole photo to that size.

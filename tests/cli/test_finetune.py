@@ -16,7 +16,8 @@ pytest.importorskip("torchvision")
 def setup(tmp_path):
     datasets = pytest.importorskip("sklearn.datasets")
     digits = datasets.load_digits(n_class=3)
-    for index, (image, label) in enumerate(zip(digits.images[:90], digits.target[:90])):
+    pairs = zip(digits.images[:90], digits.target[:90], strict=True)
+    for index, (image, label) in enumerate(pairs):
         folder = tmp_path / "digits" / f"digit_{label}"
         folder.mkdir(parents=True, exist_ok=True)
         pixels = (image / 16 * 255).astype(np.uint8)

@@ -69,7 +69,7 @@ def test_clip_vision_model_matches_transformers(tmp_path, act):
         out = ours(x, output_hidden_states=True)
         tower_out = load_tower(tmp_path).eval()(x)
     assert len(out.hidden_states) == len(expected.hidden_states) == 4
-    for mine, reference in zip(out.hidden_states, expected.hidden_states):
+    for mine, reference in zip(out.hidden_states, expected.hidden_states, strict=True):
         close(mine, reference)
     # HF's last_hidden_state has no post_layernorm; only its pooled class token does.
     close(out.hidden_states[-1], expected.last_hidden_state)

@@ -36,7 +36,8 @@ def attention_arrays(prefix, q, k, v, proj_weight, proj_bias, qkv_bias):
     """PyTorch q/k/v/out Linear weights in flax's per-head layout."""
     arrays = {f"{prefix}out/kernel": proj_weight.T.reshape(HEADS, HEAD_DIM, WIDTH),
               f"{prefix}out/bias": proj_bias}
-    for name, weight, bias in zip(("query", "key", "value"), (q, k, v), np.split(qkv_bias, 3)):
+    for name, weight, bias in zip(("query", "key", "value"), (q, k, v), np.split(qkv_bias, 3),
+                                  strict=True):
         arrays[f"{prefix}{name}/kernel"] = weight.T.reshape(WIDTH, HEADS, HEAD_DIM)
         arrays[f"{prefix}{name}/bias"] = bias.reshape(HEADS, HEAD_DIM)
     return arrays
@@ -145,7 +146,7 @@ def assert_same_function(ours, theirs, size=(32, 32)):
         expected_blocks = timm_blocks(theirs, x)
         expected = theirs.forward_features(x)
     assert len(out.hidden_states) == len(expected_blocks) + 1
-    for hidden, block in zip(out.hidden_states[1:], expected_blocks):
+    for hidden, block in zip(out.hidden_states[1:], expected_blocks, strict=True):
         torch.testing.assert_close(hidden, block, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.tokens, expected, atol=1e-4, rtol=1e-4)
 
@@ -187,7 +188,7 @@ def test_scanned_big_vision_layout_loads_to_the_same_encoder(tmp_path):
     x = pixels()
     with torch.no_grad():
         out, expected = ours(x, output_hidden_states=True), reference(x, output_hidden_states=True)
-    for hidden, wanted in zip(out.hidden_states, expected.hidden_states):
+    for hidden, wanted in zip(out.hidden_states, expected.hidden_states, strict=True):
         torch.testing.assert_close(hidden, wanted, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.tokens, expected.tokens, atol=1e-5, rtol=1e-5)
     # timm reads big_vision files into a model whose class token has no position entry

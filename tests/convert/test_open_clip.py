@@ -95,7 +95,7 @@ def assert_same_function(encoder, model, size=(32, 32)):
         out = encoder.eval()(x, output_hidden_states=True)
         tokens = model.visual.ln_post(expected[-1])  # ln_post on every token
     assert len(out.hidden_states) == len(expected) == encoder.config.depth + 1
-    for ours, theirs in zip(out.hidden_states, expected):
+    for ours, theirs in zip(out.hidden_states, expected, strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.tokens, tokens, atol=1e-4, rtol=1e-4)
 

@@ -103,4 +103,5 @@ def test_labelled_folder_agrees_with_evaluation_on_classes_and_labels(tmp_path):
     folder = LabelledImageFolder(tmp_path, 32, mean=MEAN, std=STD)
     files, labels, classes = read_class_folder(tmp_path)
     assert folder.classes == classes == ["cat", "dog"]
-    assert [(path, label) for path, label in folder.samples] == list(zip(files, labels))
+    assert [(path, label) for path, label in folder.samples] == list(
+        zip(files, labels, strict=True))

@@ -71,7 +71,7 @@ def test_parameter_groups_exempt_norms_biases_tables_and_tokens():
     everything = dict(objective.named_parameters())
     assert sorted(decay["names"] + no_decay["names"]) == sorted(everything)
     for group in (decay, no_decay):
-        assert all(p is everything[n] for n, p in zip(group["names"], group["params"]))
+        assert all(p is everything[n] for n, p in zip(group["names"], group["params"], strict=True))
 
 
 def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_min_lr():

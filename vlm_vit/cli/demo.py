@@ -83,7 +83,7 @@ def write_digits(root: Path, per_class: int | None) -> int:
     datasets = require("sklearn.datasets", "train", "the demo's digits")
     digits = datasets.load_digits()
     counts: dict[int, int] = {}
-    for index, (image, label) in enumerate(zip(digits.images, digits.target)):
+    for index, (image, label) in enumerate(zip(digits.images, digits.target, strict=True)):
         if per_class is not None and counts.get(int(label), 0) >= per_class:
             continue
         counts[int(label)] = counts.get(int(label), 0) + 1

@@ -89,7 +89,7 @@ def fuse_qkv(state: dict[str, torch.Tensor], depth: int, part: str = "blocks.{}.
                 groups[part.format(i, f"qkv.{kind}")] = [state.pop(n) for n in names]
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         fused = pool.map(torch.cat, groups.values())
-        state.update(zip(groups, fused))
+        state.update(zip(groups, fused, strict=True))
 
 
 def split_qkv(state: dict[str, torch.Tensor], depth: int, part: str = "blocks.{}.attn.{}") -> None:
@@ -98,5 +98,5 @@ def split_qkv(state: dict[str, torch.Tensor], depth: int, part: str = "blocks.{}
         for kind in ("weight", "bias"):
             fused = part.format(i, f"qkv.{kind}")
             if fused in state:
-                for x, chunk in zip("qkv", state.pop(fused).chunk(3, dim=0)):
+                for x, chunk in zip("qkv", state.pop(fused).chunk(3, dim=0), strict=True):
                     state[part.format(i, f"{x}.{kind}")] = chunk.clone()

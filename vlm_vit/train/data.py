@@ -95,7 +95,7 @@ def collate_labelled(items: Sequence[tuple[torch.Tensor, int] | UndecodableImage
     pairs = [item for item in items if not isinstance(item, UndecodableImage)]
     if not pairs:
         return ImageBatch(torch.empty(0), bad, torch.empty(0, dtype=torch.long))
-    images, labels = zip(*pairs)
+    images, labels = zip(*pairs, strict=True)
     return ImageBatch(torch.stack(images), bad, torch.tensor(labels, dtype=torch.long))
 
 
@@ -252,7 +252,7 @@ class LabelledImageFolder(torch.utils.data.Dataset):
         self.root = Path(root)
         # The same discovery as `vlm_vit.evaluate`, so labels mean the same everywhere.
         files, labels, self.classes = class_folders(self.root)
-        self.samples = list(zip(files, labels))
+        self.samples = list(zip(files, labels, strict=True))
         self.processor = ImageProcessor(size=image_size, mean=tuple(mean), std=tuple(std),
                                         resample=resample)
 

@@ -136,7 +136,7 @@ def loss_and_gradients(obj, checkpointing: bool):
              plain(obj.mm.tower.encoder).blocks[0]]
     handles = [module.register_forward_pre_hook(
         lambda *_, key=key: calls.__setitem__(key, calls[key] + 1))
-        for key, module in zip(calls, hooks)]
+        for key, module in zip(calls, hooks, strict=True)]
     obj.zero_grad(set_to_none=True)
     pixels = torch.stack([obj.mm.processor.preprocess_one(p) for p in photos(2)])
     labels = CaptionCollate(obj.mm)([(pixels[0], CAPTIONS[0], None),

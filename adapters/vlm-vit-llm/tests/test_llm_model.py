@@ -28,7 +28,7 @@ def test_the_splice_puts_each_images_tokens_at_its_placeholder(mm):
         expected = mm.tower(torch.stack(images))
     table = mm.llm.get_input_embeddings().weight
     image_index = 0
-    for row, (prompt, row_images) in enumerate(zip(PROMPTS, per_prompt)):
+    for row, (prompt, row_images) in enumerate(zip(PROMPTS, per_prompt, strict=True)):
         # The expanded ids are the tokenised prompt with each placeholder repeated `count` x.
         ids = mm.tokenizer(prompt)["input_ids"]
         expanded = [t for token in ids
@@ -75,7 +75,7 @@ def test_batched_generation_equals_one_prompt_at_a_time(mm):
     per_prompt = [[], [images[0]], [images[1], images[2]]]
     together = mm.generate(PROMPTS, per_prompt, max_new_tokens=6, do_sample=False)
     alone = [mm.generate([p], [i], max_new_tokens=6, do_sample=False)[0]
-             for p, i in zip(PROMPTS, per_prompt)]
+             for p, i in zip(PROMPTS, per_prompt, strict=True)]
     assert together == alone
     assert any(together)
 

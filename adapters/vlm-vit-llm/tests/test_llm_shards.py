@@ -126,7 +126,7 @@ def test_llava_shards_give_the_folder_items_and_batches(tmp_path, chat_tokenizer
     ours, theirs = collate(got).pixel_values, collate(expected).pixel_values
     assert ours.input_ids == theirs.input_ids and ours.labels == theirs.labels
     assert [len(row) for row in ours.images] == [1, 0, 1, 1]
-    assert all(torch.equal(a, b) for row, their_row in zip(ours.images, theirs.images)
+    assert all(torch.equal(a, b) for row, their_row in zip(ours.images, theirs.images, strict=True)
                for a, b in zip(row, their_row, strict=True))
 
 

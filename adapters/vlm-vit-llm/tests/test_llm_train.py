@@ -21,7 +21,7 @@ from vlm_vit_llm.train import (
 def write_captions(folder, captions=CAPTIONS):
     folder.mkdir(parents=True, exist_ok=True)
     lines = []
-    for index, (photo, caption) in enumerate(zip(photos(len(captions)), captions)):
+    for index, (photo, caption) in enumerate(zip(photos(len(captions)), captions, strict=True)):
         Image.fromarray(photo).save(folder / f"{index}.png")
         lines.append(json.dumps({"image": f"{index}.png", "caption": caption}))
     (folder / "captions.jsonl").write_text("\n".join(lines) + "\n")
