@@ -25,6 +25,7 @@ measured per candidate in a fresh process (`--child`), once the model is built.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -309,7 +310,7 @@ def main() -> None:
         for _ in range(3):  # the share of NaFlexVit's time that is its patchify and collate
             naflexvit_inputs(images, config.patch_size)
             inputs.append(time.perf_counter())
-        input_seconds = statistics.median(b - a for a, b in zip(inputs, inputs[1:], strict=True))
+        input_seconds = statistics.median(b - a for a, b in itertools.pairwise(inputs))
 
     child_arguments = ["--variant", args.variant, "--depth", str(args.depth or 0), "--images",
                        str(args.images), "--shrink", str(args.shrink)]
