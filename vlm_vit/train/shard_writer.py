@@ -24,11 +24,11 @@ from PIL import Image, UnidentifiedImageError
 
 from vlm_vit.files import IMAGE_SUFFIXES, atomic_write, class_folders, image_files
 from vlm_vit.optional import require
+from vlm_vit.train.tar_shards import DATASET_FORMAT, DATASET_VERSION
+from vlm_vit.train.tar_shards import DATASET_INDEX as INDEX
 
 logger = logging.getLogger(__name__)
 
-FORMAT, VERSION = "vlm-vit-shards", 1
-INDEX = "dataset.json"
 # What an earlier run leaves in its folder: shards, their temporaries, the index's temporary.
 _SHARD = re.compile(r"\d{5,}\.tar")
 _LEFTOVER = re.compile(r"\.(\d{5,}\.tar|dataset\.json\..*)\.tmp")
@@ -140,7 +140,8 @@ def write_shards(
             out.rmdir()
         raise ValueError(f"none of the {len(samples)} images of {root} could be read (first: "
                          f"{skipped[0]['path']}: {skipped[0]['reason']})")
-    index = {"format": FORMAT, "version": VERSION, "kind": kind, "classes": class_names,
+    index = {"format": DATASET_FORMAT, "version": DATASET_VERSION, "kind": kind,
+             "classes": class_names,
              "samples": sum(shard["samples"] for shard in shards), "skipped": skipped,
              "shards": shards, "seed": seed if shuffle else None}
     with atomic_write(out / INDEX, "wb") as handle:

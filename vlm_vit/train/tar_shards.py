@@ -48,6 +48,7 @@ URL_PREFIXES = ("pipe:", "http://", "https://", "s3://", "gs://", "ais://", "fil
 # A sample's image is the first of these fields it has (img2dataset writes `jpg`).
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif", "ppm", "pgm")
 DATASET_INDEX = "dataset.json"  # written by `vlm-vit shards` beside its shards
+DATASET_FORMAT, DATASET_VERSION = "vlm-vit-shards", 1  # its "format" and "version"
 SAMPLES_DIR = "samples"  # the trainer's per-rank sample logs (TrainConfig.log_samples)
 
 
@@ -128,7 +129,7 @@ def read_dataset_index(shards: Sequence[str]) -> dict[str, Any] | None:
     from vlm_vit.files import read_json
 
     index = read_json(path)
-    if index.get("format") != "vlm-vit-shards":
+    if index.get("format") != DATASET_FORMAT:
         return None
     return index
 
