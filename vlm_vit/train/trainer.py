@@ -404,13 +404,16 @@ class Trainer:
             A `TrainResult`.
 
         Raises:
+            RunDirectoryInUse: when another live process is training in `run_dir` (a
+                `FileExistsError`, naming its pid).
             NotADirectoryError, FileExistsError, ValueError: as `check_run_dir`, before
                 anything is written.
             NonFiniteLossError: after `config.max_bad_steps` non-finite steps in a row.
             ValueError: when the batch does not split over processes and micro-batches, or
                 the dataset is smaller than one batch.
         """
-        # One run per directory: rank 0 holds an OS lock on it until this process ends.
+        # One run per directory: rank 0 holds an OS lock on it until `fit` returns (the
+        # kernel drops it if the process dies first).
         lock = RunLock(self.run_dir) if distributed.launched_rank() == 0 else None
         if lock is not None:
             lock.acquire()  # RunDirectoryInUse, naming the holder's pid
