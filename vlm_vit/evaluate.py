@@ -26,7 +26,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -675,57 +675,6 @@ def evaluate_folder(
 # -- labelled tar shards --------------------------------------------------------------------
 
 
-class _LabelledBatches:
-    """(pixels `[B, 3, H, W]`, labels `[B]`) batches from shards read once in order; what it
-    skips (no image, undecodable) is kept for the report."""
-
-    def __init__(self, shards: list[str], decode: Any, batch_size: int) -> None:
-        from vlm_vit.train.tar_shards import ShardProblems
-
-        self.shards, self.decode, self.batch_size = shards, decode, batch_size
-        self.problems = ShardProblems()
-        self.no_image: list[str] = []
-        self.undecodable: list[tuple[str, str]] = []
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        from vlm_vit.train.data import UndecodableImage
-        from vlm_vit.train.tar_shards import iter_samples
-
-        pixels, labels = [], []
-        for sample in iter_samples(self.shards, self.problems):
-            item = self.decode(sample)
-            if item is None:
-                self.no_image.append(sample.name)
-            elif isinstance(item, UndecodableImage):
-                self.undecodable.append((item.path, item.reason))
-            else:
-                pixels.append(item[0])
-                labels.append(item[1])
-                if len(pixels) == self.batch_size:
-                    yield torch.stack(pixels), torch.tensor(labels)
-                    pixels, labels = [], []
-        if pixels:
-            yield torch.stack(pixels), torch.tensor(labels)
-
-    def skipped(self) -> dict[str, int]:
-        """The counts, after a warning that names the skipped samples."""
-        if self.no_image or self.undecodable:
-            named = [f"{name} (no image)" for name in self.no_image[:5]]
-            named += self.described(5)
-            logger.warning("skipped %d samples without an image and %d whose image or label "
-                           "cannot be read: %s%s",
-                           len(self.no_image), len(self.undecodable), "; ".join(named),
-                           "; ..." if len(self.no_image) > 5 or len(self.undecodable) > 5
-                           else "")
-        return {"no_image": len(self.no_image), "undecodable": len(self.undecodable),
-                "truncated_shards": len(self.problems.truncated)}
-
-    def described(self, count: int) -> list[str]:
-        """The first `count` undecodable samples, each named once with its reason."""
-        return [reason if name in reason else f"{name}: {reason}"
-                for name, reason in self.undecodable[:count]]
-
-
 def evaluate_shards(
     encoder: VisionEncoder,
     shards: str | Path | Sequence[str | Path],
@@ -770,7 +719,12 @@ def evaluate_shards(
         FileNotFoundError, ValueError: from `expand_shards`; when no sample has a decodable
             image and label (naming the first problem); or as `evaluate_features`.
     """
-    from vlm_vit.train.tar_shards import LabelledDecode, expand_shards, read_dataset_index
+    from vlm_vit.train.tar_shards import (
+        LabelledBatches,
+        LabelledDecode,
+        expand_shards,
+        read_dataset_index,
+    )
 
     pooling = _resolve_pooling(encoder, pooling)
     shots = _checked_shots(shots)
@@ -781,7 +735,7 @@ def evaluate_shards(
     names = index.get("classes") if index else None
     decode = LabelledDecode(processor or _default_processor(encoder), label_field,
                             num_classes=len(names) if names else None)
-    stream = _LabelledBatches(urls, decode, batch_size)
+    stream = LabelledBatches(urls, decode, batch_size)
     batches = iter(stream)
     first = next(batches, None)  # a clear error for shards without one usable sample
     if first is None:

@@ -228,29 +228,15 @@ def _shard_classes(args: argparse.Namespace) -> list[str]:
 def _shard_parts(args: argparse.Namespace, processor, classes: list[str]):
     """A training stream of the shards' samples outside the held-out hash split, and the
     held-out samples' batches in one ordered pass."""
-    import torch
-
-    from vlm_vit.train.data import UndecodableImage
-    from vlm_vit.train.tar_shards import KeySplit, LabelledDecode, ShardStream, iter_samples
+    from vlm_vit.train.tar_shards import KeySplit, LabelledBatches, LabelledDecode, ShardStream
 
     decode = LabelledDecode(processor, args.label_field, num_classes=len(classes))
     train = ShardStream(args.data, decode, seed=args.seed,
                         select=KeySplit(args.test_fraction, args.seed, test=False))
 
     def held_out():
-        keep = KeySplit(args.test_fraction, args.seed, test=True)
-        images, labels = [], []
-        for sample in iter_samples(train.shards):
-            item = decode(sample) if keep(sample) else None
-            if item is None or isinstance(item, UndecodableImage):
-                continue
-            images.append(item[0])
-            labels.append(item[1])
-            if len(images) == args.batch_size:
-                yield torch.stack(images), torch.tensor(labels)
-                images, labels = [], []
-        if images:
-            yield torch.stack(images), torch.tensor(labels)
+        return LabelledBatches(train.shards, decode, args.batch_size,
+                               select=KeySplit(args.test_fraction, args.seed, test=True))
 
     return train, held_out if args.test_fraction > 0 else None
 

@@ -354,6 +354,63 @@ class LabelledDecode:
         return self.processor.preprocess_one(image), label
 
 
+class LabelledBatches:
+    """(pixels `[B, 3, H, W]`, labels `[B]`) batches from shards read once in order (for
+    evaluation); what it skips (no image, undecodable) is kept for the report.
+
+    Args:
+        shards: the shard URLs.
+        decode: a `LabelledDecode`.
+        batch_size: samples per batch (the last may be smaller).
+        select: keeps a sample when true (e.g. the held-out part of a `KeySplit`).
+    """
+
+    def __init__(self, shards: Sequence[str], decode: Callable[[Sample], Any], batch_size: int,
+                 select: Callable[[Sample], bool] | None = None) -> None:
+        self.shards, self.decode, self.batch_size = list(shards), decode, batch_size
+        self.select = select
+        self.problems = ShardProblems()
+        self.no_image: list[str] = []
+        self.undecodable: list[tuple[str, str]] = []
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        pixels, labels = [], []
+        for sample in iter_samples(self.shards, self.problems):
+            if self.select is not None and not self.select(sample):
+                continue
+            item = self.decode(sample)
+            if item is None:
+                self.no_image.append(sample.name)
+            elif isinstance(item, UndecodableImage):
+                self.undecodable.append((item.path, item.reason))
+            else:
+                pixels.append(item[0])
+                labels.append(item[1])
+                if len(pixels) == self.batch_size:
+                    yield torch.stack(pixels), torch.tensor(labels)
+                    pixels, labels = [], []
+        if pixels:
+            yield torch.stack(pixels), torch.tensor(labels)
+
+    def skipped(self) -> dict[str, int]:
+        """The counts, after a warning that names the skipped samples."""
+        if self.no_image or self.undecodable:
+            named = [f"{name} (no image)" for name in self.no_image[:5]]
+            named += self.described(5)
+            logger.warning("skipped %d samples without an image and %d whose image or label "
+                           "cannot be read: %s%s",
+                           len(self.no_image), len(self.undecodable), "; ".join(named),
+                           "; ..." if len(self.no_image) > 5 or len(self.undecodable) > 5
+                           else "")
+        return {"no_image": len(self.no_image), "undecodable": len(self.undecodable),
+                "truncated_shards": len(self.problems.truncated)}
+
+    def described(self, count: int) -> list[str]:
+        """The first `count` undecodable samples, each named once with its reason."""
+        return [reason if name in reason else f"{name}: {reason}"
+                for name, reason in self.undecodable[:count]]
+
+
 def held_out(key: str, fraction: float, seed: int) -> bool:
     """Whether a sample belongs to the held-out part: a seeded hash of its key, so a stream
     can split without reading the whole dataset first."""
@@ -666,7 +723,7 @@ def rank_shards(shards: Sequence[str], rank: int, world_size: int) -> list[int]:
     return list(range(rank, len(shards), world_size))
 
 
-__all__ = ["ImageDecode", "KeySplit", "LabelledDecode", "Sample", "ShardProblems",
-           "ShardStream", "StreamBatch", "StreamState", "expand_shards", "held_out",
-           "is_shard_spec", "iter_samples", "read_dataset_index", "read_sample_log",
-           "read_shard", "rank_shards", "SampleLog"]
+__all__ = ["ImageDecode", "KeySplit", "LabelledBatches", "LabelledDecode", "Sample",
+           "SampleLog", "ShardProblems", "ShardStream", "StreamBatch", "StreamState",
+           "expand_shards", "held_out", "is_shard_spec", "iter_samples", "rank_shards",
+           "read_dataset_index", "read_sample_log", "read_shard"]
