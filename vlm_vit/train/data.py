@@ -8,6 +8,7 @@ are the same whatever the number of workers and after a resume in the middle of 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -97,6 +98,43 @@ def collate_labelled(items: Sequence[tuple[torch.Tensor, int] | UndecodableImage
         return ImageBatch(torch.empty(0), bad, torch.empty(0, dtype=torch.long))
     images, labels = zip(*pairs, strict=True)
     return ImageBatch(torch.stack(images), bad, torch.tensor(labels, dtype=torch.long))
+
+
+def read_caption_lines(path: str | Path) -> list[tuple[str, dict[str, str]]]:
+    """The records of a JSON Lines captions file, each `{"image": relative path, "caption":
+    text}` with an optional string "prompt", with where each is (`FILE line N`); blank
+    lines are skipped. Read by `vlm-vit shards --captions` and the LLM plugin's captions.
+
+    Raises:
+        FileNotFoundError: for a missing file.
+        ValueError: for a file that is not UTF-8, a line that is not JSON or not such an
+            object (naming the line), or a file without a caption.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no captions file {path}")
+    rows = []
+    try:
+        with path.open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                where = f"{path} line {number}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{where} is not JSON: {error}") from None
+                if not isinstance(row, dict) or not all(
+                        isinstance(row.get(key), str) for key in ("image", "caption")) \
+                        or not isinstance(row.get("prompt", ""), str):
+                    raise ValueError(f"{where} needs string fields 'image' and 'caption' (and "
+                                     f"optionally 'prompt'), got {line.strip()[:100]}")
+                rows.append((where, row))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text: {error}") from None
+    if not rows:
+        raise ValueError(f"captions file {path} holds no captions")
+    return rows
 
 
 def find_images(root: str | Path) -> list[Path]:

@@ -15,7 +15,6 @@ import os
 import random
 import re
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -24,6 +23,7 @@ from PIL import Image, UnidentifiedImageError
 
 from vlm_vit.files import IMAGE_SUFFIXES, atomic_write, class_folders, image_files
 from vlm_vit.optional import require
+from vlm_vit.train.data import read_caption_lines
 from vlm_vit.train.tar_shards import DATASET_FORMAT, DATASET_VERSION
 from vlm_vit.train.tar_shards import DATASET_INDEX as INDEX
 
@@ -150,29 +150,15 @@ def write_shards(
 
 
 def _read_captions(path: Path, root: Path) -> list[_Sample]:
-    """The captions file's lines (as `vlm_vit_llm.train.read_captions` reads them) as samples;
-    a missing image is not an error here: writing skips it."""
-    if not path.is_file():
-        raise FileNotFoundError(f"no captions file {path}")
+    """The captions file's lines (`vlm_vit.train.data.read_caption_lines`) as samples; a
+    missing image is not an error here: writing skips it."""
     samples = []
-    for number, line in _lines(path):
-        where = f"{path} line {number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{where} is not JSON: {error}") from None
-        if not isinstance(row, dict) or not all(
-                isinstance(row.get(key), str) for key in ("image", "caption")) \
-                or not isinstance(row.get("prompt", ""), str):
-            raise ValueError(f"{where} needs string fields 'image' and 'caption' (and "
-                             f"optionally 'prompt'), got {line.strip()[:100]}")
+    for _, row in read_caption_lines(path):
         meta = {"caption": row["caption"]}
         if "prompt" in row:
             meta["prompt"] = row["prompt"]
         samples.append(_Sample(root / row["image"], row["image"],
                                {"txt": row["caption"].encode("utf-8")}, meta))
-    if not samples:
-        raise ValueError(f"captions file {path} holds no captions")
     return samples
 
 
@@ -213,17 +199,6 @@ def _read_llava(path: Path, root: Path) -> list[_Sample]:
     if not samples:
         raise ValueError(f"LLaVA file {path} holds no records")
     return samples
-
-
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    """The non-empty lines of a UTF-8 text file, numbered from 1."""
-    try:
-        with path.open(encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if line.strip():
-                    yield number, line
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path} is not UTF-8 text: {error}") from None
 
 
 def _prepare_output(out: Path, overwrite: bool) -> bool:

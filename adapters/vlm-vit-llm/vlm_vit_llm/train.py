@@ -21,7 +21,6 @@ Tar shards (`vlm-vit shards --captions` / `--llava`) stream through `ShardStream
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 
 from vlm_vit import ImageProcessor
 from vlm_vit.pretrain.base import ObjectiveOutput
-from vlm_vit.train.data import ImageBatch, UndecodableImage
+from vlm_vit.train.data import ImageBatch, UndecodableImage, read_caption_lines
 from vlm_vit_llm.chat import chat_template, tokenize_conversation
 from vlm_vit_llm.model import IGNORE_INDEX, MultimodalLM, target_ids
 from vlm_vit_llm.objective import BridgeObjective
@@ -55,30 +54,13 @@ def read_captions(captions_file: str | Path, root: str | Path) -> list[Caption]:
         ValueError: for a line that is not an object with string "image" and "caption" (and
             a string "prompt", if any), or an empty file.
     """
-    captions_file, root = Path(captions_file), Path(root)
-    if not captions_file.is_file():
-        raise FileNotFoundError(f"no captions file {captions_file}")
+    root = Path(root)
     rows = []
-    with captions_file.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            where = f"{captions_file} line {number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where} is not JSON: {error}") from None
-            if not isinstance(row, dict) or not all(
-                    isinstance(row.get(key), str) for key in ("image", "caption")) \
-                    or not isinstance(row.get("prompt", ""), str):
-                raise ValueError(f"{where} needs string fields 'image' and 'caption' (and "
-                                 f"optionally 'prompt'), got {line.strip()[:100]}")
-            path = root / row["image"]
-            if not path.is_file():
-                raise FileNotFoundError(f"{where}: no image {path}")
-            rows.append(Caption(path, row["caption"], row.get("prompt")))
-    if not rows:
-        raise ValueError(f"{captions_file} holds no captions")
+    for where, row in read_caption_lines(captions_file):
+        path = root / row["image"]
+        if not path.is_file():
+            raise FileNotFoundError(f"{where}: no image {path}")
+        rows.append(Caption(path, row["caption"], row.get("prompt")))
     return rows
 
 
