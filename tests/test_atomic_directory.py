@@ -14,6 +14,7 @@ import torch
 
 from vlm_vit import VisionEncoder, load_encoder
 from vlm_vit.files import _exchange, atomic_directory, recover_directory
+from vlm_vit.testing import flip_bytes
 
 from .conftest import tiny_config
 
@@ -149,9 +150,7 @@ def test_a_tower_and_a_classifier_hash_their_own_weights_too(tmp_path):
     assert "classifier_head.safetensors" in read_manifest(tmp_path / "classifier")
     for folder, name in (("tower", "pooler.safetensors"),
                          ("classifier", "classifier_head.safetensors")):
-        data = bytearray((tmp_path / folder / name).read_bytes())
-        data[-3] ^= 0xFF  # inside the last tensor's bytes
-        (tmp_path / folder / name).write_bytes(bytes(data))
+        flip_bytes(tmp_path / folder / name, -3)  # inside the last tensor's bytes
     with pytest.raises(IntegrityError, match="pooler.safetensors does not match"):
         VisionTower.from_pretrained(tmp_path / "tower")
     with pytest.raises(IntegrityError, match="classifier_head.safetensors does not match"):

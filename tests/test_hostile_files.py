@@ -20,7 +20,7 @@ from vlm_vit.files import read_json, read_npz, read_safetensors, write_safetenso
 from vlm_vit.integrity import MANIFEST_NAME, VERIFY_ENV
 from vlm_vit.loading import read_tensors
 from vlm_vit.shards import SHARD_INDEX, read_sharded
-from vlm_vit.testing import put_in_hub_cache
+from vlm_vit.testing import flip_bytes, put_in_hub_cache
 
 from .conftest import tiny_config
 
@@ -227,13 +227,6 @@ def test_an_oversized_json_file_is_refused_before_reading(tmp_path):
 # -- 4. corruption is detected, never used silently ------------------------------------------
 
 
-def flip(path: Path, offset: int, count: int) -> None:
-    data = bytearray(path.read_bytes())
-    for i in range(offset, offset + count):
-        data[i] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 def tensor_data_start(path: Path) -> int:
     return 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
 
@@ -256,7 +249,7 @@ def test_flipped_bytes_in_the_weights_are_refused_naming_the_file(tmp_path, enco
                                                                   monkeypatch):
     encoder.save_pretrained(tmp_path / "tiny")
     weights = tmp_path / "tiny" / "model.safetensors"
-    flip(weights, tensor_data_start(weights) + 100, 10)
+    flip_bytes(weights, tensor_data_start(weights) + 100, 10)
     for load in (load_encoder, VisionEncoder.from_pretrained):
         with pytest.raises(ValueError, match="does not match its manifest hash") as error:
             load(tmp_path / "tiny")
@@ -272,7 +265,7 @@ def test_flipped_bytes_in_the_weights_are_refused_naming_the_file(tmp_path, enco
 def test_a_flipped_shard_is_refused_naming_it(tmp_path, encoder):
     _, index = sharded(encoder, tmp_path / "ckpt")
     shard = tmp_path / "ckpt" / sorted(set(index["weight_map"].values()))[-1]
-    flip(shard, tensor_data_start(shard) + 4, 10)
+    flip_bytes(shard, tensor_data_start(shard) + 4, 10)
     with pytest.raises(ValueError, match="does not match its manifest hash") as error:
         load_encoder(tmp_path / "ckpt")
     assert shard.name in str(error.value)

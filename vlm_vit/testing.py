@@ -72,3 +72,14 @@ def perturbed(model, scale: float = 0.05, seed: int = 0):
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter) * scale)
     return model.eval()
+
+
+def flip_bytes(path: str | Path, offset: int, count: int = 1) -> None:
+    """Inverts `count` bytes of the file `path` from `offset` (negative: from the end): the
+    corruption the integrity tests plant."""
+    path = Path(path)
+    data = bytearray(path.read_bytes())
+    start = offset % len(data)
+    for index in range(start, start + count):
+        data[index] ^= 0xFF
+    path.write_bytes(bytes(data))

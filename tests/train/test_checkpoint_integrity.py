@@ -15,6 +15,7 @@ import torch
 from tests.train.test_trainer import assert_same_weights, weights
 from tests.train.toy import Interrupted, config, image_folder, toy_objective, write_noise_images
 from vlm_vit.integrity import VERIFY_ENV, IntegrityError, sidecar_path
+from vlm_vit.testing import flip_bytes
 from vlm_vit.train import Trainer
 from vlm_vit.train.checkpoint import (
     checkpoint_path,
@@ -26,13 +27,6 @@ from vlm_vit.train.checkpoint import (
 )
 
 
-def flip(path: Path, offset: int, count: int) -> None:
-    data = bytearray(path.read_bytes())
-    for i in range(offset, offset + count):
-        data[i] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 def flip_tensor_data(path: Path) -> None:
     """8 bytes in the middle of the largest tensor's data: the zip still reads, the weights
     change."""
@@ -41,12 +35,12 @@ def flip_tensor_data(path: Path) -> None:
     local = path.read_bytes()[member.header_offset:member.header_offset + 30]
     name_length, extra_length = struct.unpack("<HH", local[26:30])
     start = member.header_offset + 30 + name_length + extra_length
-    flip(path, start + member.file_size // 2, 8)
+    flip_bytes(path, start + member.file_size // 2, 8)
 
 
 def flip_zip_directory(path: Path) -> None:
     """8 bytes of a member name in the zip's central directory."""
-    flip(path, path.read_bytes().rindex(b"PK\x01\x02") + 46, 8)
+    flip_bytes(path, path.read_bytes().rindex(b"PK\x01\x02") + 46, 8)
 
 
 @pytest.fixture
