@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vlm_vit import VisionEncoder, load_encoder
-from vlm_vit.files import _exchange, atomic_directory, recover_directory
+from vlm_vit.files import MODEL_FILES, _exchange, atomic_directory, recover_directory
 from vlm_vit.testing import flip_bytes
 
 from .conftest import tiny_config
@@ -155,3 +155,61 @@ def test_a_tower_and_a_classifier_hash_their_own_weights_too(tmp_path):
         VisionTower.from_pretrained(tmp_path / "tower")
     with pytest.raises(IntegrityError, match="classifier_head.safetensors does not match"):
         ImageClassifier.from_pretrained(tmp_path / "classifier")
+
+
+def write_save(temp: Path, content: str) -> None:
+    """A save with a sub-folder and a non-JSON file, as a multimodal model writes them."""
+    (temp / "config.json").write_text(f'{{"version": "{content}"}}')
+    (temp / "tower").mkdir()
+    (temp / "tower" / "pooler.safetensors").write_text(content)
+    (temp / "chat_template.jinja").write_text(content)
+    (temp / "tokenizer.model").write_text(content)
+
+
+def test_a_re_save_writes_new_sub_folders_and_non_json_files(tmp_path):
+    directory = tmp_path / "model"
+    with atomic_directory(directory) as temp:
+        write_save(temp, "first")
+    with atomic_directory(directory) as temp:
+        write_save(temp, "second")
+    for name in ("tower/pooler.safetensors", "chat_template.jinja", "tokenizer.model",
+                 "config.json"):
+        assert "second" in (directory / name).read_text(), name  # the new folder wins
+    assert sorted(p.name for p in (directory / "tower").iterdir()) == ["pooler.safetensors"]
+
+
+def test_a_re_save_keeps_what_it_did_not_write_and_drops_the_old_model_s_entries(tmp_path):
+    directory = tmp_path / "model"
+    with atomic_directory(directory) as temp:
+        write_save(temp, "first")
+        (temp / "llm_adapter").mkdir()  # this model had an adapter; the next one has none
+        (temp / "llm_adapter" / "adapter.safetensors").write_text("first")
+    (directory / "notes.txt").write_text("mine")
+    (directory / "runs").mkdir()
+    (directory / "runs" / "log.txt").write_text("kept")
+    with atomic_directory(directory, replaces=(*MODEL_FILES, "llm_adapter")) as temp:
+        write_save(temp, "second")
+    assert not (directory / "llm_adapter").exists()  # named as the old model's: dropped
+    assert (directory / "notes.txt").read_text() == "mine"  # the user's: carried over
+    assert (directory / "runs" / "log.txt").read_text() == "kept"
+    assert (directory / "tower" / "pooler.safetensors").read_text() == "second"
+
+
+def test_a_tower_re_saved_inside_another_save_gets_its_new_pooler(tmp_path):
+    from vlm_vit import VisionTower, build_pooler
+
+    def save(seed: int) -> VisionTower:
+        torch.manual_seed(seed)
+        tower = VisionTower(encoder(seed), build_pooler("mlp2x_gelu", in_dim=32, out_dim=16))
+        with atomic_directory(tmp_path / "outer") as temp:
+            tower.save_pretrained(temp / "tower")  # a tower saving its encoder inside
+            (temp / "chat_template.jinja").write_text(f"template {seed}")
+        return tower
+
+    save(0)
+    new = save(1)
+    loaded = VisionTower.from_pretrained(tmp_path / "outer" / "tower")
+    assert same_weights(loaded.encoder, new.encoder)
+    assert same_weights(loaded.pooler, new.pooler)
+    assert (tmp_path / "outer" / "chat_template.jinja").read_text() == "template 1"
+    assert [p.name for p in tmp_path.iterdir()] == ["outer"]

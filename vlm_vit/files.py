@@ -67,9 +67,13 @@ def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO]:
         raise
 
 
-# What a directory save replaces in an existing folder: the files of the model it held.
-# Everything else (a README, the user's own files and folders) is carried over.
+# The previous model's own entries in a folder a save replaces: dropped even where the new
+# save did not write them (its old shards and index). Every other entry the new save did not
+# write (the user's own files and folders) is carried over; what it wrote always wins.
 MODEL_FILES = ("*.safetensors", "*.json")
+# Entries where the folder's copy wins over the new save's: the model card, as a user's own
+# card is never replaced (`vlm_vit.card.write_card`).
+KEPT_FILES = ("README.md",)
 _FILLING: set[Path] = set()  # temporary folders an atomic_directory of this process fills
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
@@ -150,24 +154,32 @@ def recover_directory(path: str | Path) -> Path:
 
 
 def _carry_over(old: Path, new: Path, replaces: tuple[str, ...]) -> None:
-    """Hard-links (or copies) into `new` what `old` holds besides the model files
-    `replaces` names; these win over what `new` wrote under the same name (a README the
-    user edited stays)."""
+    """Hard-links (or copies) into `new` the entries of `old` that the new save did not
+    write, except the previous model's own (`replaces`); what `new` holds always wins, but
+    for `KEPT_FILES` (a user's card)."""
     import fnmatch
 
+    def matches(name: str, patterns: tuple[str, ...]) -> bool:
+        return any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
+
     for entry in old.iterdir():
-        if any(fnmatch.fnmatch(entry.name, pattern) for pattern in replaces):
-            continue
         target = new / entry.name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        elif target.exists() or target.is_symlink():
-            target.unlink()
+        written = target.exists() or target.is_symlink()
+        if matches(entry.name, KEPT_FILES) and written:
+            _remove(target)
+        elif written or matches(entry.name, replaces):
+            continue
         if entry.is_dir() and not entry.is_symlink():
-            shutil.copytree(entry, new / entry.name, symlinks=True,
-                            copy_function=_link_or_copy)
+            shutil.copytree(entry, target, symlinks=True, copy_function=_link_or_copy)
         else:
-            _link_or_copy(entry, new / entry.name)
+            _link_or_copy(entry, target)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 def _link_or_copy(source, destination) -> None:
@@ -187,8 +199,10 @@ def atomic_directory(path: str | Path, *, replaces: tuple[str, ...] = MODEL_FILE
 
     - the new folder is filled under a hidden name (`.NAME.PID.*.tmp`), then renamed
       `.NAME.PID.new` once complete;
-    - what the existing folder holds besides the model files `replaces` names (a README,
-      the user's own files) is carried over by hard links;
+    - the new folder always wins: of the existing folder, only the entries the new save did
+      not write are carried over (by hard links), and not those `replaces` names, the
+      previous model's own files (its old shards, a sub-model the new save lacks); only a
+      `README.md` the folder holds wins over the new one (a user's card is never replaced);
     - the two folders are swapped in one step where the system can (Linux
       `renameat2(RENAME_EXCHANGE)`), else the old one is renamed `.NAME.PID.old` first; a
       writer killed between those renames leaves `path` missing, and `recover_directory`
