@@ -5,7 +5,8 @@ What vlm-vit writes records the sha256 of each weight file, verified when it is 
 * a native directory (`VisionEncoder.save_pretrained`) holds `manifest.json`,
   `{"format": "vlm-vit-manifest", "version": 1, "files": {name: {"sha256", "size"}}}`;
 * a trainer checkpoint `step_XXXXXXXX.pt` has a `step_XXXXXXXX.pt.sha256` sidecar in
-  `sha256sum`'s format (`sha256sum -c` checks it), written after the checkpoint is whole.
+  `sha256sum`'s format (`sha256sum -c` checks it), written before the checkpoint is renamed
+  into place (a checkpoint without one is refused).
 
 Verification is on by default. `verify=False` where a loader takes it, or the environment
 variable `VLM_VIT_VERIFY=0` (for every loader without an explicit `verify`), skips it. Files
@@ -185,12 +186,18 @@ def sidecar_path(path: str | Path) -> Path:
     return path.with_name(path.name + SIDECAR_SUFFIX)
 
 
-def write_sidecar(path: str | Path) -> Path:
-    """Writes `path`'s sha256 beside it, atomically, as `sha256sum` does."""
+def write_sidecar(path: str | Path, digest: str | None = None) -> Path:
+    """Writes `path`'s sha256 beside it, atomically, as `sha256sum` does.
+
+    Args:
+        path: the file.
+        digest: its hex sha256 when already known (hashed while written, so the sidecar can
+            exist before `path` does); default: read from `path`.
+    """
     path = Path(path)
     sidecar = sidecar_path(path)
     with atomic_write(sidecar, "w") as handle:
-        handle.write(f"{file_sha256(path)}  {path.name}\n")
+        handle.write(f"{digest or file_sha256(path)}  {path.name}\n")
     return sidecar
 
 

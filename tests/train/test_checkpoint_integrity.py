@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import struct
 import zipfile
 from pathlib import Path
@@ -43,6 +44,13 @@ def flip_zip_directory(path: Path) -> None:
     flip_bytes(path, path.read_bytes().rindex(b"PK\x01\x02") + 46, 8)
 
 
+def killed_before_its_hash_then_flipped(path: Path) -> None:
+    """What a kill between the checkpoint's rename and its sidecar's would leave (issue 26,
+    item 1): no sidecar; then tensor bytes change."""
+    sidecar_path(path).unlink()
+    flip_tensor_data(path)
+
+
 @pytest.fixture
 def saved(tmp_path) -> Path:
     return save_checkpoint({"step": 4, "w": torch.arange(1000, dtype=torch.float32)},
@@ -68,10 +76,35 @@ def test_flipped_bytes_fail_the_hash_naming_the_file(saved, monkeypatch):
 
 def test_a_damaged_zip_directory_is_a_value_error_naming_the_file(saved):
     flip_zip_directory(saved)
-    sidecar_path(saved).unlink()  # unverified: the reader itself must name the file
     with pytest.raises(ValueError, match="corrupt") as error:
+        load_checkpoint(saved, verify=False)  # unverified: the reader itself names the file
+    assert str(saved) in str(error.value)
+
+
+def test_the_hash_exists_before_the_checkpoint_does(tmp_path, monkeypatch):
+    """A kill at any moment never leaves a checkpoint without its hash: the sidecar is
+    written before the rename that makes the checkpoint appear."""
+    real_replace, seen = os.replace, {}
+
+    def replace(source, destination):
+        if str(destination).endswith(".pt"):
+            seen[Path(destination).name] = sidecar_path(destination).read_text()
+        return real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", replace)
+    path = save_checkpoint({"w": torch.arange(10)}, checkpoint_path(tmp_path, 4))
+    assert seen == {path.name: sidecar_path(path).read_text()}
+    assert load_checkpoint(path)["w"].tolist() == list(range(10))
+
+
+def test_a_checkpoint_without_its_hash_is_refused_unless_unverified(saved, monkeypatch):
+    sidecar_path(saved).unlink()
+    with pytest.raises(IntegrityError, match=r"has no .*\.sha256") as error:
         load_checkpoint(saved)
     assert str(saved) in str(error.value)
+    assert load_checkpoint(saved, verify=False)["step"] == 4
+    monkeypatch.setenv(VERIFY_ENV, "0")
+    assert load_checkpoint(saved)["step"] == 4
 
 
 def test_pruning_removes_the_sidecars_too(tmp_path):
@@ -109,7 +142,8 @@ def interrupted_run(data: Path, run_dir: Path) -> None:
     assert latest_checkpoint(run_dir) == checkpoint_path(run_dir, 4)
 
 
-@pytest.mark.parametrize("damage", [flip_tensor_data, flip_zip_directory])
+@pytest.mark.parametrize("damage", [flip_tensor_data, flip_zip_directory,
+                                    killed_before_its_hash_then_flipped])
 def test_resume_skips_a_corrupt_newest_checkpoint_and_says_so(data, tmp_path, caplog, damage):
     whole = toy_objective()
     Trainer(whole, image_folder(data), config(), tmp_path / "whole").fit()

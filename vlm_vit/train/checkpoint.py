@@ -3,10 +3,10 @@
 A checkpoint is one `torch.save` file of tensors and plain containers (dicts, lists, ints,
 floats, strings), so `torch.load(weights_only=True)` reads it. Files are written to a
 temporary name in the same directory and renamed, so a kill at any moment leaves every
-`step_*.pt` whole. Once it is whole its sha256 is written beside it (`sha256sum`'s format,
-atomically too), and loading checks it (`vlm_vit.integrity`; `verify=False` or
-`VLM_VIT_VERIFY=0` skips that). A checkpoint without a sidecar (older versions, or a kill
-between the two renames) loads unverified.
+`step_*.pt` whole. Its sha256, taken as it is written, is written beside it (`sha256sum`'s
+format, atomically too) before that rename, so the hash exists whenever the checkpoint does,
+and loading checks it (`vlm_vit.integrity`; `verify=False` or `VLM_VIT_VERIFY=0` skips that).
+A checkpoint without its sidecar is not one this module wrote whole: refused when verifying.
 
     run_dir/checkpoints/step_00000004.pt
     run_dir/checkpoints/step_00000004.pt.sha256
@@ -17,6 +17,7 @@ one that fails its hash or cannot be read is reported, moved aside (`.corrupt`) 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import pickle
 import random
@@ -29,7 +30,14 @@ import numpy as np
 import torch
 
 from vlm_vit.files import atomic_write
-from vlm_vit.integrity import sidecar_path, verify_sidecar, write_sidecar
+from vlm_vit.integrity import (
+    VERIFY_ENV,
+    IntegrityError,
+    sidecar_path,
+    verify_enabled,
+    verify_sidecar,
+    write_sidecar,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -160,9 +168,26 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     sidecar_path(path).unlink(missing_ok=True)  # never a stale hash beside a new file
     with atomic_write(path, "wb") as handle:
-        torch.save({"format_version": FORMAT_VERSION, **state}, handle)
-    write_sidecar(path)  # after the rename: the hash is of the whole file
+        hashing = _HashingWriter(handle)
+        torch.save({"format_version": FORMAT_VERSION, **state}, hashing)
+        # Before the rename: a kill between the two leaves a hash without its checkpoint
+        # (harmless), never a checkpoint without its hash.
+        write_sidecar(path, hashing.digest.hexdigest())
     return path
+
+
+class _HashingWriter:
+    """A binary file that hashes what is written through it (torch.save writes in order)."""
+
+    def __init__(self, file) -> None:
+        self.file, self.digest = file, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def load_checkpoint(path: str | Path, verify: bool | None = None) -> dict[str, Any]:
@@ -176,11 +201,17 @@ def load_checkpoint(path: str | Path, verify: bool | None = None) -> dict[str, A
     Raises:
         FileNotFoundError: when `path` is missing.
         ValueError: naming the file when it is corrupt (`vlm_vit.integrity.IntegrityError`
-            when it fails its hash), holds code to unpickle, or has another format version.
+            when it fails its hash or has none), holds code to unpickle, or has another
+            format version.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist or is not a file")
+    if verify_enabled(verify) and not sidecar_path(path).is_file():
+        raise IntegrityError(
+            f"checkpoint {path} has no {sidecar_path(path).name}: it was not written whole by "
+            f"this trainer (or its hash was deleted), so its content cannot be trusted; pass "
+            f"verify=False (or set {VERIFY_ENV}=0) to load it unchecked")
     verify_sidecar(path, verify)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -214,13 +245,16 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
 
 
 def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
-    """Deletes temporaries a killed process left (a kill -9 skips `atomic_write`'s cleanup).
+    """Deletes temporaries a killed process left (a kill -9 skips `atomic_write`'s cleanup),
+    and hashes whose checkpoint a kill kept from being renamed into place.
 
     Returns:
         The deleted paths.
     """
     directory = Path(run_dir) / CHECKPOINT_DIR
     stale = sorted(directory.glob(".step_*.tmp")) if directory.is_dir() else []
+    stale += [sidecar for sidecar in sorted(directory.glob("step_*.pt.sha256"))
+              if not sidecar.with_suffix("").exists()]
     for path in stale:
         path.unlink(missing_ok=True)
     if stale:
