@@ -12,11 +12,12 @@ PROMPTS = ["<image>\nwhat is in the image", "<image> the dog <image>"]
 
 
 def _perturb(mm):
-    """Random-init biases are 0 and LoRA starts as a no-op; make every weight count."""
+    """Random-init biases are 0 and LoRA starts as a no-op; make every weight count. The
+    qkv biases too, each slice its own: a swap of the q and v slices must show."""
     torch.manual_seed(1)
     with torch.no_grad():
         for name, parameter in mm.named_parameters():
-            if name.startswith("tower.") and ".qkv." not in name and ".lora_" not in name:
+            if name.startswith("tower.") and ".lora_" not in name:
                 parameter.add_(torch.randn_like(parameter) * 0.02)
     perturb_lora(mm)
 
