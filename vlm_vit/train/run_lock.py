@@ -1,24 +1,36 @@
 """One run per run directory: an OS file lock, held for the run and released when the process
-ends, however it ends (the kernel drops `flock` locks of a dead process).
+ends, however it ends.
 
     with RunLock(run_dir):
         ...  # a second run on the same directory is refused, naming this process
 
 The lock file, `RUN_DIR/.lock`, holds the holder's pid and host for the message; a stale file
 left by a crash is no obstacle, since only a live lock counts.
+
+It is a POSIX record lock (`fcntl.lockf`), not `flock`: a record lock belongs to the process,
+so the DataLoader workers a trainer forks do not hold it, and the kernel drops it the moment
+the holder dies (a `flock` belongs to the open file, which forked children share: a trainer
+killed alone left its workers holding the run for seconds). The price: closing any descriptor
+of the lock file releases the process's lock, so the file is opened once per process and
+read only through `RunLock.holder()`. The lock file is never followed through a symbolic link
+and must be a regular file, so `.lock -> ../victim.txt` cannot make a run truncate the victim.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
 LOCK_NAME = ".lock"
-_HELD: dict[Path, int] = {}  # lock files this process holds -> how many holders, reentrant
+_HELD: dict[Path, list] = {}  # lock files this process holds -> [descriptor, holders] (reentrant)
+_KINDS = {stat.S_IFDIR: "directory", stat.S_IFIFO: "fifo", stat.S_IFSOCK: "socket",
+          stat.S_IFCHR: "character device", stat.S_IFBLK: "block device"}
 
 
 class RunDirectoryInUse(FileExistsError):
@@ -34,12 +46,12 @@ class RunLock:
     Raises (on entering):
         RunDirectoryInUse: naming the holder's pid, host and start time.
         NotADirectoryError: when `run_dir` is a file.
+        FileExistsError: when `run_dir/.lock` is a symbolic link or not a regular file.
     """
 
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / LOCK_NAME
-        self._handle = None
-        self._nested = False
+        self._key: Path | None = None  # set while this object holds (or shares) the lock
 
     def __enter__(self) -> RunLock:
         self.acquire()
@@ -57,40 +69,71 @@ class RunLock:
             raise NotADirectoryError(f"{self.path.parent} is a file, not a run directory; "
                                      "give --out (run_dir) a folder")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        key = self.path.resolve()
+        key = self.path.parent.resolve() / LOCK_NAME  # never through a link named .lock
         if key in _HELD:  # this process holds it already (a command around the trainer)
-            _HELD[key] += 1
-            self._nested = True
+            _HELD[key][1] += 1
+            self._key = key
             return
-        handle = open(self.path, "a+")  # noqa: SIM115  (held open for the lock's lifetime)
+        descriptor = _open_lock_file(self.path)
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = _describe(handle.read())
-            handle.close()
+            fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno not in (errno.EACCES, errno.EAGAIN):
+                os.close(descriptor)
+                raise
+            holder = _describe(_read(descriptor))
+            os.close(descriptor)  # this process holds no lock on it to lose
             raise RunDirectoryInUse(
                 f"{self.path.parent} is in use by another run ({holder}); wait for it to "
                 "finish, stop it, or use another run directory") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
-        handle.flush()
-        self._handle = handle
-        _HELD[key] = 1
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, json.dumps({
+            "pid": os.getpid(), "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        _HELD[key] = [descriptor, 1]
+        self._key = key
 
     def release(self) -> None:
-        key = self.path.resolve()
-        if self._nested:
-            _HELD[key] -= 1
-            self._nested = False
+        key, self._key = self._key, None
+        if key is None or key not in _HELD:
             return
-        if self._handle is not None:
-            _HELD.pop(key, None)
+        _HELD[key][1] -= 1
+        if _HELD[key][1] == 0:
             with contextlib.suppress(OSError):
-                self._handle.close()  # closing drops the flock
-            self._handle = None
+                os.close(_HELD.pop(key)[0])  # closing drops the record lock
+
+    def holder(self) -> str:
+        """What the lock file records of its holder, read through the held descriptor (opening
+        and closing the file anew would release this process's lock)."""
+        held = _HELD.get(self._key) if self._key is not None else None
+        return _read(held[0]) if held else self.path.read_text()
+
+
+def _open_lock_file(path: Path) -> int:
+    """A read-write descriptor of the lock file (created if needed), refusing a symbolic link
+    or anything but a regular file, naming it."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    remedy = "remove it; a run directory's lock must be a plain file the run creates"
+    try:
+        descriptor = os.open(path, flags, 0o644)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise FileExistsError(f"{path} is a symbolic link, not a regular file; {remedy}") \
+                from None
+        if error.errno == errno.EISDIR:
+            raise FileExistsError(f"{path} is a directory, not a regular file; {remedy}") \
+                from None
+        raise
+    mode = os.fstat(descriptor).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(descriptor)
+        kind = _KINDS.get(stat.S_IFMT(mode), "special file")
+        raise FileExistsError(f"{path} is a {kind}, not a regular file; {remedy}")
+    return descriptor
+
+
+def _read(descriptor: int) -> str:
+    return os.pread(descriptor, 4096, 0).decode("utf-8", "replace")
 
 
 def _describe(text: str) -> str:
