@@ -13,6 +13,7 @@ import torch
 from hypothesis import strategies as st
 from PIL import Image, ImageFile
 
+from tests.hostile_images import HOSTILE, huge_png
 from vlm_vit.processor import (
     NORMALIZATION,
     PROCESSOR_CONFIG_NAME,
@@ -708,3 +709,57 @@ def test_configs_without_native_fields_load_unchanged(tmp_path):
 def test_invalid_native_settings_name_the_field(kwargs, text):
     with pytest.raises(ValueError, match=text):
         ImageProcessor(**kwargs)
+
+
+# ---- hostile files (issue 26, section 4) -------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_any_pil_failure_is_an_image_load_error_naming_the_file(tmp_path, kind):
+    """PIL raises NotImplementedError (DDS) and TypeError (IM) on these, not OSError."""
+    path = tmp_path / "photo.jpg"
+    path.write_bytes(HOSTILE[kind]())
+    proc = ImageProcessor(size=8)
+    for call in (proc, proc.preprocess_one, lambda p: proc.load(p, "x")):
+        with pytest.raises(ImageLoadError, match="photo.jpg") as info:
+            call(path)
+        assert ("NotImplementedError" if kind == "dds" else "TypeError") in str(info.value)
+    with pytest.raises(ImageLoadError, match="shard-3.tar:key-7"):  # bytes, from a tar member
+        proc.load(path.read_bytes(), "image shard-3.tar:key-7")
+
+
+def test_a_lazy_pil_image_that_fails_to_load_is_an_image_load_error():
+    import io
+
+    image = Image.open(io.BytesIO(HOSTILE["im"]()))  # opens; loading it raises TypeError
+    with pytest.raises(ImageLoadError, match="images\\[0\\]"):
+        ImageProcessor(size=8)([image])
+
+
+@pytest.mark.parametrize("resize_mode", ["shortest_edge", "native"])
+def test_a_decompression_bomb_header_is_too_large_in_every_mode(tmp_path, resize_mode):
+    path = tmp_path / "bomb.png"
+    path.write_bytes(huge_png())  # 45 bytes, 60000 x 60000 by its header
+    proc = ImageProcessor(size=8, resize_mode=resize_mode, patch_multiple=8)
+    with pytest.raises(ImageTooLargeError, match="bomb.png"):
+        proc(path)
+    with pytest.raises(ImageTooLargeError, match="bomb.png"):
+        proc.output_size(path)
+
+
+def test_output_size_reads_the_header_and_names_the_file(tmp_path):
+    path = tmp_path / "wide.png"
+    noise_image(30, 70).save(path)
+    native = ImageProcessor(resize_mode="native", patch_multiple=8, max_output_pixels=64 * 8)
+    assert native.output_size(path) == tuple(native(path)[0].shape[1:]) == (8, 32)
+    assert ImageProcessor(size=(16, 24)).output_size(path) == (16, 24)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate a quarter: the sides swap
+    noise_image(30, 70).save(tmp_path / "turned.jpg", exif=exif)
+    assert native.output_size(tmp_path / "turned.jpg") == (32, 8)
+    noise_image(1, 300).save(tmp_path / "thin.png")
+    for call in (native, native.output_size):  # aspect ratio 300 > 200
+        with pytest.raises(ValueError, match="thin.png.*aspect ratio"):
+            call(tmp_path / "thin.png")
+    with pytest.raises(ImageLoadError, match="missing.png"):
+        native.output_size(tmp_path / "missing.png")

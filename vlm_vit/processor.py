@@ -12,12 +12,14 @@ crop, each side rounded to a multiple of ``patch_multiple`` within a pixel budge
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
 import logging
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -50,6 +52,8 @@ MAX_OUTPUT_PIXELS = MAX_SIDE * MAX_SIDE
 CROP_ROUNDINGS = ("round", "floor")
 _PIL_RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
 _ALPHA_MODES = frozenset({"LA", "La", "PA", "RGBA", "RGBa"})
+_EXIF_ORIENTATION = 0x0112
+_QUARTER_TURNS = (5, 6, 7, 8)  # EXIF orientations that swap height and width
 
 ImageInput = Image.Image | np.ndarray | torch.Tensor | str | os.PathLike
 
@@ -432,14 +436,22 @@ class ImageProcessor:
     def load(self, image: Any, name: str = "image") -> Image.Image | torch.Tensor:
         """Decodes one input without resizing: an RGB PIL image (uint8 inputs: files, PIL
         images, uint8 arrays) or a float `[3, H, W]` tensor in [0, 1]; `name` is used in
-        errors. Training data pipelines use it to decode exactly as inference does."""
-        if isinstance(image, (str, os.PathLike)):
-            return self._pil_to_rgb(self._open(Path(image)), f"file {str(image)!r}")
-        if isinstance(image, (bytes, bytearray, memoryview)):  # an encoded file, e.g. from a tar
-            return self._pil_to_rgb(self._open(io.BytesIO(image), name), name)
+        errors. Training data pipelines use it to decode exactly as inference does.
+
+        Raises:
+            ImageLoadError: for a file, encoded bytes or lazy PIL image that fails to open,
+                decode or convert to RGB, whatever PIL raised, naming it (so a pipeline can
+                skip and count it).
+            ImageTooLargeError: for more than ``max_pixels`` pixels, or PIL's bomb check.
+        """
+        if isinstance(image, (str, os.PathLike, bytes, bytearray, memoryview)):
+            source, label = _encoded(image, name)
+            with _decoding(label):
+                return self._pil_to_rgb(self._open(source, label), label)
         if isinstance(image, Image.Image):
             self._check_pixels(image.height, image.width, name)  # before a lazy image loads
-            return self._pil_to_rgb(ImageOps.exif_transpose(image), name)
+            with _decoding(name):
+                return self._pil_to_rgb(ImageOps.exif_transpose(image), name)
         if isinstance(image, np.ndarray):
             return self._from_array(image, f"array {name}")
         if isinstance(image, torch.Tensor):
@@ -447,26 +459,43 @@ class ImageProcessor:
         raise TypeError(f"{name} has unsupported type {type(image).__name__}; expected a PIL "
                         "image, numpy array, torch tensor, file path or a list of these")
 
-    def _open(self, path: Path | IO[bytes], name: str | None = None) -> Image.Image:
-        """Opens, size-checks, then decodes a file (or an encoded file's bytes, named
-        `name`); errors name it."""
-        label = name or f"image file {str(path)!r}"
-        try:
-            with Image.open(path) as img:  # lazy: only the header has been read here
-                self._check_pixels(img.height, img.width, label)
-                img.load()
-                return ImageOps.exif_transpose(img)  # a copy, valid after the file closes
-        except ImageTooLargeError:
-            raise
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-            raise ImageTooLargeError(f"{label} is too large: {e}") from e
-        except FileNotFoundError as e:
-            raise ImageLoadError(f"cannot load {label}: no such file") from e
-        except UnidentifiedImageError as e:
-            raise ImageLoadError(f"cannot load {label}: not a recognised "
-                                 "image format or corrupt") from e
-        except (OSError, SyntaxError, EOFError, ValueError) as e:  # truncated, bad data
-            raise ImageLoadError(f"cannot load {label}: {e}") from e
+    @contextlib.contextmanager
+    def _header(self, source: Path | IO[bytes], label: str) -> Iterator[Image.Image]:
+        """The image file `source` opened lazily (only its header read) and size-checked."""
+        with Image.open(source) as img:
+            self._check_pixels(img.height, img.width, label)
+            yield img
+
+    def _open(self, source: Path | IO[bytes], label: str) -> Image.Image:
+        """Opens, size-checks, then decodes a file (or an encoded file's bytes)."""
+        with self._header(source, label) as img:
+            img.load()
+            return ImageOps.exif_transpose(img)  # a copy, valid after the file closes
+
+    def output_size(self, image: str | os.PathLike | bytes, name: str = "image"
+                    ) -> tuple[int, int]:
+        """The (height, width) ``__call__`` gives an image file, from its header alone (its
+        EXIF orientation applied): how a batch is planned before anything is decoded.
+
+        Args:
+            image: A file path, or an encoded file's bytes (named ``name`` in errors).
+            name: What errors call bytes, e.g. ``"image shard.tar:key"``.
+
+        Returns:
+            ``size``; in native mode, ``native_size`` of the oriented image.
+
+        Raises:
+            ImageLoadError: If the file cannot be read as an image.
+            ImageTooLargeError: If it has more than ``max_pixels`` pixels.
+            ValueError: If its aspect ratio or resized size is out of bounds.
+        """
+        source, label = _encoded(image, name)
+        with _decoding(label), self._header(source, label) as img:
+            width, height = img.size
+            if img.getexif().get(_EXIF_ORIENTATION, 1) in _QUARTER_TURNS:
+                width, height = height, width
+        resized = self._resized_size(height, width, label)
+        return resized if self.resize_mode == "native" else self.size
 
     def _pil_to_rgb(self, img: Image.Image, name: str) -> Image.Image:
         mode = img.mode
@@ -484,8 +513,8 @@ class ImageProcessor:
         try:  # "1", "L", "CMYK", "YCbCr", "RGBX", ... have PIL converters
             return img.convert("RGB")
         except (ValueError, OSError) as e:
-            raise ValueError(f"{name} has PIL mode {mode!r}, which cannot be converted to "
-                             f"RGB: {e}") from e
+            raise ImageLoadError(f"{name} has PIL mode {mode!r}, which cannot be converted to "
+                                 f"RGB: {e}") from e
 
     def _from_tensor(self, t: torch.Tensor, name: str) -> Image.Image | torch.Tensor:
         if t.ndim != 3 or t.shape[0] not in (1, 3):
@@ -589,6 +618,36 @@ class ImageProcessor:
         mean = torch.tensor(self.mean, dtype=torch.float32)[:, None, None]
         std = torch.tensor(self.std, dtype=torch.float32)[:, None, None]
         return ((x - mean) / std).contiguous()
+
+
+def _encoded(image: str | os.PathLike | bytes, name: str) -> tuple[Path | IO[bytes], str]:
+    """What PIL opens for a file path or an encoded file's bytes, and how errors name it."""
+    if isinstance(image, (str, os.PathLike)):
+        return Path(image), f"image file {str(image)!r}"
+    return io.BytesIO(image), name
+
+
+@contextlib.contextmanager
+def _decoding(label: str) -> Iterator[None]:
+    """Whatever opening, decoding or converting the image ``label`` raises becomes one of
+    ours naming it, so callers can skip and count it: ``ImageTooLargeError`` for PIL's
+    decompression-bomb check, ``ImageLoadError`` for anything else (on hostile files PIL
+    raises NotImplementedError, TypeError, ... as well as OSError)."""
+    try:
+        yield
+    except (ImageLoadError, ImageTooLargeError, MemoryError):
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageTooLargeError(f"{label} is too large: {e}") from e
+    except FileNotFoundError as e:
+        raise ImageLoadError(f"cannot load {label}: no such file") from e
+    except UnidentifiedImageError as e:
+        raise ImageLoadError(f"cannot load {label}: not a recognised image format or "
+                             "corrupt") from e
+    except (OSError, SyntaxError, EOFError, ValueError) as e:  # truncated, bad data
+        raise ImageLoadError(f"cannot load {label}: {e}") from e
+    except Exception as e:  # PIL's plugins raise anything on crafted files
+        raise ImageLoadError(f"cannot load {label}: {type(e).__name__}: {e}") from e
 
 
 def _label(image: Any, name: str) -> str:
