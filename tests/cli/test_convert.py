@@ -64,3 +64,60 @@ def test_clip_families_round_trip_through_the_cli(tmp_path, family, destination)
     back = load_encoder(tmp_path / destination)
     assert same_weights(load_encoder(tmp_path / "native"), back)
     assert back.config.act == "quick_gelu"
+
+
+def user_files(folder):
+    """The user's own results in `folder`, a JSON and a safetensors file among them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "labels.json").write_text('{"cat": 0}')
+    (folder / "features.safetensors").write_bytes(b"my features")
+    return {name: (folder / name).read_bytes() for name in ("labels.json",
+                                                           "features.safetensors")}
+
+
+def test_a_folder_that_holds_no_model_is_refused_and_left_as_it_was(tmp_path, native, capsys):
+    kept = user_files(tmp_path / "U")
+    assert main(["convert", str(native), str(tmp_path / "U"), "--to", "native"]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'U'}" in err and "no model" in err and len(err.strip().splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in (tmp_path / "U").iterdir()} == kept
+
+
+def test_over_a_model_only_the_old_model_s_files_are_replaced(tmp_path, native):
+    torch.manual_seed(1)
+    old = tmp_path / "model"
+    VisionEncoder(tiny_config(pre_norm=True, patch_bias=False)).save_pretrained(
+        old, max_shard_size=20_000)  # shards and an index the new model does not write
+    ImageProcessor.for_family("clip", size=32).save_pretrained(old)
+    kept = user_files(old)
+    assert main(["convert", str(native), str(old), "--to", "native"]) == 0
+    assert {name: (old / name).read_bytes() for name in kept} == kept
+    assert not list(old.glob("model-*.safetensors")) and not list(old.glob("*.index.json"))
+    assert same_weights(load_encoder(native), load_encoder(old))
+
+
+@pytest.mark.parametrize("inside", ["weights.safetensors", "sub/weights.safetensors"])
+def test_a_destination_that_holds_its_source_is_refused(tmp_path, native, capsys, inside):
+    assert main(["convert", str(native), str(tmp_path / "timm"), "--to", "timm"]) == 0
+    destination = tmp_path / "D"
+    assert main(["convert", str(native), str(destination), "--to", "native"]) == 0  # a model
+    source = destination / inside
+    source.parent.mkdir(exist_ok=True)
+    source.write_bytes((tmp_path / "timm" / "model.safetensors").read_bytes())
+    assert main(["convert", str(source), str(destination), "--to", "native"]) == 1
+    err = capsys.readouterr().err
+    assert f"DST {destination}" in err and str(source) in err
+    assert source.read_bytes() == (tmp_path / "timm" / "model.safetensors").read_bytes()
+
+
+def test_a_second_conversion_over_another_library_s_folder_still_works(tmp_path, native):
+    for _ in range(2):  # the first output (config.json, no manifest) is a model's folder
+        assert main(["convert", str(native), str(tmp_path / "timm"), "--to", "timm"]) == 0
+    assert same_weights(load_encoder(native), load_encoder(tmp_path / "timm"))
+
+
+def test_native_into_a_file_is_refused(tmp_path, native, capsys):
+    (tmp_path / "notes").write_text("mine")
+    assert main(["convert", str(native), str(tmp_path / "notes"), "--to", "native"]) == 1
+    assert "is a file" in capsys.readouterr().err
+    assert (tmp_path / "notes").read_text() == "mine"

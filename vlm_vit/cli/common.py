@@ -145,7 +145,8 @@ def refusing_pickles(directory: str | Path, what: str) -> Iterator[None]:
 
 
 def check_output_apart(out: Path, model: str | Path, inputs: Iterable[str | Path], *,
-                       inputs_are: str = "one of the inputs") -> None:
+                       inputs_are: str = "one of the inputs", flag: str = "-o",
+                       replaced: bool = False) -> None:
     """Refuses an output path that would overwrite what the command reads: the model (its
     file, or anything inside its folder) or one of `inputs` (those that exist).
 
@@ -154,6 +155,9 @@ def check_output_apart(out: Path, model: str | Path, inputs: Iterable[str | Path
         model: the model argument; only a local path can be overwritten.
         inputs: the paths read; an output equal to one of them is refused.
         inputs_are: how the message calls such an input.
+        flag: how the message calls the output (`-o`, `DST`).
+        replaced: `out` is a folder the command replaces whole, so a model inside it is
+            refused too.
 
     Raises:
         ValueError: naming the output and what it would overwrite.
@@ -163,9 +167,13 @@ def check_output_apart(out: Path, model: str | Path, inputs: Iterable[str | Path
     if model_path.exists():
         root = model_path.resolve()
         if model_path.is_dir() and target.is_relative_to(root):
-            raise ValueError(f"-o {out} is inside the model folder {model}; write the output "
-                             "elsewhere")
+            raise ValueError(f"{flag} {out} is inside the model folder {model}; write the "
+                             "output elsewhere")
         if target == root:
-            raise ValueError(f"-o {out} is the model file {model}; write the output elsewhere")
+            raise ValueError(f"{flag} {out} is the model file {model}; write the output "
+                             "elsewhere")
+        if replaced and root.is_relative_to(target):
+            raise ValueError(f"{flag} {out} holds the model {model}, which writing {flag} "
+                             "would replace; write the output elsewhere")
     if target in {Path(item).resolve() for item in inputs if Path(item).exists()}:
-        raise ValueError(f"-o {out} is {inputs_are}; write the output elsewhere")
+        raise ValueError(f"{flag} {out} is {inputs_are}; write the output elsewhere")

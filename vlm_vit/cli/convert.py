@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 from pathlib import Path
 
-from vlm_vit.cli.common import image_size, reading_checkpoint
+from vlm_vit.cli.common import check_output_apart, image_size, reading_checkpoint
 from vlm_vit.convert import FORMATS
-from vlm_vit.files import atomic_directory
+from vlm_vit.files import MODEL_FILES, atomic_directory
+from vlm_vit.integrity import MANIFEST_NAME, read_manifest
 from vlm_vit.loading import build_native_pooler, convert_checkpoint
-from vlm_vit.model import VisionEncoder
-from vlm_vit.shards import parse_size
+from vlm_vit.model import CONFIG_NAME, VisionEncoder
+from vlm_vit.processor import PROCESSOR_CONFIG_NAME
+from vlm_vit.shards import SHARD_INDEX, parse_size
 
 SHARDABLE = ("native", "hf_clip")  # the others' libraries read one weight file
+# What a native save writes besides the weight files its manifest lists: over an earlier
+# vlm-vit model these, and that model's listed weights, are all it replaces.
+NATIVE_METADATA = (CONFIG_NAME, MANIFEST_NAME, SHARD_INDEX, PROCESSOR_CONFIG_NAME)
 
 
 def writable_formats() -> list[str]:
@@ -52,8 +58,10 @@ def run(args: argparse.Namespace) -> int:
     if target not in writable_formats():
         raise ValueError(f"cannot write format {args.to!r}; writable: "
                          f"{', '.join(writable_formats())}")
-    if args.destination.exists() and Path(args.source).resolve() == args.destination.resolve():
-        raise ValueError("SRC and DST are the same path; write to a new place")
+    check_output_apart(args.destination, args.source, [], flag="DST", replaced=True)
+    if target == "native" and args.destination.is_file():
+        raise NotADirectoryError(f"DST {args.destination} is a file; native writes a folder")
+    replaces = previous_model_files(args.destination)
     shards = {}
     if args.max_shard_size is not None:
         if target not in SHARDABLE:
@@ -72,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if args.crop_rounding is not None and processor is not None:
         processor = dataclasses.replace(processor, crop_rounding=args.crop_rounding)
     if target == "native":
-        with atomic_directory(args.destination) as temp:  # weights and processor at once
+        with atomic_directory(args.destination, replaces=replaces) as temp:  # all at once
             encoder.save_pretrained(temp, **shards)
             if processor is not None:
                 processor.save_pretrained(temp)
@@ -82,3 +90,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {args.destination} ({target}, {sum(p.numel() for p in encoder.parameters()):,}"
           f" parameters)")
     return 0
+
+
+def previous_model_files(destination: Path) -> tuple[str, ...]:
+    """What of an existing DST a native save replaces: the files its manifest lists and the
+    native metadata for a vlm-vit model; every `.json` and `.safetensors` for a model folder
+    another library wrote (a `config.json`, no manifest). The rest is carried over.
+
+    Raises:
+        ValueError: for a DST that holds files but no model (the user's own folder).
+    """
+    if not destination.is_dir() or not any(destination.iterdir()):
+        return MODEL_FILES  # nothing to keep (a file DST is open_clip's, or refused)
+    listed = read_manifest(destination)
+    if listed is not None:
+        return (*NATIVE_METADATA, *(glob.escape(name.split("/")[0]) for name in listed))
+    if (destination / CONFIG_NAME).is_file():
+        return MODEL_FILES
+    raise ValueError(f"DST {destination} holds files but no model (no {MANIFEST_NAME} or "
+                     f"{CONFIG_NAME}), and converting into it would replace its .json and "
+                     f".safetensors files; write to a new or empty folder")
