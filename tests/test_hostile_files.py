@@ -130,6 +130,51 @@ def test_an_npz_member_whose_zip_entry_lies_about_its_size_is_refused(tmp_path):
     assert str(path) in str(error.value)
 
 
+def lying_npz(path: Path, compression: int, count: int, *, file_size: int,
+              compress_size: int | None = None) -> Path:
+    """An .npz whose one member, the .npy header of `count` float32s and no data, has a zip
+    entry claiming `file_size` bytes (and `compress_size` compressed ones, if given)."""
+    with zipfile.ZipFile(path, "w", compression=compression) as archive:
+        archive.writestr("w.npy", npy_header("<f4", (count,)))
+    data = bytearray(path.read_bytes())
+    central = data.index(b"PK\x01\x02")
+    struct.pack_into("<I", data, central + 24, file_size)
+    if compress_size is not None:
+        struct.pack_into("<I", data, central + 20, compress_size)
+    path.write_bytes(bytes(data))
+    return path
+
+
+COUNT = 250_000_000  # 1 GB of float32: what the zip entry would have allocated
+HEADER = len(npy_header("<f4", (COUNT,)))
+
+
+@pytest.mark.parametrize("compression, sizes", [
+    (zipfile.ZIP_STORED, {"file_size": HEADER + 4 * COUNT}),  # stored, yet grows
+    (zipfile.ZIP_DEFLATED, {"file_size": HEADER + 4 * COUNT}),  # a 10^7-fold inflation
+    (zipfile.ZIP_STORED, {"file_size": HEADER + 4 * COUNT,
+                          "compress_size": HEADER + 4 * COUNT}),  # more than the file holds
+], ids=["stored", "inflation", "compressed-size"])
+def test_a_zip_entry_that_claims_the_header_s_bytes_is_refused_before_allocating(
+        tmp_path, compression, sizes):
+    # The array's header and its zip entry agree, so only the entry's own check (against
+    # its compressed size and the archive's) stands between the file and the allocation.
+    import tracemalloc
+
+    path = lying_npz(tmp_path / "liar.npz", compression, COUNT, **sizes)
+    assert path.stat().st_size < 400
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError) as error:
+            read_npz(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 10_000_000, error.value  # numpy reports its buffers to tracemalloc
+    assert "its zip entry claims" in str(error.value)
+    assert str(path) in str(error.value) and "'w'" in str(error.value)
+
+
 def test_an_npz_object_array_is_refused_naming_it(tmp_path):
     path = tmp_path / "objects.npz"
     with zipfile.ZipFile(path, "w") as archive:
