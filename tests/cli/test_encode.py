@@ -143,3 +143,43 @@ def test_native_resolution_user_errors(tmp_path, checkpoint, photo_folder, capsy
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def native_error(tmp_path, checkpoint, photo_folder, capsys, *extra):
+    """Runs a native-resolution encode expected to fail; returns its one error line."""
+    argv = ["encode", str(checkpoint), str(photo_folder), "-o", str(tmp_path / "x.safetensors"),
+            "--native-resolution", "--quiet", *extra]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "unexpected" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "x.safetensors").exists()
+    return err
+
+
+def test_native_resolution_refuses_a_decompression_bomb_as_too_large(tmp_path, checkpoint,
+                                                                      photo_folder, capsys):
+    from tests.hostile_images import huge_png
+
+    (photo_folder / "bomb.png").write_bytes(huge_png())  # 45 bytes, 60000 x 60000
+    err = native_error(tmp_path, checkpoint, photo_folder, capsys)
+    assert "bomb.png" in err and "too large" in err
+
+
+@pytest.mark.parametrize("size, extra, message", [
+    ((2, 500), [], "aspect ratio 250"),  # too thin for any budget
+    ((8, 1600), ["--max-tokens", "120"], "1232"),  # one patch high, still over 119 patches
+])
+def test_native_resolution_errors_name_the_image(tmp_path, checkpoint, photo_folder, capsys,
+                                                 size, extra, message):
+    Image.new("RGB", size[::-1], (9, 9, 9)).save(photo_folder / "strip.png")
+    err = native_error(tmp_path, checkpoint, photo_folder, capsys, *extra)
+    assert "strip.png" in err and message in err
+
+
+def test_a_max_tokens_no_image_can_have_names_the_flag(tmp_path, checkpoint, photo_folder,
+                                                       capsys):
+    err = native_error(tmp_path, checkpoint, photo_folder, capsys,
+                       "--max-tokens", "1000000000000")
+    assert "--max-tokens 1000000000000" in err and "max_output_pixels" not in err
+    assert f"{16384 ** 2 // 64 + 1}" in err  # patches of 8 in a 16384 x 16384 image, + 1

@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import torch
-from PIL import Image
 from tqdm import tqdm
 
 from vlm_vit.cli.common import (
@@ -26,13 +25,19 @@ from vlm_vit.cli.common import (
 from vlm_vit.files import IMAGE_SUFFIXES, image_files, write_safetensors
 from vlm_vit.loading import load_with_processor
 from vlm_vit.model import VisionEncoder
-from vlm_vit.processor import NORMALIZATION, ImageLoadError, ImageProcessor, native_size
+from vlm_vit.processor import (
+    MAX_OUTPUT_PIXELS,
+    MAX_SIDE,
+    NORMALIZATION,
+    ImageLoadError,
+    ImageProcessor,
+    ImageTooLargeError,
+)
 from vlm_vit.train.tar_shards import (
     is_shard_spec,
 )
 from vlm_vit.train.token_budget import first_fit_decreasing, tokens_for_size
 
-ORIENTATION_TAG = 0x0112  # EXIF
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -212,22 +217,27 @@ def _native_processor(processor: ImageProcessor, encoder: VisionEncoder,
     if max_tokens <= prefix:
         raise ValueError(f"--max-tokens must be more than the {prefix} prefix tokens, got "
                          f"{max_tokens}")
+    most = MAX_OUTPUT_PIXELS // (patch * patch)  # patches in the encoder's largest image
+    if max_tokens - prefix > most:
+        raise ValueError(f"--max-tokens {max_tokens} is more than one image can have: at "
+                         f"most {most + prefix} ({most} patches of {patch}x{patch}, a "
+                         f"{MAX_SIDE}x{MAX_SIDE} image, plus {prefix} prefix tokens)")
     return ImageProcessor.from_dict(processor.to_dict() | {
         "resize_mode": "native", "patch_multiple": patch,
         "max_output_pixels": (max_tokens - prefix) * patch * patch})
 
 
-def _oriented_size(path: Path) -> tuple[int, int]:
-    """(height, width) of an image file after its EXIF orientation, from the header only."""
+def _planned_size(processor: ImageProcessor, path: Path, max_tokens: int) -> tuple[int, int]:
+    """The size `path` is encoded at, from its header; an image that has none (too thin,
+    or over the budget however it is shrunk) is named with the bounds it misses."""
     try:
-        with Image.open(path) as image:
-            width, height = image.size
-            # EXIF orientations 5 to 8 turn the image a quarter: the sides swap.
-            if image.getexif().get(ORIENTATION_TAG, 1) in (5, 6, 7, 8):
-                width, height = height, width
-    except (OSError, SyntaxError, ValueError) as error:
-        raise ImageLoadError(f"cannot read image file {str(path)!r}: {error}") from error
-    return height, width
+        return processor.output_size(path)
+    except (ImageLoadError, ImageTooLargeError):
+        raise
+    except ValueError as error:
+        raise ValueError(f"{error} (--max-tokens {max_tokens} allows at most "
+                         f"{processor.max_output_pixels} pixels per image, and any image an "
+                         f"aspect ratio of at most {processor.max_aspect_ratio:g})") from error
 
 
 def _run_native(args: argparse.Namespace, files: list[Path], encoder: VisionEncoder,
@@ -238,9 +248,7 @@ def _run_native(args: argparse.Namespace, files: list[Path], encoder: VisionEnco
     prefix, patch = encoder.num_prefix_tokens, encoder.config.patch_size
     lengths = []
     for path in files:  # planned from the headers, so no image is decoded twice
-        height, width = _oriented_size(path)
-        size = native_size(height, width, multiple=patch, max_pixels=processor.max_output_pixels,
-                           max_aspect=processor.max_aspect_ratio)
+        size = _planned_size(processor, path, args.max_tokens)
         lengths.append(tokens_for_size(size, patch, prefix))
     packs = first_fit_decreasing(lengths, args.max_tokens)
     per_image: dict[str, list[torch.Tensor | None]] = {name: [None] * len(files)
