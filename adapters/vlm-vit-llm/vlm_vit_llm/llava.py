@@ -24,7 +24,7 @@ from vlm_vit.convert.hf_clip import (
     hf_clip_tensors,
     preprocessor_config,
 )
-from vlm_vit.files import atomic_directory
+from vlm_vit.files import MODEL_FILES, atomic_directory
 from vlm_vit_llm.model import _split_peft, merged_state
 
 if TYPE_CHECKING:
@@ -38,6 +38,9 @@ PROJECTOR_KEYS = {"0.": "model.multi_modal_projector.linear_1.",
 VISION_PREFIX = "model.vision_tower."  # + "vision_model." before transformers 5
 LANGUAGE_PREFIX = "model.language_model."
 PROJECTOR_NAME = "mlp2x_gelu"  # LLaVA-1.5's projector: Linear, GELU, Linear (with biases)
+# An earlier export's files, which an export over it replaces even where it writes no file of
+# that name (a chat template or a SentencePiece model the new tokenizer lacks).
+EXPORT_FILES = (*MODEL_FILES, "*.jinja", "*.model", "*.tiktoken", "merges.txt", "vocab.txt")
 
 
 def check_exportable(mm: MultimodalLM) -> None:
@@ -141,7 +144,8 @@ def llava_config(mm: MultimodalLM):
 
 
 def export_llava(mm: MultimodalLM, directory: str | Path) -> Path:
-    """Writes `mm` as a Hugging Face LLaVA folder, atomically.
+    """Writes `mm` as a Hugging Face LLaVA folder, atomically. Over an earlier export, none
+    of its files (`EXPORT_FILES`) is kept; the user's own files are carried over.
 
     Raises:
         ValueError: naming every part the layout cannot hold (a projector other than
@@ -175,7 +179,7 @@ def export_llava(mm: MultimodalLM, directory: str | Path) -> Path:
         vision_feature_select_strategy=config.vision_feature_select_strategy,
         image_token=mm.image_token,
         num_additional_image_tokens=int(encoder_config.class_token))
-    with atomic_directory(directory) as temp:
+    with atomic_directory(directory, replaces=EXPORT_FILES) as temp:
         model.save_pretrained(temp)
         processor.save_pretrained(temp)
     logger.info("exported the LLaVA model to %s", directory)

@@ -29,13 +29,21 @@ from torch import nn
 
 from vlm_vit import ImageProcessor, VisionEncoder, VisionTower
 from vlm_vit.card import PLACEHOLDER, model_card, write_card
-from vlm_vit.files import atomic_directory, atomic_write, read_json
+from vlm_vit.files import MODEL_FILES, atomic_directory, atomic_write, read_json
+from vlm_vit.integrity import MANIFEST_NAME, read_manifest, verify_files, write_manifest
 
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "multimodal_config.json"
 TOWER_DIR, LLM_DIR = "tower", "llm"
 LLM_ADAPTER_DIR, VISION_ADAPTER_DIR = "llm_adapter", "vision_adapter"
+# What a save replaces whole in an existing folder: the previous model's files and every
+# sub-folder (a new save without an adapter leaves no stale one behind); the user's own
+# files are carried over.
+SAVED_ENTRIES = (*MODEL_FILES, TOWER_DIR, LLM_DIR, LLM_ADAPTER_DIR, VISION_ADAPTER_DIR)
+# The sub-folders hashed in their own `manifest.json` (the tower writes its own).
+HASHED_DIRS = (LLM_DIR, LLM_ADAPTER_DIR, VISION_ADAPTER_DIR)
+UNHASHED_FILES = (MANIFEST_NAME, "README.md")  # a card the user may edit is not a weight
 IGNORE_INDEX = -100  # label positions the loss skips (Hugging Face's convention)
 DEFAULT_LLM_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -418,6 +426,10 @@ class MultimodalLM(nn.Module):
             llm_adapter/             peft's LoRA adapter on the LLM, when there is one
             vision_adapter/          the encoder's LoRA adapter (`vlm_vit.lora`), likewise
 
+        Each folder holds a `manifest.json` of its files' sha256, checked by `from_pretrained`.
+        A save over an earlier one replaces all of the above (a sub-folder the new save lacks
+        is removed); only the user's own files in `directory` are carried over.
+
         Returns:
             The directory.
         """
@@ -431,7 +443,7 @@ class MultimodalLM(nn.Module):
             encoder = VisionEncoder.from_state_dict(_base_state(encoder_base),
                                                     encoder_base.config)
             tower = VisionTower(encoder, tower.pooler, tower.feature_layer, tower.drop_prefix)
-        with atomic_directory(directory) as temp:
+        with atomic_directory(directory, replaces=SAVED_ENTRIES) as temp:
             tower.save_pretrained(temp / TOWER_DIR)
             self.processor.save_pretrained(temp / TOWER_DIR)
             llm_base.save_pretrained(temp / LLM_DIR, state_dict=_base_state(llm_base))
@@ -440,6 +452,9 @@ class MultimodalLM(nn.Module):
                 llm_adapter.save_pretrained(str(temp / LLM_ADAPTER_DIR))
             if encoder_adapter is not None:
                 save_adapter(encoder_adapter, temp / VISION_ADAPTER_DIR)
+            for name in HASHED_DIRS:
+                if (temp / name).is_dir():
+                    write_manifest(temp / name, _hashed_files(temp / name))
             config = {"format": "vlm_vit_llm", "format_version": 1,
                       "image_token": self.image_token,
                       "llm_adapter": llm_adapter is not None,
@@ -476,16 +491,21 @@ class MultimodalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, trainable: bool = False,
-                        dtype: torch.dtype | None = None) -> MultimodalLM:
+                        dtype: torch.dtype | None = None,
+                        verify: bool | None = None) -> MultimodalLM:
         """Reads what `save_pretrained` wrote.
 
         Args:
             directory: the model folder, or its Hub name (`vlm_vit.hub`).
             trainable: load the adapters for further training (else for inference).
             dtype: the LLM's dtype (default: as saved).
+            verify: check every folder's files against its `manifest.json` before anything
+                is read (default: on, unless `VLM_VIT_VERIFY=0`; `vlm_vit.integrity`).
 
         Raises:
             FileNotFoundError, ValueError: naming the missing or malformed file.
+            vlm_vit.integrity.IntegrityError: naming a file changed since it was saved, or
+                one its folder's manifest does not list.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -495,7 +515,10 @@ class MultimodalLM(nn.Module):
         config = read_json(directory / CONFIG_NAME)
         if config.get("format") != "vlm_vit_llm":
             raise ValueError(f"{directory / CONFIG_NAME} is not a vlm-vit-llm model config")
-        tower = VisionTower.from_pretrained(directory / TOWER_DIR)
+        for name in HASHED_DIRS:  # all of them, before the LLM is read
+            if (directory / name).is_dir():
+                _verify_folder(directory / name, verify)
+        tower = VisionTower.from_pretrained(directory / TOWER_DIR, verify=verify)
         processor = ImageProcessor.from_pretrained(directory / TOWER_DIR)
         llm = AutoModelForCausalLM.from_pretrained(directory / LLM_DIR, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(directory / LLM_DIR)
@@ -549,6 +572,19 @@ def target_ids(tokenizer: Any, text: str) -> list[int]:
     """The token ids the model learns for a target text: the text, then end of sequence."""
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+
+
+def _hashed_files(folder: Path) -> list[str]:
+    """The files of a saved folder its manifest covers, relative to it (sub-folders too)."""
+    return sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*")
+                  if path.is_file() and path.name not in UNHASHED_FILES)
+
+
+def _verify_folder(folder: Path, verify: bool | None) -> None:
+    """Checks every file of `folder`, and every one its manifest lists, against the
+    manifest (a file planted beside the saved ones is refused as unlisted)."""
+    listed = read_manifest(folder) or {}
+    verify_files(folder, sorted({*_hashed_files(folder), *listed}), verify)
 
 
 def _split_peft(module: nn.Module) -> tuple[nn.Module, Any]:
