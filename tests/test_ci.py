@@ -1,0 +1,29 @@
+"""`.ci/run` lints with the venv's ruff after the install and before the tests, and otherwise
+runs exactly the README's install-and-test command."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RUFF = ".venv/bin/ruff check ."
+
+
+def steps(command: str) -> list[str]:
+    return [step.strip() for step in command.split("&&") if step.strip()]
+
+
+def test_ci_runs_ruff_between_the_install_and_the_readme_s_tests():
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"exactly what `\.ci/run` runs\):\n\n```bash\n(.+?)\n```", readme, re.S)
+    assert block, "README.md no longer shows the command .ci/run runs"
+    script = (REPO / ".ci" / "run").read_text().splitlines()
+    commands = script[script.index('cd "$(dirname "$0")/.."') + 1:]
+    ci = [step for line in commands if line.strip() and not line.startswith("#")
+          for step in steps(line)]
+    assert RUFF in ci, ".ci/run does not run ruff"
+    pip = next(i for i, step in enumerate(ci) if "pip install" in step)
+    pytest = next(i for i, step in enumerate(ci) if "-m pytest" in step)
+    assert pip < ci.index(RUFF) < pytest  # with ruff installed, before any test
+    assert [s for s in ci if s != RUFF] == [s for s in steps(block[1]) if s != RUFF]
