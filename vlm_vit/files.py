@@ -210,6 +210,12 @@ def atomic_directory(path: str | Path, *, replaces: tuple[str, ...] = MODEL_FILE
 
     Nested calls compose: a save inside another's temporary folder (a tower saving its
     encoder) writes straight into it.
+
+    Args:
+        path: the folder to write.
+        replaces: `fnmatch` patterns of top-level names that belong to the model `path`
+            held: dropped where the new save did not write them (a saver whose models have
+            sub-folders or optional parts names those too, e.g. `(*MODEL_FILES, "tower")`).
     """
     path = Path(path)
     if path.resolve() in _FILLING or path.parent.resolve() in _FILLING:

@@ -36,7 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "(org/name, hf-hub:org/name, open_clip's MODEL/TAG)")
     parser.add_argument("destination", metavar="DST", type=Path,
                         help="a directory (native, hf_clip, timm; open_clip: one its "
-                        "factory loads) or, for open_clip, a .safetensors state dict")
+                        "factory loads) or, for open_clip, a .safetensors state dict; an "
+                        "existing folder must hold a model, and only that model's files are "
+                        "replaced")
     parser.add_argument("--to", required=True, metavar="FORMAT",
                         help="native, hf-clip, timm or open_clip (dashes or underscores)")
     parser.add_argument("--from", dest="source_format", metavar="FORMAT",
