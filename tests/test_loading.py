@@ -1,5 +1,6 @@
 """Reading checkpoints safely: detection by content, clear refusals, nothing half-loaded."""
 
+import os
 import pickle
 import zipfile
 
@@ -8,7 +9,7 @@ import torch
 
 from vlm_vit import VisionEncoder, load_encoder, load_tower
 from vlm_vit.files import write_safetensors
-from vlm_vit.loading import read_tensors
+from vlm_vit.loading import read_tensors, unpickling_refusal
 from vlm_vit.registry import UnknownNameError
 
 from .conftest import tiny_config
@@ -55,9 +56,54 @@ class RunsCode:
 def test_pickle_that_runs_code_is_refused(tmp_path, capsys):
     path = tmp_path / "evil.pt"
     torch.save({"blocks.0.attn.qkv.weight": torch.zeros(1), "payload": RunsCode()}, path)
-    with pytest.raises(ValueError, match="evil.pt is a pickle that needs arbitrary code"):
+    with pytest.raises(ValueError, match="evil.pt is a PyTorch file whose pickle needs code"):
         load_encoder(path)
     assert "this ran at load time" not in capsys.readouterr().out
+
+
+class CreatesMarker:
+    """Pickles as a call of `os.mkdir(marker)` (torch's unpickler blocks the whole `os`
+    module, with another message than for other globals): harmless, and seen if it ran."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def save_payload(path, marker):
+    """A `torch.save` file of real weights with a payload that would run on loading."""
+    torch.save({"blocks.0.attn.qkv.weight": torch.zeros(1), "payload": CreatesMarker(marker)},
+               path)
+    return path
+
+
+def test_a_pickle_calling_a_blocked_module_is_refused_as_needing_code(tmp_path):
+    path = save_payload(tmp_path / "evil.pt", tmp_path / "ran")
+    for read in (read_tensors, load_encoder):
+        with pytest.raises(ValueError) as info:
+            read(path)
+        message = str(info.value)
+        assert "evil.pt is a PyTorch file whose pickle needs code to load" in message
+        assert "never ran" in message and "posix.mkdir" in message
+        assert "not a readable weight file" not in message
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("message, needs_code", [
+    ("Weights only load failed. In PyTorch 2.6, we changed ... trusted source.\n\n\n"
+     "Trying to load unsupported GLOBAL posix.system whose module posix is blocked.\n\n"
+     "Check the documentation of torch.load to learn more", True),
+    ("Weights only load failed. ...\n\tWeightsUnpickler error: Unsupported global: GLOBAL "
+     "builtins.print was not an allowed global by default. Please use ...", True),
+    ("Weights only load failed. ...: WeightsUnpickler error: \n\nUnsupported operand 149\n\n"
+     "Check the documentation", False),
+])
+def test_unpickling_refusal_reads_each_of_torch_s_messages(message, needs_code):
+    found, reason = unpickling_refusal(pickle.UnpicklingError(message))
+    assert found is needs_code
+    assert reason.startswith(("Trying to load", "Unsupported"))
 
 
 def test_plain_pickle_is_refused(tmp_path):

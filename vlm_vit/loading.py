@@ -35,16 +35,26 @@ WEIGHT_FILES = ("model.safetensors", "open_clip_model.safetensors", "pytorch_mod
                 "open_clip_pytorch_model.bin", "model.npz")
 
 
+# What torch's weights-only refusal says around its reason (`torch.serialization`'s message
+# for an unpickler error), each line's start once "Weights only load failed." is taken off.
+_TORCH_PREAMBLE = ("This file can still be loaded", "In PyTorch", "(1)", "(2)",
+                   "Please file an issue", "Check the documentation")
+_NEEDS_CODE_WORDS = ("global", "reduce", "class", "build")
+
+
 def unpickling_refusal(error: BaseException) -> tuple[bool, str]:
     """Whether torch's weights-only unpickler refused a file because it needs code to load
     (a global, a class or a call) rather than because it is no pickle at all (random bytes
     are refused too: `invalid load key`, `Unsupported operand`), and its reason in one line
-    (`Unsupported global: GLOBAL builtins.print ...`)."""
+    (`Unsupported global: GLOBAL builtins.print ...`, `Trying to load unsupported GLOBAL
+    posix.system whose module posix is blocked.`)."""
     text = str(error)
     _, marker, after = text.partition("WeightsUnpickler error:")
-    lines = [line.strip() for line in (after if marker else text).splitlines() if line.strip()]
-    reason = lines[0].split(". ", 1)[0] if lines else type(error).__name__
-    needs_code = any(word in reason.lower() for word in ("global", "reduce", "class", "build"))
+    lines = [line.strip().removeprefix("Weights only load failed.").strip()
+             for line in (after if marker else text).splitlines()]
+    reasons = [line for line in lines if line and not line.startswith(_TORCH_PREAMBLE)]
+    reason = reasons[0].split(". ", 1)[0].rstrip(".") if reasons else type(error).__name__
+    needs_code = any(word in reason.lower() for word in _NEEDS_CODE_WORDS)
     return needs_code, reason
 
 
@@ -57,9 +67,9 @@ def _read_pickled(path: Path) -> dict[str, torch.Tensor]:
             raise ValueError(f"{path} is not a readable weight file (safetensors, PyTorch or "
                              f"npz): {reason}") from error
         raise ValueError(
-            f"{path} is a pickle that needs arbitrary code to load, and vlm-vit never runs "
-            f"code from a checkpoint; re-save it as a plain state dict (ideally safetensors) "
-            f"with the library that made it. ({reason})"
+            f"{path} is a PyTorch file whose pickle needs code to load ({reason}); refused, "
+            f"and its code never ran (vlm-vit runs no code from a checkpoint). Re-save it as "
+            f"a plain state dict (ideally safetensors) with the library that made it."
         ) from error
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError,
             IndexError, struct.error, UnicodeDecodeError,

@@ -91,7 +91,23 @@ def test_random_bytes_are_not_called_a_pickle_that_needs_code(tmp_path, capsys):
 def test_a_pickle_that_needs_code_is_still_refused_as_such(tmp_path, capsys):
     torch.save({"weight": torch.zeros(2), "call": print}, tmp_path / "evil.pt")
     line = one_line(capsys, ["info", str(tmp_path / "evil.pt")])
-    assert "evil.pt is a pickle that needs arbitrary code" in line
+    assert "evil.pt is a PyTorch file whose pickle needs code" in line
+
+
+@pytest.mark.parametrize("command", ["info", "convert", "encode"])
+def test_a_pickle_calling_a_blocked_module_is_named_as_such_and_never_run(tmp_path, images,
+                                                                          capsys, command):
+    from tests.test_loading import save_payload
+
+    path = save_payload(tmp_path / "evil.pt", tmp_path / "ran")
+    argv = {"info": ["info", str(path)],
+            "convert": ["convert", str(path), str(tmp_path / "out"), "--to", "native"],
+            "encode": ["encode", str(path), str(images), "-o", str(tmp_path / "x.safetensors"),
+                       "--quiet"]}[command]
+    line = one_line(capsys, argv)
+    assert "evil.pt is a PyTorch file whose pickle needs code to load" in line
+    assert "never ran" in line and "unexpected" not in line
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "out").exists()
 
 
 def int32_copy(tiny, tmp_path):
