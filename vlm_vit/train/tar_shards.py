@@ -26,10 +26,13 @@ Order and bookkeeping (see docs/architecture.md, "Shards"):
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import glob
 import json
 import logging
+import re
+import tarfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +53,15 @@ IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif", "ppm"
 DATASET_INDEX = "dataset.json"  # written by `vlm-vit shards` beside its shards
 DATASET_FORMAT, DATASET_VERSION = "vlm-vit-shards", 1  # its "format" and "version"
 SAMPLES_DIR = "samples"  # the trainer's per-rank sample logs (TrainConfig.log_samples)
+# The most bytes one member may declare; a larger one is skipped unread, by name. Members are
+# read whole into memory (an image, a caption, a json), and no training image is near 1 GiB,
+# while a 1.5 KB sparse tar or a small .tar.gz can declare 10 GB.
+MAX_MEMBER_BYTES = 2**30
+# The most shards a spec may expand to, checked from the pattern before expanding it (1M
+# shards of 1,000 samples is a billion; `{000000000..999999999}` would exhaust memory).
+MAX_SHARDS = 1_000_000
+# What `vlm-vit shards` leaves in its folder when killed: a shard or the index being written.
+WRITER_LEFTOVER = re.compile(r"\.(\d{5,}\.tar|dataset\.json\..*)\.tmp")
 
 
 # -- shard specs ------------------------------------------------------------------------------
@@ -88,15 +100,15 @@ def expand_shards(spec: str | Path | Sequence[str | Path]) -> list[str]:
     Raises:
         FileNotFoundError: for a local shard that does not exist, or a glob or folder that
             matches none.
-        ValueError: for an empty spec.
+        ValueError: for an empty spec, or a brace pattern that may name more than
+            `MAX_SHARDS` shards.
     """
     if isinstance(spec, (list, tuple)):
         urls = [url for item in spec for url in expand_shards(item)]
     else:
         text = str(spec)
-        braceexpand = require("braceexpand", "train", "reading tar shards").braceexpand
         if _is_url(text):
-            urls = list(braceexpand(text))
+            urls = _brace_expanded(text)
         elif Path(text).is_dir():
             urls = _tars_in(Path(text))
             if not urls:
@@ -107,7 +119,7 @@ def expand_shards(spec: str | Path | Sequence[str | Path]) -> list[str]:
             if not urls:
                 raise FileNotFoundError(f"no tar shards match {text}")
         else:
-            urls = list(braceexpand(text))
+            urls = _brace_expanded(text)
             missing = [u for u in urls if not Path(u).is_file()]
             if missing:
                 raise FileNotFoundError(
@@ -119,11 +131,66 @@ def expand_shards(spec: str | Path | Sequence[str | Path]) -> list[str]:
     return urls
 
 
+_INT_RANGE = re.compile(r"(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?")
+_CHAR_RANGE = re.compile(r"[A-Za-z]\.\.[A-Za-z](?:\.\.-?\d+)?")
+
+
+def _brace_expanded(text: str) -> list[str]:
+    """`braceexpand(text)` as a list, refused first when the pattern may name more than
+    `MAX_SHARDS` shards (braceexpand builds every range whole before it yields a name)."""
+    bound = _expansion_bound(text)
+    if bound > MAX_SHARDS:
+        raise ValueError(f"shard spec {text!r} names up to {bound:,} shards, more than the "
+                         f"{MAX_SHARDS:,} a spec may (MAX_SHARDS); check its brace ranges")
+    return list(require("braceexpand", "train", "reading tar shards").braceexpand(text))
+
+
+def _expansion_bound(pattern: str) -> int:
+    """An upper bound on the names `braceexpand(pattern)` gives: the product, over every
+    brace group, of its size (a range's length; a list's items)."""
+    bound, opened, position = 1, [], 0  # opened: [start, commas] per unclosed brace
+    while position < len(pattern):
+        char = pattern[position]
+        if char == "\\":  # braceexpand's escape: the next character is literal
+            position += 1
+        elif char == "{":
+            opened.append([position, 0])
+        elif char == "," and opened:
+            opened[-1][1] += 1
+        elif char == "}" and opened:
+            start, commas = opened.pop()
+            bound *= _group_size(pattern[start + 1:position], commas)
+        position += 1
+    return bound
+
+
+def _group_size(inside: str, commas: int) -> int:
+    """How many alternatives one brace group `{inside}` has (at most, when nested)."""
+    numbers = _INT_RANGE.fullmatch(inside)
+    if numbers is not None:
+        first, last, step = numbers.groups()
+        return abs(int(last) - int(first)) // max(int(step or 1), 1) + 1
+    if _CHAR_RANGE.fullmatch(inside):
+        return 52  # at most the letters of both cases
+    return commas + 1
+
+
 def read_dataset_index(shards: Sequence[str]) -> dict[str, Any] | None:
-    """The `dataset.json` that `vlm-vit shards` wrote beside local shards, or None."""
+    """The `dataset.json` that `vlm-vit shards` wrote beside local shards, or None.
+
+    A folder that `vlm-vit shards` did not finish is named in a warning, with what is
+    missing: the shard or index it was writing when it stopped, or the shards its index
+    lists that are not there.
+
+    Raises:
+        ValueError: naming the file and the field, for an index whose `classes` or `shards`
+            is malformed.
+    """
     if not shards or _is_url(shards[0]):
         return None
-    path = Path(shards[0]).parent / DATASET_INDEX
+    folder = Path(shards[0]).parent
+    path = folder / DATASET_INDEX
+    _warn_if_unfinished(folder, path)
     if not path.is_file():
         return None
     from vlm_vit.files import read_json
@@ -131,7 +198,38 @@ def read_dataset_index(shards: Sequence[str]) -> dict[str, Any] | None:
     index = read_json(path)
     if index.get("format") != DATASET_FORMAT:
         return None
+    _check_index(index, path)
+    missing = [shard["name"] for shard in index.get("shards", [])
+               if not (folder / shard["name"]).is_file()]
+    if missing:
+        logger.warning("%s lists %d shards missing from %s (%s%s): their samples are not read",
+                       path, len(missing), folder, ", ".join(missing[:5]),
+                       ", ..." if len(missing) > 5 else "")
     return index
+
+
+def _warn_if_unfinished(folder: Path, index: Path) -> None:
+    """Warns when `folder` holds what a killed `vlm-vit shards` leaves (`WRITER_LEFTOVER`)."""
+    leftovers = sorted(entry.name for entry in folder.iterdir()
+                       if WRITER_LEFTOVER.fullmatch(entry.name))
+    if leftovers:
+        logger.warning("%s holds %s, left by a `vlm-vit shards` that did not finish, and %s: "
+                       "the shards it had still to write are missing (run it again with "
+                       "--overwrite)", folder, ", ".join(leftovers),
+                       "an older dataset.json" if index.is_file() else "no dataset.json")
+
+
+def _check_index(index: dict[str, Any], path: Path) -> None:
+    """Refuses a `dataset.json` whose fields that readers use have the wrong shape."""
+    classes, shards = index.get("classes"), index.get("shards", [])
+    if classes is not None and not (isinstance(classes, list)
+                                    and all(isinstance(name, str) for name in classes)):
+        raise ValueError(f"{path}: 'classes' must be a list of class names or null, got "
+                         f"{json.dumps(classes)[:80]}")
+    if not (isinstance(shards, list) and all(
+            isinstance(shard, dict) and isinstance(shard.get("name"), str) for shard in shards)):
+        raise ValueError(f"{path}: 'shards' must be a list of objects with a 'name', got "
+                         f"{json.dumps(shards)[:80]}")
 
 
 # -- samples ----------------------------------------------------------------------------------
@@ -208,9 +306,60 @@ class Sample:
 
 @dataclass
 class ShardProblems:
-    """What reading skipped: counts, and the truncated or unreadable shards."""
+    """What reading skipped: the truncated or unreadable shards, and the members passed
+    over (over `MAX_MEMBER_BYTES`, or a duplicate within a sample)."""
 
     truncated: list[tuple[str, int, str]] = field(default_factory=list)  # (url, read, error)
+    members: list[tuple[str, str, str]] = field(default_factory=list)  # (url, member, reason)
+
+    def skip_member(self, url: str, member: str, reason: str) -> None:
+        logger.warning("%s: skipping member %s: %s", url, escape_name(member), reason)
+        self.members.append((url, member, reason))
+
+
+# Members webdataset treats as metadata, not samples (`__key__`-like names).
+_META_MEMBER = re.compile(r"__[^/]*__($|/)")
+# A member's sample key and field: everything before the first dot of its base name.
+_MEMBER_NAME = re.compile(r"((?:.*/|)[^.]+)[.]([^/]*)", re.DOTALL)
+
+
+def _members(stream: Any, url: str, problems: ShardProblems) -> Iterator[tuple[str, bytes]]:
+    """The regular members of a tar stream as (name, bytes), in order; a member declaring
+    more than `MAX_MEMBER_BYTES` is skipped before a byte of it is read (its size in the
+    header is what it declares, for a sparse or compressed tar too)."""
+    archive = tarfile.open(fileobj=stream, mode="r|*")  # noqa: SIM115 (the caller closes stream)
+    for member in archive:
+        archive.members = []  # a stream keeps no list of what it passed
+        if not member.isreg() or _META_MEMBER.match(member.name):
+            continue
+        if member.size > MAX_MEMBER_BYTES:
+            problems.skip_member(url, member.name, f"it declares {member.size:,} bytes, more "
+                                 f"than the {MAX_MEMBER_BYTES:,} a member may (MAX_MEMBER_BYTES)")
+            continue
+        yield member.name, archive.extractfile(member).read()
+
+
+def _grouped(members: Iterator[tuple[str, bytes]], url: str, problems: ShardProblems
+             ) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """Consecutive members of one key as (key, {field: bytes}), as webdataset groups them;
+    a second member of the same key and field is skipped by name, and reading goes on."""
+    key, fields = None, {}
+    for name, data in members:
+        match = _MEMBER_NAME.fullmatch(name)
+        if match is None:
+            continue
+        prefix, suffix = match.group(1), match.group(2).lower()
+        if prefix != key:
+            if key is not None:
+                yield key, fields
+            key, fields = prefix, {}
+        if suffix in fields:
+            problems.skip_member(url, name, "a duplicate of an earlier member of the same "
+                                 "sample")
+            continue
+        fields[suffix] = data
+    if key is not None:
+        yield key, fields
 
 
 def read_shard(url: str, shard_index: int = 0, *, epoch: int = 0, skip: int = 0,
@@ -218,23 +367,19 @@ def read_shard(url: str, shard_index: int = 0, *, epoch: int = 0, skip: int = 0,
     """The samples of one shard, in tar order, skipping the first `skip` undecoded.
 
     A truncated or unreadable shard ends early with a warning naming it and how many
-    samples were read (and an entry in `problems`); the caller goes on with the next.
+    samples were read (and an entry in `problems`); the caller goes on with the next. A
+    member over `MAX_MEMBER_BYTES`, or a duplicate within a sample, is skipped with a
+    warning naming the shard and the member (and an entry in `problems`).
     """
     wds = require("webdataset", "train", "reading tar shards")
-    from webdataset import tariterators
-
+    problems = ShardProblems() if problems is None else problems
     read = 0
     try:
         stream = _EndWatch(wds.gopen(url))
         try:
-            files = tariterators.tar_file_iterator(stream)
-            for raw in tariterators.group_by_keys(
-                    {**f, "__url__": url} for f in files):
-                key = raw.pop("__key__")
-                raw.pop("__url__", None)
-                raw.pop("__local_path__", None)
+            for key, fields in _grouped(_members(stream, url, problems), url, problems):
                 if read >= skip:
-                    yield Sample(key, url, shard_index, read, epoch, raw)
+                    yield Sample(key, url, shard_index, read, epoch, fields)
                 read += 1
             stream.check_end()
         finally:
@@ -245,8 +390,7 @@ def read_shard(url: str, shard_index: int = 0, *, epoch: int = 0, skip: int = 0,
         message = str(error).split(" @ ")[0]
         logger.warning("shard %s is truncated or unreadable after %d samples (%s); going on "
                        "with the next shard", url, read, message)
-        if problems is not None:
-            problems.truncated.append((url, read, message))
+        problems.truncated.append((url, read, message))
 
 
 class _EndWatch:
@@ -416,7 +560,8 @@ def held_out(key: str, fraction: float, seed: int) -> bool:
     can split without reading the whole dataset first."""
     import zlib
 
-    return fraction > 0 and mixed_seed(seed, zlib.crc32(key.encode())) / 2 ** 63 < fraction
+    crc = zlib.crc32(key.encode("utf-8", "surrogateescape"))  # a key's bytes: any name
+    return fraction > 0 and mixed_seed(seed, crc) / 2 ** 63 < fraction
 
 
 class KeySplit:
@@ -437,7 +582,7 @@ class StreamBatch:
 
     Attributes:
         batch: what the collate made of the decoded samples.
-        samples: (epoch, shard, key) of each sample in the batch, in order.
+        samples: (epoch, shard, key) of each sample in the batch that decoded, in order.
         role: the slot's worker role (0..workers-1).
         position: (shard ordinal within the slot, samples consumed in that shard).
         no_image: samples skipped for having no image since the slot's previous batch.
@@ -590,9 +735,10 @@ class ShardStream(torch.utils.data.IterableDataset):
         roles = max(workers, 1)
         import zlib
 
+        listed = "\n".join(self.shards).encode("utf-8", "surrogateescape")  # names are bytes
         fresh = StreamState(self.seed, self.shuffle, self.shuffle_block, len(self.shards),
-                            zlib.crc32("\n".join(self.shards).encode()), world_size, rank,
-                            roles, [[0, 0] for _ in range(roles)])
+                            zlib.crc32(listed), world_size, rank, roles,
+                            [[0, 0] for _ in range(roles)])
         if state is not None:
             saved = StreamState(**state)
             differs = {name: (getattr(saved, name), getattr(fresh, name))
@@ -639,7 +785,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             position = ordinal * slot_count + slot
             epoch, within = divmod(position, len(self.shards))
             shard_index = self.shard_order(epoch)[within]
-            read_any = False
+            read_any = consumed > 0  # resumed at a shard's end: read before, not empty
             for sample in self._blocks(shard_index, epoch, consumed, problems):
                 read_any = True
                 consumed += 1
@@ -652,7 +798,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                                  sorted(sample.fields))
                     continue
                 items.append(item)
-                names.append((epoch, sample.shard, sample.key))
+                if not isinstance(item, UndecodableImage):  # the collate drops those
+                    names.append((epoch, sample.shard, sample.key))
                 if len(items) == self._batch_size:
                     yield StreamBatch(self._collate(items), names, role, (ordinal, consumed),
                                       no_image, list(problems.truncated))
@@ -676,8 +823,27 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
+def escape_name(text: str) -> str:
+    """A shard or member name as one line of UTF-8 without tabs, reversibly (`unescape_name`).
+
+    Names are bytes: tar member names and file names that are not UTF-8 arrive with
+    surrogate escapes, and any may hold a newline or a tab. Those bytes, other control
+    characters and backslashes are written as Python escapes (`\\xff`, `\\x0a`, `\\\\`); other
+    text is kept as it is.
+    """
+    raw = text.encode("utf-8", "surrogateescape").replace(b"\\", b"\\\\")
+    raw = re.sub(rb"[\x00-\x1f\x7f]", lambda match: b"\\x%02x" % match.group()[0], raw)
+    return raw.decode("utf-8", "backslashreplace")  # bytes that are not UTF-8: \\xff
+
+
+def unescape_name(text: str) -> str:
+    """The name `escape_name` escaped."""
+    return codecs.escape_decode(text.encode("utf-8"))[0].decode("utf-8", "surrogateescape")
+
+
 class SampleLog:
-    """samples/rank_R.tsv: `step, epoch, shard, key` for every sample a step trained on.
+    """samples/rank_R.tsv: `step, epoch, shard, key` for every sample a step trained on
+    (not the ones it skipped), names escaped by `escape_name`.
 
     On a resume, lines after the checkpoint's step are dropped, so the file reads as the
     log of one uninterrupted run.
@@ -690,16 +856,16 @@ class SampleLog:
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"rank_{rank}.tsv"
         if resumed_step is not None and self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines(keepends=True)
+            kept = [line + "\n" for line in _log_lines(self.path)
                     if int(line.split("\t", 1)[0]) <= resumed_step]
             with atomic_write(self.path, "w") as handle:
                 handle.writelines(kept)
         elif self.path.exists():
             self.path.unlink()
-        self._file = self.path.open("a")
+        self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, step: int, samples: Sequence[tuple[int, str, str]]) -> None:
-        self._file.writelines(f"{step}\t{epoch}\t{shard}\t{key}\n"
+        self._file.writelines(f"{step}\t{epoch}\t{escape_name(shard)}\t{escape_name(key)}\n"
                               for epoch, shard, key in samples)
         self._file.flush()
 
@@ -707,13 +873,19 @@ class SampleLog:
         self._file.close()
 
 
+def _log_lines(path: Path) -> list[str]:
+    """The whole lines of a sample log (a line cut by a kill has no newline: dropped)."""
+    lines = path.read_text(encoding="utf-8").split("\n")
+    return lines[:-1]
+
+
 def read_sample_log(run_dir: str | Path, rank: int = 0) -> list[tuple[int, int, str, str]]:
     """The (step, epoch, shard, key) lines a run's `SampleLog` wrote for `rank`."""
     path = Path(run_dir) / SAMPLES_DIR / f"rank_{rank}.tsv"
     rows = []
-    for line in path.read_text().splitlines():
+    for line in _log_lines(path):
         step, epoch, shard, key = line.split("\t")
-        rows.append((int(step), int(epoch), shard, key))
+        rows.append((int(step), int(epoch), unescape_name(shard), unescape_name(key)))
     return rows
 
 
@@ -725,5 +897,5 @@ def rank_shards(shards: Sequence[str], rank: int, world_size: int) -> list[int]:
 
 __all__ = ["ImageDecode", "KeySplit", "LabelledBatches", "LabelledDecode", "Sample",
            "SampleLog", "ShardProblems", "ShardStream", "StreamBatch", "StreamState",
-           "expand_shards", "held_out", "is_shard_spec", "iter_samples", "rank_shards",
-           "read_dataset_index", "read_sample_log", "read_shard"]
+           "escape_name", "expand_shards", "held_out", "is_shard_spec", "iter_samples",
+           "rank_shards", "read_dataset_index", "read_sample_log", "read_shard", "unescape_name"]
