@@ -325,3 +325,19 @@ def test_push_to_hub_uploads_the_folder_and_names_the_repo_in_its_card(tmp_path,
     assert 'load_encoder("me/tiny")' in (tmp_path / "enc" / CARD_NAME).read_text()
     with pytest.raises(FileNotFoundError, match="not a saved vlm-vit model"):
         hub.push_to_hub(tmp_path, "me/nothing")
+
+
+def test_a_snapshot_file_linked_outside_the_cache_is_refused(tmp_path, cache, capsys):
+    """A link planted in `snapshots/<commit>/` that leads out of the repository's `blobs/`
+    is never read as the model's weights (issue 26, 2)."""
+    snapshot = put_in_cache(cache, "org/clip", save_clip(tmp_path / "clip"))
+    weights = snapshot / "model.safetensors"
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(weights.read_bytes())
+    weights.unlink()
+    weights.symlink_to(outside)
+    assert main(["info", "org/clip"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "outside its repository's blobs/" in err[-1]
+    with pytest.raises(ValueError, match="model.safetensors in the Hugging Face cache"):
+        load_encoder("org/clip")

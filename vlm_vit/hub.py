@@ -184,9 +184,9 @@ def fetch(repo_id: str, revision: str | None = None, *,
     cache = cache_dir()
     shown = shown or repo_id
     try:
-        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache,
-                                      allow_patterns=list(patterns),
-                                      local_files_only=offline()))
+        snapshot = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache,
+                                          allow_patterns=list(patterns),
+                                          local_files_only=offline()))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as error:
         at = f" at revision {revision!r}" if revision else ""
         if offline():
@@ -197,6 +197,25 @@ def fetch(repo_id: str, revision: str | None = None, *,
         raise NotCachedError(f"{shown} is not a local path, and {repo_id}{at} is not in the "
                              f"Hugging Face cache at {cache} ({reason}); to fetch it, {how} "
                              f"{shown}` or `huggingface-cli download {repo_id}`") from error
+    check_snapshot(snapshot)
+    return snapshot
+
+
+def check_snapshot(snapshot: Path) -> None:
+    """Refuses a cached snapshot with a file that resolves outside it and its repository's
+    `blobs/` (a link planted in the cache would otherwise be read as the model's weights).
+
+    Raises:
+        ValueError: naming the file and where it leads.
+    """
+    from vlm_vit.shards import allowed_roots
+
+    roots = allowed_roots(snapshot)
+    for path in snapshot.rglob("*"):
+        resolved = path.resolve()
+        if not any(resolved.is_relative_to(root) for root in roots):
+            raise ValueError(f"{path} in the Hugging Face cache is a link to {resolved}, "
+                             f"outside its repository's blobs/; refused")
 
 
 def push_to_hub(directory: str | Path, repo_id: str, *, private: bool | None = None,

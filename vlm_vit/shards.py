@@ -47,7 +47,7 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def _allowed_roots(directory: Path) -> list[Path]:
+def allowed_roots(directory: Path) -> list[Path]:
     """Where a shard may resolve to: the directory, and for a Hugging Face cache snapshot
     (`models--org--name/snapshots/<commit>/`, whose files are links into `../../blobs/`)
     that repository's `blobs/` too."""
@@ -79,7 +79,7 @@ def shard_path(directory: Path, name: object, index: Path, tensor: str | None = 
                          f"only safetensors shards")
     path = directory / pure
     resolved = path.resolve()
-    if not any(resolved.is_relative_to(root) for root in _allowed_roots(directory)):
+    if not any(resolved.is_relative_to(root) for root in allowed_roots(directory)):
         raise ValueError(f"{index}: {entry} is a link to {resolved}, outside {directory}; "
                          f"refused")
     return path
