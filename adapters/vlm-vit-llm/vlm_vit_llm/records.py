@@ -11,14 +11,17 @@ array of records, or JSON lines with one record per line:
                        {"from": "gpt", "value": "The bus is white and red."}, ...]}
 
 `image` is one path, a list of paths (in placeholder order) or absent (a text-only record);
-paths are relative to the image folder. Each `<image>` in a human turn stands for the next
+paths are relative to the image folder, and one that resolves outside it (`..`, an absolute
+path, a symbolic link out) is a bad record. Each `<image>` in a human turn stands for the next
 image. Roles are `human`/`user`, `gpt`/`assistant` and `system`; turns may also be spelled
 `{"role": ..., "content": ...}`.
 
 Indexing parses every record once, checks it, and keeps only where it lies in the file (byte
 offsets in numpy arrays), so a 665k-record file is not held as Python objects and forked
 DataLoader workers share the index. A record that fails a check is skipped, counted and
-named (file, line, id), or refused with `strict=True`.
+named (file, line, id), or refused with `strict=True`: besides the checks of `parse_record`,
+a line that is not JSON or nests too deeply, and a lone surrogate (`"\\ud800"`) in a text or
+a path.
 """
 
 from __future__ import annotations
@@ -89,9 +92,31 @@ class SkippedRecords:
             logger.warning("skipping %s: %s", where, reason)
 
 
+def _has_surrogate(text: str) -> bool:
+    """Whether `text` holds a lone surrogate (JSON's `"\\ud800"`), which is no character."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _inside(path: Path, root: Path) -> bool:
+    """Whether `path`, symbolic links followed, lies inside `root` (already resolved)."""
+    try:
+        return path.resolve().is_relative_to(root)
+    except (OSError, RuntimeError):  # a symbolic link loop, an unreadable folder
+        return False
+
+
 def parse_record(raw: Any, where: str, image_folder: Path, image_token: str = "<image>",
-                 check_files: bool = True) -> Record:
+                 check_files: bool = True, folder_root: Path | None = None) -> Record:
     """Checks one parsed record and returns it with roles mapped and paths resolved.
+
+    Args:
+        folder_root: `image_folder` resolved; when given, an image path that resolves
+            outside it (`..`, an absolute path, a symbolic link out) is a bad record, with
+            `check_files` or not. None: the names are not paths (a shard's records).
 
     Raises:
         BadRecord: naming `where` and what is wrong.
@@ -117,6 +142,9 @@ def parse_record(raw: Any, where: str, image_folder: Path, image_token: str = "<
         if not isinstance(text, str):
             raise bad(f"turn {number} has no text ('value' or 'content' string)",
                       "malformed turn")
+        if _has_surrogate(text):
+            raise bad(f"turn {number} holds a lone surrogate (a \\ud800-\\udfff escape that "
+                      "is no character)", "lone surrogate")
         if ROLES[role] != "user" and image_token in text:
             raise bad(f"turn {number} ({role}) holds {image_token!r}; images go in human turns",
                       "placeholder outside a human turn")
@@ -133,7 +161,14 @@ def parse_record(raw: Any, where: str, image_folder: Path, image_token: str = "<
     if placeholders != len(names):
         raise bad(f"{placeholders} {image_token!r} placeholder(s) but {len(names)} image(s)",
                   "placeholders do not match images")
+    if any(_has_surrogate(name) for name in names):
+        raise bad(f"an image path holds a lone surrogate: {ascii(names)[:80]}", "lone surrogate")
     paths = [image_folder / name for name in names]
+    if folder_root is not None:
+        for name, path in zip(names, paths, strict=True):
+            if not _inside(path, folder_root):
+                raise bad(f"image {name!r} resolves outside the image folder {image_folder}",
+                          "image outside the image folder")
     if check_files:
         for path in paths:
             if not path.is_file():
@@ -143,6 +178,8 @@ def parse_record(raw: Any, where: str, image_folder: Path, image_token: str = "<
 
 def _where(path: Path, line: int, raw: Any) -> str:
     record_id = raw.get("id") if isinstance(raw, dict) else None
+    if isinstance(record_id, str) and _has_surrogate(record_id):
+        record_id = ascii(record_id)
     return f"{path}:{line}" + (f" (id {record_id})" if record_id is not None else "")
 
 
@@ -164,8 +201,9 @@ class ConversationRecords:
 
     Raises:
         FileNotFoundError: for a missing file or image folder.
-        ValueError: for a JSON array that does not parse (naming the line), an empty result,
-            or with `strict`, the first bad record (naming it).
+        ValueError: for a JSON array that does not parse or nests too deeply (naming the
+            line), one that is not UTF-8, an empty result, or with `strict`, the first bad
+            record (naming it).
     """
 
     def __init__(self, path: str | Path, image_folder: str | Path, *,
@@ -176,6 +214,7 @@ class ConversationRecords:
             raise FileNotFoundError(f"no conversation file {self.path}")
         if not self.image_folder.is_dir():
             raise FileNotFoundError(f"no image folder {self.image_folder}")
+        self._root = self.image_folder.resolve()
         self.skipped = SkippedRecords()
         spans: list[tuple[int, int, int, int, int]] = []  # start, end, line, images, chars
         for start, end, line, raw, error in self._scan():
@@ -183,7 +222,8 @@ class ConversationRecords:
             try:
                 if error is not None:
                     raise BadRecord(where, f"not JSON ({error})", "not JSON")
-                record = parse_record(raw, where, self.image_folder, image_token, check_files)
+                record = parse_record(raw, where, self.image_folder, image_token, check_files,
+                                      self._root)
             except BadRecord as bad:
                 if strict:
                     raise ValueError(str(bad)) from None
@@ -220,13 +260,22 @@ class ConversationRecords:
                 if not raw.strip():
                     continue
                 try:
-                    yield start, offset, line, json.loads(raw), None
+                    record = json.loads(raw)
                 except (json.JSONDecodeError, UnicodeDecodeError) as error:
                     yield start, offset, line, None, error
+                except RecursionError:
+                    yield start, offset, line, None, "nested too deeply"
+                else:
+                    yield start, offset, line, record, None
 
     def _scan_array(self):
         """One element at a time with `raw_decode`: each record is parsed, then dropped."""
-        text = self.path.read_text(encoding="utf-8")
+        # Decoded from bytes, not read as text: universal newlines would turn CRLF into LF and
+        # every byte offset after the first line end would be off.
+        try:
+            text = self.path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{self.path} is not UTF-8 text: {error}") from None
         decoder = json.JSONDecoder()
         position = text.index("[") + 1
         byte_position, char_position, line = len(text[:position].encode()), position, 1
@@ -249,6 +298,9 @@ class ConversationRecords:
                 raw, end = decoder.raw_decode(text, position)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{self.path} is not a JSON array of records: {error}") from None
+            except RecursionError:
+                raise ValueError(f"{self.path}: the record at line {line} is nested too deeply "
+                                 "to read") from None
             end_bytes = byte_position + len(text[position:end].encode())
             yield byte_position, end_bytes, line, raw, None
             position = skip(end)
@@ -268,10 +320,21 @@ class ConversationRecords:
         return f"{self.path}:{int(self.lines[index])}"
 
     def __getitem__(self, index: int) -> Record:
-        """Reads and checks record `index` from the file (cheap: one seek and one parse)."""
+        """Reads and checks record `index` from the file (cheap: one seek and one parse).
+
+        Raises:
+            BadRecord: naming the record, when the file changed since indexing.
+        """
         start, end = int(self.starts[index]), int(self.ends[index])
         with self.path.open("rb") as handle:
             handle.seek(start)
-            raw = json.loads(handle.read(end - start))
+            data = handle.read(end - start)
+        try:
+            raw = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+            reason = "nested too deeply" if isinstance(error, RecursionError) else error
+            raise BadRecord(self.where(index), f"not JSON ({reason}); was the file changed "
+                            "after indexing?", "not JSON") from None
         return parse_record(raw, _where(self.path, int(self.lines[index]), raw),
-                            self.image_folder, self.image_token, check_files=False)
+                            self.image_folder, self.image_token, check_files=False,
+                            folder_root=self._root)
