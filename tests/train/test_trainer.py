@@ -30,6 +30,7 @@ from vlm_vit.train import (
     parameter_groups,
 )
 from vlm_vit.train.checkpoint import checkpoint_path
+from vlm_vit.train.trainer import NothingTrainedError
 
 
 @pytest.fixture
@@ -145,10 +146,55 @@ def test_an_earlier_run_without_checkpoints_is_never_overwritten_silently(data, 
                                                                           resume):
     run_dir = tmp_path / "run"
     before = interrupted_before_a_checkpoint(data, run_dir)
-    message = "has no checkpoint to resume from" if resume else "holds an earlier run's"
+    message = ("has no checkpoint to resume from.*another run.*train lr 0.001 -> 0.002" if resume
+               else "holds an earlier run's")
     with pytest.raises(FileExistsError, match=f"{message}.*pass --overwrite"):
-        Trainer(toy_objective(), image_folder(data), config(), run_dir).fit(resume=resume)
+        Trainer(toy_objective(), image_folder(data), config(lr=2e-3), run_dir).fit(
+            resume=resume)
     assert {name: (run_dir / name).read_bytes() for name in before} == before
+
+
+def test_a_requeued_run_killed_before_its_first_checkpoint_starts_afresh(data, tmp_path,
+                                                                         caplog):
+    """SIGKILL while the first checkpoint is written, then the same command with --resume
+    (as a cluster requeue runs it) trains the run from the start (issue 26, item 5)."""
+    whole = Trainer(toy_objective(), image_folder(data), config(), tmp_path / "whole").fit()
+    run_dir = tmp_path / "run"
+    interrupted_before_a_checkpoint(data, run_dir)
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / ".step_00000001.pt.x1y2.tmp").write_bytes(b"PK\x03\x04 half")
+
+    caplog.set_level(logging.WARNING, logger="vlm_vit.train")
+    result = Trainer(toy_objective(), image_folder(data), config(), run_dir).fit(resume=True)
+
+    assert result.step == 6 and result.losses == whole.losses
+    with (run_dir / "metrics.csv").open() as handle:
+        assert [int(row["step"]) for row in csv.DictReader(handle)] == [1, 2, 3, 4, 5, 6]
+    assert not list((run_dir / "checkpoints").glob(".*.tmp"))
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("no checkpoint in" in m and "starting a fresh run" in m and "metrics.csv" in m
+               for m in warned), warned
+
+
+@pytest.mark.parametrize("name", ["model", "adapter", "objective.pt"])
+def test_overwrite_removes_every_output_of_an_earlier_run(data, tmp_path, name):
+    """The LLM bridge's model/, a LoRA run's adapter/ and objective.pt are a run's outputs
+    too: a fresh run refuses them, --overwrite removes them (issue 26, item 1)."""
+    run_dir = tmp_path / "run"
+    stale = run_dir / name
+    if "." in name:
+        stale.parent.mkdir()
+        stale.write_bytes(b"an earlier run's")
+    else:
+        (stale / "tower").mkdir(parents=True)
+        (stale / "tower" / "pooler.safetensors").write_bytes(b"an earlier run's")
+    with pytest.raises(FileExistsError, match=f"holds an earlier run's {name}"):
+        Trainer(toy_objective(), image_folder(data), config(steps=1), run_dir).fit()
+    Trainer(toy_objective(), image_folder(data), config(steps=1), run_dir).fit(overwrite=True)
+    if name == "objective.pt":
+        assert stale.read_bytes() != b"an earlier run's"  # this run's
+    else:
+        assert not stale.exists()
 
 
 def test_overwrite_starts_afresh_and_keeps_the_caller_s_files(data, tmp_path):
@@ -208,6 +254,20 @@ def test_undecodable_images_are_skipped_counted_and_named(tmp_path, caplog):
         assert str(path) in caplog.text
 
 
+def test_a_run_on_undecodable_images_only_fails_and_exports_nothing(tmp_path):
+    """Every image undecodable: no step trains, so there is no encoder to export (issue 26,
+    item 4), and the error says why."""
+    (tmp_path / "data").mkdir()
+    bad = write_bad_images(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    with pytest.raises(NothingTrainedError, match=r"no step of the 2 trained.*undecodable") \
+            as error:
+        Trainer(toy_objective(), image_folder(tmp_path / "data"),
+                config(steps=2, batch_size=2), run_dir).fit()
+    assert all(str(path) in str(error.value) for path in bad)
+    assert not (run_dir / "encoder").exists() and not (run_dir / "objective.pt").exists()
+
+
 def test_a_nan_loss_skips_its_update(data, tmp_path, caplog):
     run_dir = tmp_path / "run"
     caplog.set_level(logging.WARNING, logger="vlm_vit.train")
@@ -248,6 +308,25 @@ def test_gradient_accumulation_matches_one_full_batch(data, tmp_path):
     # Adam moves each weight by about lr * g / (|g| + eps): for the rare element whose
     # gradient is near eps, float rounding in g shows up as a few 1e-6 in the weight.
     assert_same_weights(final[0], final[1], atol=1e-5)
+
+
+def test_uneven_micro_batches_are_weighted_by_their_share_of_the_batch(tmp_path):
+    """3 decodable images of 4 in accumulation 2 split 2 + 1: each micro-batch's loss counts
+    by its share (2/3, 1/3), not by 1/2 each, so the step equals one full batch's (issue 26,
+    item 6)."""
+    write_noise_images(tmp_path / "data", 3)
+    write_bad_images(tmp_path / "data")[0].unlink()  # keep one undecodable file: 4 in all
+    exp_avg, losses = [], []
+    for accumulation in (1, 2):
+        run_dir = tmp_path / f"accumulate_{accumulation}"
+        result = Trainer(toy_objective(), image_folder(tmp_path / "data"),
+                         config(steps=1, grad_accumulation=accumulation), run_dir).fit()
+        assert result.undecodable_images == 1
+        losses.append(result.losses[0])
+        state = load_checkpoint(checkpoint_path(run_dir, 1))["optimizer"]["state"]
+        exp_avg.append({index: s["exp_avg"] for index, s in state.items()})
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    assert_same_weights(exp_avg[0], exp_avg[1], atol=1e-7)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -458,10 +537,10 @@ def test_a_step_without_images_leaks_no_scheduler_warning_and_logs_beside_the_ba
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            result = Trainer(toy_objective(), Undecodable(), config(steps=2), tmp_path / "run",
-                             progress_bar=True).fit()
+            with pytest.raises(NothingTrainedError, match="no step of the 2 trained"):
+                Trainer(toy_objective(), Undecodable(), config(steps=2), tmp_path / "run",
+                        progress_bar=True).fit()
     finally:
         root.removeHandler(handler)
-    assert result.skipped_steps == 2
     assert not [w for w in caught if "lr_scheduler" in str(w.message)]
     assert any("no decodable image" in line for line in written)  # through the bar's writer

@@ -14,6 +14,8 @@ A run directory ends up holding:
     checkpoints/       step_XXXXXXXX.pt, the newest `keep_checkpoints`
     objective.pt       the objective's final state dict
     encoder/           the final encoder in the native format (`vlm_vit.load_encoder`)
+    adapter/           instead of encoder/ for a LoRA objective: the adapter, in peft's format
+    model/             instead of both for an objective with its own `export` (the LLM bridge)
 
 Resuming is exact: a run stopped after any checkpoint and resumed takes the same steps, on
 the same batches with the same random draws, as one that never stopped (on the same
@@ -73,11 +75,12 @@ METRICS_NAME = "metrics.csv"
 OBJECTIVE_NAME = "objective.pt"
 ENCODER_DIR = "encoder"
 TENSORBOARD_DIR = "tensorboard"
+ADAPTER_DIR = "adapter"  # a LoRA run saves its adapter here instead of the encoder
+MODEL_DIR = "model"  # where an objective's own `export` writes (the LLM bridge's whole model)
 # What a run writes into its directory: a fresh run refuses to start over any of these, and
 # --overwrite removes exactly these (the caller's own files, such as finetune.json, stay).
 RUN_OUTPUTS = (ckpt.CHECKPOINT_DIR, METRICS_NAME, RUN_CONFIG_NAME, ENCODER_DIR, TENSORBOARD_DIR,
-               SAMPLES_DIR)
-ADAPTER_DIR = "adapter"  # a LoRA run saves its adapter here instead of the encoder
+               SAMPLES_DIR, OBJECTIVE_NAME, ADAPTER_DIR, MODEL_DIR)
 # What a resume reads from a checkpoint; one without them is skipped like a corrupt one.
 _CHECKPOINT_KEYS = ("progress", "objective", "optimizer", "scheduler", "scaler", "rng",
                     "config")
@@ -182,6 +185,11 @@ class TrainResult:
 
 class NonFiniteLossError(RuntimeError):
     """Training produced `max_bad_steps` non-finite losses or gradients in a row."""
+
+
+class NothingTrainedError(ValueError):
+    """No step of the run updated the weights (every batch undecodable or non-finite): there
+    is nothing to export."""
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -396,8 +404,9 @@ class Trainer:
         needs a `run_dir` without them, and a resume needs a checkpoint unless there are none.
 
         Args:
-            resume: continue from the newest checkpoint in `run_dir`; in an empty `run_dir`
-                it starts fresh and warns so.
+            resume: continue from the newest checkpoint in `run_dir`; in an empty `run_dir`,
+                or one an attempt of this same run left before its first checkpoint (a
+                requeue after a kill), it starts fresh and warns so.
             overwrite: remove an earlier run's files (`RUN_OUTPUTS`) first and start afresh.
 
         Returns:
@@ -443,7 +452,9 @@ class Trainer:
         Raises:
             NotADirectoryError: when `run_dir` is a file.
             FileExistsError: when `run_dir` holds an earlier run and neither a checkpoint to
-                resume nor `overwrite` says what to do with it.
+                resume nor `overwrite` says what to do with it (without a checkpoint, a
+                resume accepts only the outputs of this same run: its `run_config.json`
+                records the same model, training settings and data).
             ValueError: when resuming a run whose `run_config.json` records another encoder
                 or objective than this trainer's, naming each setting that differs.
         """
@@ -458,21 +469,42 @@ class Trainer:
             raise FileExistsError(f"{self.run_dir} already holds checkpoints (newest {found}); "
                                   "pass --resume (resume=True) to continue that run, "
                                   "--overwrite to replace it, or use another run directory")
+        recorded = self.run_dir / RUN_CONFIG_NAME
         if found is None and entries:
-            what = (f"has no checkpoint to resume from, but holds an earlier run's "
-                    f"{_listing(entries)}" if resume else
-                    f"holds an earlier run's {_listing(entries)}")
+            # A requeue of this run killed before its first checkpoint starts it afresh.
+            changed = self._recorded_changes(whole_run=True) if resume else None
+            if changed == []:
+                return
+            what = (f"holds an earlier run's {_listing(entries)}" if not resume else
+                    f"has no checkpoint to resume from, but holds an earlier run's "
+                    f"{_listing(entries)}" + (f", of another run ({recorded.name} -> now: "
+                                              f"{'; '.join(changed)})" if changed else ""))
             raise FileExistsError(f"{self.run_dir} {what}; pass --overwrite (overwrite=True) "
                                   f"to start afresh there, or use another run directory")
+        changed = self._recorded_changes(whole_run=False) if found is not None else None
+        if changed:
+            raise ValueError(f"{self.run_dir} was trained with another model than this run's "
+                             f"({recorded.name} -> now): {'; '.join(changed)}; resume with the "
+                             f"same model and settings, or start afresh with --overwrite")
+
+    def _recorded_changes(self, whole_run: bool) -> list[str] | None:
+        """How the run `run_config.json` records differs from this one (None without one):
+        its objective and encoder, and with `whole_run` (no checkpoint carries the rest) its
+        training settings, those `_HARMLESS_CHANGES` aside, and its data."""
         recorded = self.run_dir / RUN_CONFIG_NAME
-        if found is None or not recorded.is_file():
-            return
+        if not recorded.is_file():
+            return None
         from vlm_vit.files import read_json
 
         saved = read_json(recorded)
-        now = json.loads(json.dumps(self._described_model(), default=str))  # as recorded
+        now = self._described_model()
+        if whole_run:
+            now["train"] = {name: value for name, value in self.config.to_dict().items()
+                            if name not in _HARMLESS_CHANGES}
+            now["dataset"] = describe_dataset(self.dataset)
+        now = json.loads(json.dumps(now, default=str))  # as recorded
         changed = []
-        for part, settings in now.items():  # "objective", "encoder"
+        for part, settings in now.items():
             before = saved.get(part)
             if not (isinstance(before, dict) and isinstance(settings, dict)):
                 continue
@@ -480,10 +512,7 @@ class Trainer:
             changed += [f"{part} {key} {before[key]!r} -> {value!r}"
                         for key, value in settings.items()
                         if key in before and before[key] != value]
-        if changed:
-            raise ValueError(f"{self.run_dir} was trained with another model than this run's "
-                             f"({recorded.name} -> now): {'; '.join(changed)}; resume with the "
-                             f"same model and settings, or start afresh with --overwrite")
+        return changed
 
     def _fit(self, context: DistributedContext, resume: bool, overwrite: bool) -> TrainResult:
         config, objective = self.config, self.objective
@@ -500,14 +529,19 @@ class Trainer:
             raise ValueError(f"group_by_length needs a dataset with `lengths`; "
                              f"{type(self.dataset).__name__} has none")
         entries = [name for name in RUN_OUTPUTS if (self.run_dir / name).exists()]
-        if overwrite and entries:
+        found = ckpt.latest_checkpoint(self.run_dir)  # `check_run_dir` accepted what is here
+        # Without a checkpoint, `check_run_dir` let a resume past only this run's own outputs.
+        restart = resume and found is None and bool(entries)
+        if (overwrite or restart) and entries:
             if context.is_main:
-                log.warning("--overwrite: removing %s from %s", _listing(entries), self.run_dir)
+                if overwrite:
+                    log.warning("--overwrite: removing %s from %s", _listing(entries),
+                                self.run_dir)
                 for path in (self.run_dir / name for name in entries):
                     shutil.rmtree(path) if path.is_dir() and not path.is_symlink() \
                         else path.unlink()
             distributed.barrier(context)
-        found = ckpt.latest_checkpoint(self.run_dir)  # `check_run_dir` accepted what is here
+            found = None
         if context.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt.remove_stale_temporaries(self.run_dir)
@@ -539,7 +573,9 @@ class Trainer:
             rng_states = state["rng"]
             log.info("resuming from %s at step %d", found, progress.step)
         elif resume:
-            log.warning("--resume: no checkpoint in %s; starting a fresh run", self.run_dir)
+            log.warning("--resume: no checkpoint in %s; starting a fresh run%s", self.run_dir,
+                        f" (replacing the {_listing(entries)} an attempt of it left before "
+                        "its first checkpoint)" if restart else "")
         if context.is_main:
             self._write_run_config(context, resumed_from=found)
 
@@ -633,6 +669,8 @@ class Trainer:
                 truncated += [tuple(t) for t in rank_state["truncated"]]
             if without_image:
                 log.warning("skipped %d shard samples without an image", without_image)
+        if not any(math.isfinite(loss) for loss in progress.losses):
+            raise NothingTrainedError(_nothing_trained(progress, self.run_dir))
         if context.is_main:
             self._export(log)
         distributed.barrier(context)
@@ -952,6 +990,16 @@ class Trainer:
         else:
             log.warning("%s has no save_pretrained; only %s was written",
                         type(encoder).__name__, self.run_dir / OBJECTIVE_NAME)
+
+
+def _nothing_trained(progress: _Progress, run_dir: Path) -> str:
+    """Why a run whose every step was skipped exports nothing."""
+    undecodable = (f"{len(progress.undecodable_paths)} undecodable image files "
+                   f"({_listing(sorted(progress.undecodable_paths))})" if progress.undecodable_paths
+                   else "no undecodable image")
+    return (f"no step of the {progress.step} trained: every batch was skipped ({undecodable}; "
+            f"a step without a decodable image, or with a non-finite loss, makes no update), so "
+            f"no encoder was exported to {run_dir}; check the data")
 
 
 def _newest_checkpoint(run_dir: Path) -> str:
