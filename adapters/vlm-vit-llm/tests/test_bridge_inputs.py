@@ -84,6 +84,8 @@ def pickled(folder, name, weights):
     """Replaces `folder`'s safetensors weights by a pickle that needs code to load."""
     tensors = load_file(folder / weights)
     (folder / weights).unlink()
+    # A folder with no manifest (as another tool writes it): the pickle itself is refused.
+    (folder / "manifest.json").unlink(missing_ok=True)
     torch.save({**tensors, "call": print}, folder / name)
 
 
