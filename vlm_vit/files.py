@@ -256,6 +256,17 @@ def atomic_directory(path: str | Path, *, replaces: tuple[str, ...] = MODEL_FILE
         _FILLING.discard(filling)
 
 
+def resolves_inside(path: str | Path, *roots: Path) -> bool:
+    """Whether `path`, symbolic links followed, lies inside one of `roots` (resolved): how a
+    path named by a data file, an index or a cache is kept inside its folder. A link loop or
+    an unreadable folder counts as outside."""
+    try:
+        resolved = Path(path).resolve()
+    except (OSError, RuntimeError):
+        return False
+    return any(resolved.is_relative_to(root) for root in roots)
+
+
 def read_json(path: str | Path, max_bytes: int | None = None) -> dict[str, Any]:
     """Reads a JSON object, naming `path` when it is missing, malformed or hostile.
 

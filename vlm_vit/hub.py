@@ -208,14 +208,15 @@ def check_snapshot(snapshot: Path) -> None:
     Raises:
         ValueError: naming the file and where it leads.
     """
+    from vlm_vit.files import resolves_inside
     from vlm_vit.shards import allowed_roots
 
     roots = allowed_roots(snapshot)
     for path in snapshot.rglob("*"):
-        resolved = path.resolve()
-        if not any(resolved.is_relative_to(root) for root in roots):
-            raise ValueError(f"{path} in the Hugging Face cache is a link to {resolved}, "
-                             f"outside its repository's blobs/; refused")
+        if not resolves_inside(path, *roots):
+            raise ValueError(f"{path} in the Hugging Face cache is a link to "
+                             f"{os.path.realpath(path)}, outside its repository's blobs/; "
+                             f"refused")
 
 
 def push_to_hub(directory: str | Path, repo_id: str, *, private: bool | None = None,

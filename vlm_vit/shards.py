@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from pathlib import Path, PurePosixPath
 
 import torch
 
-from vlm_vit.files import atomic_write, read_json, read_safetensors, write_safetensors
+from vlm_vit.files import (
+    atomic_write,
+    read_json,
+    read_safetensors,
+    resolves_inside,
+    write_safetensors,
+)
 from vlm_vit.integrity import verify_files
 
 WEIGHTS_NAME = "model.safetensors"
@@ -78,10 +85,9 @@ def shard_path(directory: Path, name: object, index: Path, tensor: str | None = 
         raise ValueError(f"{index}: {entry} is not a .safetensors file; a shard index names "
                          f"only safetensors shards")
     path = directory / pure
-    resolved = path.resolve()
-    if not any(resolved.is_relative_to(root) for root in allowed_roots(directory)):
-        raise ValueError(f"{index}: {entry} is a link to {resolved}, outside {directory}; "
-                         f"refused")
+    if not resolves_inside(path, *allowed_roots(directory)):
+        raise ValueError(f"{index}: {entry} is a link to {os.path.realpath(path)}, outside "
+                         f"{directory}; refused")
     return path
 
 

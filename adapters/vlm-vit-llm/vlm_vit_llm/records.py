@@ -34,6 +34,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from vlm_vit.files import resolves_inside
+
 logger = logging.getLogger(__name__)
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -101,14 +103,6 @@ def _has_surrogate(text: str) -> bool:
     return False
 
 
-def _inside(path: Path, root: Path) -> bool:
-    """Whether `path`, symbolic links followed, lies inside `root` (already resolved)."""
-    try:
-        return path.resolve().is_relative_to(root)
-    except (OSError, RuntimeError):  # a symbolic link loop, an unreadable folder
-        return False
-
-
 def parse_record(raw: Any, where: str, image_folder: Path, image_token: str = "<image>",
                  check_files: bool = True, folder_root: Path | None = None) -> Record:
     """Checks one parsed record and returns it with roles mapped and paths resolved.
@@ -166,7 +160,7 @@ def parse_record(raw: Any, where: str, image_folder: Path, image_token: str = "<
     paths = [image_folder / name for name in names]
     if folder_root is not None:
         for name, path in zip(names, paths, strict=True):
-            if not _inside(path, folder_root):
+            if not resolves_inside(path, folder_root):
                 raise bad(f"image {name!r} resolves outside the image folder {image_folder}",
                           "image outside the image folder")
     if check_files:
