@@ -55,3 +55,41 @@ def test_a_device_that_is_not_there_is_one_line(command, device, message, capsys
     assert main([*argv, "--device", device]) == 1
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("command", sorted(commands_with_a_device()))
+def test_auto_reaches_every_command_as_a_real_device(command, monkeypatch):
+    """`--device auto` is resolved once, in `main`, for every command (plugins' included):
+    the command's body receives a device torch accepts, never the word "auto"."""
+    import vlm_vit.cli as cli
+
+    parser = build_parser()
+    seen = {}
+    sub = parser
+    for name in command.split():
+        action = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction))
+        sub = action.choices[name]
+    sub.set_defaults(run=lambda args: seen.setdefault("device", args.device) and 0)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    assert main([*commands_with_a_device()[command], "--device", "auto"]) == 0
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert seen["device"] == expected and torch.device(seen["device"]).type == expected
+
+
+def test_encode_runs_with_device_auto(tmp_path, capsys):
+    """The crash users met: `encode --device auto` gave "unexpected RuntimeError ... device
+    string: auto" after checking the flag."""
+    from PIL import Image
+
+    from vlm_vit.model import VisionEncoder
+
+    from ..conftest import tiny_config
+
+    torch.manual_seed(0)
+    VisionEncoder(tiny_config()).save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "imgs").mkdir()
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(tmp_path / "imgs" / "a.png")
+    out = tmp_path / "tokens.safetensors"
+    assert main(["encode", str(tmp_path / "ckpt"), str(tmp_path / "imgs"), "-o", str(out),
+                 "--device", "auto", "--quiet"]) == 0, capsys.readouterr().err
+    assert out.is_file()

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "device", None) is not None:  # every command's --device, plugins too
             from vlm_vit.cli.common import check_device
 
-            check_device(args.device)
+            args.device = check_device(args.device)  # "auto" resolved once, here
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
         print(f"vlm-vit {args.command}: interrupted", file=sys.stderr)

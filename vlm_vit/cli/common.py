@@ -13,16 +13,19 @@ from vlm_vit.model import VisionEncoder
 from vlm_vit.registry import UnknownNameError
 
 
-def check_device(device: str) -> None:
-    """Refuses a `--device` that is not one, or not on this machine, in one line.
+def check_device(device: str) -> str:
+    """The `--device` every command runs on: "auto" becomes "cuda" when CUDA is available,
+    else "cpu" (a bare "cuda" still means each torchrun process's own GPU); any other
+    device is returned as given once it is known to be on this machine.
 
     Raises:
-        ValueError: naming the device and what to use instead.
+        ValueError: for a device that is not one, or not on this machine, naming it and
+            what to use instead.
     """
     import torch
 
     if device == "auto":
-        return
+        return "cuda" if torch.cuda.is_available() else "cpu"
     try:
         resolved = torch.device(device)
     except (RuntimeError, ValueError):
@@ -40,6 +43,7 @@ def check_device(device: str) -> None:
                          f"cpu")
     elif resolved.type not in ("cpu", "cuda", "mps"):
         raise ValueError(f"--device {device}: vlm-vit runs on cpu, cuda or mps")
+    return device
 
 
 def image_size(values: list[int] | None) -> tuple[int, int] | None:
