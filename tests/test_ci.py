@@ -27,3 +27,17 @@ def test_ci_runs_ruff_between_the_install_and_the_readme_s_tests():
     pytest = next(i for i, step in enumerate(ci) if "-m pytest" in step)
     assert pip < ci.index(RUFF) < pytest  # with ruff installed, before any test
     assert [s for s in ci if s != RUFF] == [s for s in steps(block[1]) if s != RUFF]
+
+
+def test_the_readme_installs_torch_s_cpu_build_and_nothing_replaces_it():
+    """Issue 27, 10: on a CPU machine the README installs PyTorch's CPU build first, and no
+    requirement of ours or of a plugin pins torch or torchvision in a way that would make pip
+    replace it with the CUDA build."""
+    readme = (REPO / "README.md").read_text()
+    quickstart = readme.index("## Quickstart")
+    cpu = readme.index("pip install torch torchvision --index-url "
+                       "https://download.pytorch.org/whl/cpu")
+    assert quickstart < cpu < readme.index("## Using it")
+    for pyproject in [REPO / "pyproject.toml", *REPO.glob("adapters/*/pyproject.toml")]:
+        for name, spec in re.findall(r'"(torchvision|torch)\b\s*([^";]*)', pyproject.read_text()):
+            assert spec == "" or re.fullmatch(r">=\s*[\d.]+", spec), (pyproject, name, spec)

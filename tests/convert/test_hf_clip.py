@@ -75,6 +75,11 @@ def test_clip_vision_model_matches_transformers(tmp_path, act):
     close(out.hidden_states[-1], expected.last_hidden_state)
     close(out.cls_token, expected.pooler_output)
     close(tower_out, expected.pooler_output)
+    # The README's token contract: out.tokens is not CLIP's last_hidden_state (issue 27, 6).
+    with torch.no_grad():
+        last = ours(x, feature_layers=[-1]).features[0]
+    close(last, expected.last_hidden_state)
+    assert (out.tokens - expected.last_hidden_state).abs().max() > 0.1
 
 
 def test_detection_and_default_processor(tmp_path):
