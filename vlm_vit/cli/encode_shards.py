@@ -2,23 +2,34 @@
 
 WebDataset tar shards (a brace pattern, a glob, a folder of tars, several of these, or a
 `pipe:` URL; see `vlm_vit.train.tar_shards`) give one file per shard in the folder `-o OUT`:
-`OUT/<shard name less .tar, .tar.gz or .tgz>.safetensors`. Row i of its `tokens` (or
-`layer_K`) is the i-th sample of the shard that was encoded, whose `__key__` is `keys[i]`.
+`OUT/<shard name less .tar, .tar.gz or .tgz>.safetensors` (escaped, as below). Row i of its
+`tokens` (or `layer_K`) is the i-th sample of the shard that was encoded, whose `__key__` is
+`keys[i]`.
 Its metadata (strings; JSON where structured):
 
 - `keys`: the encoded samples' keys, in shard order; `samples`: how many (N).
 - `skipped`: [{"key", "reason"}] for undecodable images and samples without an image.
 - `shard`: the input URL; `read`: samples read from it; `truncated`: "true" when the shard
   ended early (its readable samples are encoded; a rerun reads it again).
+- `source`: for a local shard, {"size", "mtime_ns", "dataset_json"}: the shard file's size
+  and modification time and the sha256 of the `dataset.json` beside it (null without one)
+  when it was encoded; null for a URL.
 - `grid`, `num_prefix_tokens`, `model`, `settings` (the options that shape the tokens), and
   `complete`: "true".
 
-Each file is written to a hidden temporary file in OUT and then renamed, so a killed job
-leaves only whole files; rerunning the same command skips the shards whose file is complete
-and removes the temporary files the killed run left; an output of another shard, model or
-settings is never overwritten (the run stops, naming it). Under torchrun (RANK and
-WORLD_SIZE set) each process encodes every WORLD_SIZE-th shard; no process group is needed,
-and rank 0 prints its own summary.
+Names (keys, the shard URL, the model) are written as `tar_shards.escape_name` writes them:
+one line of UTF-8, `unescape_name` gives the name back (a name of printable UTF-8 without a
+backslash is unchanged).
+
+OUT is locked for the job (`RunLock`: rank 0 holds `OUT/.lock`, rank R > 0
+`OUT/.rank_R/.lock`), so a second job on OUT is refused, naming the holder's pid. Each file
+is written to a hidden temporary file in OUT and then renamed, so a killed job leaves only
+whole files; rerunning the same command skips the shards whose file is complete and removes
+the temporary files the killed run left; a shard whose size, modification time or
+`dataset.json` differ from its output's `source` (rewritten since) is encoded again, with a
+warning; an output of another shard, model or settings is never overwritten (the run stops,
+naming it). Under torchrun (RANK and WORLD_SIZE set) each process encodes every
+WORLD_SIZE-th shard; no process group is needed, and rank 0 prints its own summary.
 """
 
 from __future__ import annotations
@@ -37,21 +48,28 @@ from tqdm import tqdm
 from vlm_vit.cli.common import check_output_apart
 from vlm_vit.cli.encode import DTYPES, encode_batch, prepare_encoder
 from vlm_vit.files import write_safetensors
+from vlm_vit.integrity import file_sha256
 from vlm_vit.model import VisionEncoder
 from vlm_vit.processor import ImageProcessor
+from vlm_vit.train.run_lock import RunDirectoryInUse, RunLock
+from vlm_vit.train.run_lock import _describe as describe_holder
 from vlm_vit.train.tar_shards import (
+    DATASET_INDEX,
     SHARD_SUFFIXES,
     URL_PREFIXES,
     ShardProblems,
+    escape_name,
     expand_shards,
     rank_shards,
+    read_dataset_index,
     read_shard,
 )
 
 
 def shard_output_name(url: str) -> str:
     """The output file name of a shard: its base name less the shard suffix, plus
-    `.safetensors` (for a `pipe:` URL, the last word that ends in a shard suffix).
+    `.safetensors` (for a `pipe:` URL, the last word that ends in a shard suffix), escaped
+    by `escape_name` (a name that is not UTF-8, or holds a newline, is written as escapes).
 
     Raises:
         ValueError: when no word of `url` ends in a shard suffix.
@@ -63,7 +81,7 @@ def shard_output_name(url: str) -> str:
     if not stem:
         raise ValueError(f"cannot name the output of shard {url!r}: no word of it is a file "
                          f"name ending in {', '.join(SHARD_SUFFIXES)}")
-    return f"{stem}.safetensors"
+    return f"{escape_name(stem)}.safetensors"  # a name safetensors can open: UTF-8
 
 
 def _output_paths(shards: list[str], out: Path) -> list[Path]:
@@ -117,9 +135,65 @@ def _settings(args: argparse.Namespace) -> str:
                        "normalize": args.normalize})
 
 
-def _is_complete(path: Path, url: str, model: str, settings: str) -> bool:
+def _lock_output(out: Path, rank: int) -> RunLock:
+    """Takes this process's lock on OUT: `OUT/.lock` for rank 0, `OUT/.rank_R/.lock` for
+    rank R > 0 (so the ranks of one job never refuse each other).
+
+    Raises:
+        RunDirectoryInUse: naming OUT and the holder's pid when another job holds it.
+    """
+    lock = RunLock(out if rank == 0 else out / f".rank_{rank}")
+    try:
+        lock.acquire()
+    except RunDirectoryInUse:
+        try:
+            who = describe_holder(lock.path.read_text())
+        except OSError:
+            who = "a process that left no details"
+        its_rank = f", its rank {rank}" if rank else ""
+        raise RunDirectoryInUse(f"-o {out} is in use by another encode job ({who}{its_rank}); "
+                                "wait for it to finish, stop it, or choose another -o") from None
+    return lock
+
+
+def _shard_source(url: str, digests: dict[Path, str | None]) -> dict | None:
+    """What identifies a local shard's content: its size, its modification time and the
+    sha256 of the `dataset.json` beside it (None without one); None for a URL. `digests`
+    caches the digest per folder."""
+    if url.startswith(URL_PREFIXES):
+        return None
+    path = Path(url)
+    status = path.stat()
+    index = path.parent / DATASET_INDEX
+    if index.parent not in digests:
+        digests[index.parent] = file_sha256(index) if index.is_file() else None
+    return {"size": status.st_size, "mtime_ns": status.st_mtime_ns,
+            "dataset_json": digests[index.parent]}
+
+
+def _source_change(recorded: str | None, source: dict | None) -> str | None:
+    """How shard's `source` differs from the one its output recorded, or None when equal."""
+    if recorded is None:  # written by an older vlm-vit
+        return None if source is None else "its output records no size or time of it"
+    try:
+        before = json.loads(recorded)
+    except ValueError:
+        before = {}
+    if before == source:
+        return None
+    if not isinstance(before, dict) or source is None:
+        return f"its output records {recorded}, it is now {json.dumps(source)}"
+    words = {"size": "size", "mtime_ns": "modification time", "dataset_json": "dataset.json"}
+    changed = [word for name, word in words.items() if before.get(name) != source.get(name)]
+    return f"its {', '.join(changed)} changed since it was encoded"
+
+
+def _is_complete(path: Path, url: str, model: str, settings: str,
+                 source: dict | None) -> bool:
     """Whether `path` is a whole output of shard `url` by this model and settings (a rerun
-    skips it). A truncated shard's output is not: the rerun reads the shard again.
+    skips it). A truncated shard's output is not: the rerun reads the shard again; nor is one
+    whose recorded `source` differs from the shard's now (rewritten since): said in a
+    warning.
 
     Raises:
         ValueError: when `path` is not an encode output, or one of another shard, model or
@@ -135,11 +209,18 @@ def _is_complete(path: Path, url: str, model: str, settings: str) -> bool:
     except (SafetensorError, OSError) as error:
         raise ValueError(f"{path} exists and is not a readable safetensors file ({error}); "
                          "remove it or choose another -o") from None
-    for name, value in (("shard", url), ("model", model), ("settings", settings)):
+    for name, value in (("shard", escape_name(url)), ("model", escape_name(model)),
+                        ("settings", settings)):
         if metadata.get(name) != value:
             raise ValueError(f"{path} was encoded with {name} {metadata.get(name)}, this run "
                              f"has {value}; remove it or choose another -o")
-    return metadata.get("complete") == "true" and metadata.get("truncated") != "true"
+    if metadata.get("complete") != "true" or metadata.get("truncated") == "true":
+        return False
+    change = _source_change(metadata.get("source"), source)
+    if change is not None:
+        _warn(f"shard {escape_name(url)}: {change}; encoding it again into {path}")
+        return False
+    return True
 
 
 def _remove_leftovers(out: Path, outputs: list[Path]) -> int:
@@ -169,22 +250,24 @@ class _ShardRecord:
 def _shard_batches(url: str, index: int, processor: ImageProcessor, batch_size: int,
                    record: _ShardRecord) -> Iterator[torch.Tensor]:
     """The shard's images, preprocessed, in batches `[B, 3, H, W]` of `batch_size`; the
-    encoded samples' keys and the skipped ones go to `record`."""
+    encoded samples' keys and the skipped ones go to `record`, escaped (`escape_name`)."""
     pixels: list[torch.Tensor] = []
     for sample in read_shard(url, index, problems=record.problems):
         record.read += 1
+        key = escape_name(sample.key)
         data = sample.image()
         if data is None:
-            record.skipped.append({"key": sample.key, "reason": "no image (fields: "
-                                   f"{', '.join(sorted(sample.fields)) or 'none'})"})
+            fields = ", ".join(escape_name(name) for name in sorted(sample.fields))
+            record.skipped.append({"key": key, "reason": f"no image (fields: {fields or 'none'})"})
             continue
+        name = f"image {escape_name(sample.shard)}:{key}"
         try:  # decoded as `processor(path)` decodes a file, so the tokens match a folder's
-            image = processor.preprocess_one(processor.load(data, f"image {sample.name}"))
+            image = processor.preprocess_one(processor.load(data, name))
         except ValueError as error:  # ImageLoadError, ImageTooLargeError
-            record.skipped.append({"key": sample.key, "reason": str(error)})
+            record.skipped.append({"key": key, "reason": str(error)})  # names escaped
             continue
         pixels.append(image)
-        record.keys.append(sample.key)
+        record.keys.append(key)
         if len(pixels) == batch_size:
             yield torch.stack(pixels)
             pixels = []
@@ -202,8 +285,11 @@ def _empty_tokens(args: argparse.Namespace, encoder: VisionEncoder) -> torch.Ten
 
 def _encode_shard(args: argparse.Namespace, url: str, index: int, path: Path,
                   encoder: VisionEncoder, processor: ImageProcessor,
-                  layers: list[int] | None, names: list[str]) -> _ShardRecord:
-    """Encodes one shard and writes its output atomically (`write_safetensors`)."""
+                  layers: list[int] | None, names: list[str],
+                  source: dict | None) -> _ShardRecord:
+    """Encodes one shard and writes its output atomically (`write_safetensors`); `source`
+    is the shard's size and time taken before it is read (a change after that makes the
+    next run encode it again)."""
     record = _ShardRecord()
     parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     with torch.inference_mode():
@@ -215,12 +301,12 @@ def _encode_shard(args: argparse.Namespace, url: str, index: int, path: Path,
                for name, chunks in parts.items()}
     truncated = bool(record.problems.truncated)
     metadata = {
-        "keys": json.dumps(record.keys), "shard": url, "samples": str(len(record.keys)),
-        "read": str(record.read), "skipped": json.dumps(record.skipped),
-        "truncated": "true" if truncated else "false",
-        "grid": json.dumps(list(encoder.config.grid)),
+        "keys": json.dumps(record.keys), "shard": escape_name(url),
+        "samples": str(len(record.keys)), "read": str(record.read),
+        "skipped": json.dumps(record.skipped), "truncated": "true" if truncated else "false",
+        "source": json.dumps(source), "grid": json.dumps(list(encoder.config.grid)),
         "num_prefix_tokens": str(0 if args.drop_prefix else encoder.num_prefix_tokens),
-        "model": str(args.model), "settings": _settings(args), "complete": "true",
+        "model": escape_name(str(args.model)), "settings": _settings(args), "complete": "true",
     }
     write_safetensors(tensors, path, metadata=metadata)
     return record
@@ -228,6 +314,17 @@ def _encode_shard(args: argparse.Namespace, url: str, index: int, path: Path,
 
 def _warn(message: str) -> None:
     tqdm.write(f"vlm-vit encode: warning: {message}", file=sys.stderr)
+
+
+def _warn_about_shard_folders(shards: list[str]) -> None:
+    """Reads the `dataset.json` of each folder of local shards, which warns (logging) of a
+    folder a killed `vlm-vit shards` left, naming what is missing."""
+    first: dict[Path, str] = {}
+    for url in shards:
+        if not url.startswith(URL_PREFIXES):
+            first.setdefault(Path(url).parent, url)
+    for url in first.values():
+        read_dataset_index([url])
 
 
 def run_shards(args: argparse.Namespace) -> int:
@@ -241,10 +338,24 @@ def run_shards(args: argparse.Namespace) -> int:
     rank, world = _rank_and_world()
     if world > 1 and args.device == "cuda" and "LOCAL_RANK" in os.environ:
         args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    lock = _lock_output(args.out, rank)  # before anything in OUT is read or removed
+    try:
+        return _encode_shards(args, shards, outputs, rank, world)
+    finally:
+        lock.release()
+
+
+def _encode_shards(args: argparse.Namespace, shards: list[str], outputs: list[Path],
+                   rank: int, world: int) -> int:
+    """This process's share of the shards, with OUT locked."""
+    if rank == 0:
+        _warn_about_shard_folders(shards)
     mine = rank_shards(shards, rank, world)
     settings = _settings(args)
+    digests: dict[Path, str | None] = {}
+    sources = {i: _shard_source(shards[i], digests) for i in mine}
     todo = [i for i in mine if not _is_complete(outputs[i], shards[i], str(args.model),
-                                                 settings)]
+                                                 settings, sources[i])]
     complete = len(mine) - len(todo)
     args.out.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(args.out, [outputs[i] for i in mine])
@@ -257,16 +368,18 @@ def run_shards(args: argparse.Namespace) -> int:
             progress.set_postfix(images=0)
             for index in todo:
                 record = _encode_shard(args, shards[index], index, outputs[index], encoder,
-                                       processor, layers, names)
+                                       processor, layers, names, sources[index])
                 written, images = written + 1, images + len(record.keys)
                 skipped += len(record.skipped)
                 for url, read, error in record.problems.truncated:
-                    _warn(f"shard {url} is truncated after {read} samples ({error}); encoded "
+                    _warn(f"shard {escape_name(url)} is truncated after {read} samples "
+                          f"({error}); encoded "
                           f"the {len(record.keys)} images read, in {outputs[index]}")
                 if record.skipped:
                     shown = "; ".join(f"{s['key']}: {s['reason']}" for s in record.skipped[:3])
                     more = len(record.skipped) - 3
-                    _warn(f"skipped {len(record.skipped)} samples of shard {shards[index]} "
+                    _warn(f"skipped {len(record.skipped)} samples of shard "
+                          f"{escape_name(shards[index])} "
                           f"({shown}{f'; and {more} more' if more > 0 else ''})")
                 progress.set_postfix(images=images, refresh=False)
                 progress.update(1)
