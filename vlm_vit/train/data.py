@@ -107,8 +107,8 @@ def read_caption_lines(path: str | Path) -> list[tuple[str, dict[str, str]]]:
 
     Raises:
         FileNotFoundError: for a missing file.
-        ValueError: for a file that is not UTF-8, a line that is not JSON or not such an
-            object (naming the line), or a file without a caption.
+        ValueError: for a file that is not UTF-8, a line that is not JSON, nests too deeply
+            to parse or is not such an object (naming the line), or a file without a caption.
     """
     path = Path(path)
     if not path.is_file():
@@ -124,6 +124,9 @@ def read_caption_lines(path: str | Path) -> list[tuple[str, dict[str, str]]]:
                     row = json.loads(line)
                 except json.JSONDecodeError as error:
                     raise ValueError(f"{where} is not JSON: {error}") from None
+                except RecursionError:  # json's C scanner recurses once per [ or {
+                    raise ValueError(f"{where} is nested too deeply to read (JSON arrays or "
+                                     "objects inside one another)") from None
                 if not isinstance(row, dict) or not all(
                         isinstance(row.get(key), str) for key in ("image", "caption")) \
                         or not isinstance(row.get("prompt", ""), str):

@@ -15,17 +15,6 @@ from vlm_vit_llm import MultimodalLM
 from vlm_vit_llm.records import ConversationRecords
 from vlm_vit_llm.train import ConversationDataset, read_captions
 
-# Fixes still pending outside vlm_vit_llm/records.py: these tests fail on today's code.
-CAPTIONS_ESCAPE = ("issue 26, 2: read_captions (vlm_vit_llm/train.py) does not check yet "
-                   "that a line's image resolves inside the image folder")
-LIMIT_LENGTH = ("issue 26, 3: ConversationRecords.limit_length and "
-                "ConversationDataset(max_length=...) are not written yet")
-CAPTIONS_DEEP = ("issue 26, 4: read_caption_lines (vlm_vit/train/data.py) lets a "
-                 "RecursionError out yet")
-CHANGED_FILE = ("issue 26, 4: records[i] raises a BadRecord for a changed file, but "
-                "ConversationDataset (vlm_vit_llm/train.py) does not turn it into an "
-                "UndecodableImage yet")
-
 
 @pytest.fixture
 def wroot(tmp_path):
@@ -58,7 +47,6 @@ def test_a_record_naming_an_image_outside_the_folder_is_a_bad_record(tmp_path, w
         ConversationRecords(path, wroot, strict=True, check_files=False)
 
 
-@pytest.mark.xfail(strict=True, reason=CAPTIONS_ESCAPE)
 @pytest.mark.parametrize("name", ESCAPES)
 def test_a_captions_line_naming_an_image_outside_the_folder_is_refused(tmp_path, wroot, name):
     captions = write_captions(tmp_path / "data", ["a red square"])
@@ -68,7 +56,6 @@ def test_a_captions_line_naming_an_image_outside_the_folder_is_refused(tmp_path,
         read_captions(captions, wroot)
 
 
-@pytest.mark.xfail(strict=True, reason=LIMIT_LENGTH)
 def test_records_whose_images_alone_pass_max_length_are_refused_at_indexing(
         tmp_path, tokenizer, monkeypatch):
     images = write_images(tmp_path / "images")
@@ -113,7 +100,6 @@ def test_a_record_nested_too_deeply_is_a_bad_record_or_a_named_error(tmp_path):
         ConversationRecords(array, images)
 
 
-@pytest.mark.xfail(strict=True, reason=CAPTIONS_DEEP)
 def test_a_captions_line_nested_too_deeply_is_refused_by_line(tmp_path):
     captions = write_captions(tmp_path / "data", ["a red square"])
     captions.write_text(captions.read_text() + "[" * 100_000 + "]" * 100_000 + "\n")
@@ -132,7 +118,6 @@ def test_a_json_array_with_crlf_line_ends_reads_every_record(tmp_path):
         record["conversations"][-1]["value"] for record in GOOD]
 
 
-@pytest.mark.xfail(strict=True, reason=CHANGED_FILE)
 def test_a_record_changed_after_indexing_is_a_named_bad_item(tmp_path, tokenizer):
     images = write_images(tmp_path / "images")
     path = write_records(tmp_path / "data.jsonl", GOOD)

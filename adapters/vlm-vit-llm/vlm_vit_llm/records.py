@@ -209,6 +209,7 @@ class ConversationRecords:
         if not self.image_folder.is_dir():
             raise FileNotFoundError(f"no image folder {self.image_folder}")
         self._root = self.image_folder.resolve()
+        self.strict = strict
         self.skipped = SkippedRecords()
         spans: list[tuple[int, int, int, int, int]] = []  # start, end, line, images, chars
         for start, end, line, raw, error in self._scan():
@@ -307,6 +308,58 @@ class ConversationRecords:
                 raise ValueError(f"{self.path} is not a JSON array of records: expected ',' "
                                  f"or ']' at {where}")
 
+    def limit_length(self, max_length: int, image_tokens: int) -> int:
+        """Drops the records whose images alone take more than `max_length` positions, from
+        the counts at indexing, so none of their images is ever decoded (a record with 10,000
+        `<image>` would be read in full before the collate refused it). Skipped and named as
+        bad records, or refused with `strict`.
+
+        Args:
+            max_length: the longest sequence, image positions included.
+            image_tokens: positions one image takes in the LLM.
+
+        Returns:
+            How many records were dropped.
+
+        Raises:
+            ValueError: with `strict`, naming the first such record; when no record is left.
+        """
+        too_long = self.image_counts * image_tokens > max_length
+        for index in np.flatnonzero(too_long):
+            count = int(self.image_counts[index])
+            reason = (f"its {count} image(s) take {count * image_tokens} tokens, more than "
+                      f"max_length {max_length}")
+            where = self._named(int(index))
+            if self.strict:
+                raise ValueError(f"{where}: {reason}")
+            self.skipped.add(where, reason, "images longer than max_length")
+        dropped = int(too_long.sum())
+        if not dropped:
+            return 0
+        if dropped == len(self):
+            raise ValueError(f"{self.path} holds no record whose images fit in max_length "
+                             f"{max_length} ({image_tokens} tokens an image)")
+        keep = ~too_long
+        self.starts, self.ends, self.lines = self.starts[keep], self.ends[keep], self.lines[keep]
+        self.image_counts, self.text_lengths = self.image_counts[keep], self.text_lengths[keep]
+        return dropped
+
+    def _named(self, index: int) -> str:
+        """`file:line (id ...)` of record `index`; its id is read back only while the skipped
+        records are still named one by one (`NAMED_SKIPS`)."""
+        if len(self.skipped.named) >= NAMED_SKIPS and not self.strict:
+            return self.where(index)
+        try:
+            return _where(self.path, int(self.lines[index]), json.loads(self._read(index)))
+        except (ValueError, RecursionError):  # changed since indexing: its line names it
+            return self.where(index)
+
+    def _read(self, index: int) -> bytes:
+        start, end = int(self.starts[index]), int(self.ends[index])
+        with self.path.open("rb") as handle:
+            handle.seek(start)
+            return handle.read(end - start)
+
     def __len__(self) -> int:
         return len(self.starts)
 
@@ -319,12 +372,8 @@ class ConversationRecords:
         Raises:
             BadRecord: naming the record, when the file changed since indexing.
         """
-        start, end = int(self.starts[index]), int(self.ends[index])
-        with self.path.open("rb") as handle:
-            handle.seek(start)
-            data = handle.read(end - start)
         try:
-            raw = json.loads(data)
+            raw = json.loads(self._read(index))
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
             reason = "nested too deeply" if isinstance(error, RecursionError) else error
             raise BadRecord(self.where(index), f"not JSON ({reason}); was the file changed "

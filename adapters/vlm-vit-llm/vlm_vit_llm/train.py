@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from vlm_vit import ImageProcessor
+from vlm_vit.files import resolves_inside
 from vlm_vit.pretrain.base import ObjectiveOutput
 from vlm_vit.train.data import ImageBatch, UndecodableImage, read_caption_lines
 from vlm_vit_llm.chat import chat_template, tokenize_conversation
@@ -52,12 +53,17 @@ def read_captions(captions_file: str | Path, root: str | Path) -> list[Caption]:
     Raises:
         FileNotFoundError: for a missing captions file or image (naming the line).
         ValueError: for a line that is not an object with string "image" and "caption" (and
-            a string "prompt", if any), or an empty file.
+            a string "prompt", if any), a line whose image resolves outside `root` (`..`, an
+            absolute path, a symbolic link out), or an empty file.
     """
     root = Path(root)
+    resolved_root = root.resolve()
     rows = []
     for where, row in read_caption_lines(captions_file):
         path = root / row["image"]
+        if not resolves_inside(path, resolved_root):
+            raise ValueError(f"{where}: image {row['image']!r} resolves outside the image "
+                             f"folder {root}")
         if not path.is_file():
             raise FileNotFoundError(f"{where}: no image {path}")
         rows.append(Caption(path, row["caption"], row.get("prompt")))
@@ -160,13 +166,17 @@ class ConversationDataset(torch.utils.data.Dataset):
     """LLaVA-format conversations (`vlm_vit_llm.records`) with their images preprocessed.
 
     Items are `ConversationItem`s, or an `UndecodableImage` naming the record and the file
-    when one of its images does not decode (the collate drops the record, the trainer counts
-    and names it).
+    when one of its images does not decode, or the record no longer reads as it did at
+    indexing (the file changed): the collate drops the record, the trainer counts and names
+    it.
 
     Args:
         records: the indexed file.
         processor: the tower's preprocessing.
-        image_tokens: tokens one image takes in the LLM (for `lengths`).
+        image_tokens: tokens one image takes in the LLM (for `lengths` and `max_length`).
+        max_length: the longest sequence (`ConversationCollate`'s); records whose images
+            alone are longer are dropped from `records` here, before any image is decoded
+            (`ConversationRecords.limit_length`). None: no such check.
 
     Attributes:
         lengths: `[N]` estimated tokens per record (text characters / 4 plus image tokens),
@@ -175,9 +185,11 @@ class ConversationDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, records: ConversationRecords, processor: ImageProcessor,
-                 image_tokens: int = 0):
+                 image_tokens: int = 0, max_length: int | None = None):
         self.records, self.processor = records, processor
         self.root = records.path
+        if max_length is not None:
+            records.limit_length(max_length, image_tokens)
         estimate = records.text_lengths // 4 + records.image_counts * image_tokens + 1
         self.lengths = np.where(records.image_counts > 0, estimate, -estimate)
 
@@ -185,7 +197,10 @@ class ConversationDataset(torch.utils.data.Dataset):
         return len(self.records)
 
     def __getitem__(self, index: int) -> ConversationItem | UndecodableImage:
-        record = self.records[index]
+        try:
+            record = self.records[index]
+        except BadRecord as bad:  # the file changed after indexing
+            return UndecodableImage(bad.where, bad.reason)
         pixels = []
         for path in record.images:
             try:
