@@ -147,8 +147,9 @@ def test_a_name_that_is_not_cached_says_where_it_looked_and_how_to_fetch_it(cach
     message = str(caught.value)
     for part in ("openai/clip-vit-large-patch14-336 is not a local path", str(cache),
                  "HF_HUB_OFFLINE is set", "vlm-vit download openai/clip-vit-large-patch14-336",
-                 "huggingface-cli download openai/clip-vit-large-patch14-336"):
+                 "`hf download openai/clip-vit-large-patch14-336`"):
         assert part in message
+    assert "huggingface-cli" not in message  # huggingface_hub 1.0 and later have `hf` only
     assert isinstance(caught.value, FileNotFoundError)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_encoder("/no/such/dir")  # a path, not a name
@@ -341,3 +342,14 @@ def test_a_snapshot_file_linked_outside_the_cache_is_refused(tmp_path, cache, ca
     assert "outside its repository's blobs/" in err[-1]
     with pytest.raises(ValueError, match="model.safetensors in the Hugging Face cache"):
         load_encoder("org/clip")
+
+
+def test_a_failed_download_does_not_advise_running_itself(cache, capsys):
+    """Issue 27, 9: `vlm-vit download X` that cannot fetch X says why and what to change,
+    not "run `vlm-vit download X`"."""
+    assert main(["download", "org/missing", "--revision", "v2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "org/missing at revision 'v2' is not in the" in err[0]
+    assert "unset HF_HUB_OFFLINE and run it again" in err[0]
+    advice = err[0].split("vlm-vit download: error: ", 1)[1]
+    assert "vlm-vit download" not in advice and "hf download" not in advice

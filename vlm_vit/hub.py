@@ -40,7 +40,16 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class NotCachedError(FileNotFoundError):
-    """A Hub name that is neither cached nor reachable."""
+    """A Hub name that is neither cached nor reachable.
+
+    Attributes:
+        problem: what is missing and why, without advice.
+        fetch: how to fetch it (the commands to run).
+    """
+
+    def __init__(self, problem: str, fetch: str) -> None:
+        super().__init__(f"{problem}; to fetch it, {fetch}")
+        self.problem, self.fetch = problem, fetch
 
 
 class Location(NamedTuple):
@@ -190,13 +199,15 @@ def fetch(repo_id: str, revision: str | None = None, *,
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as error:
         at = f" at revision {revision!r}" if revision else ""
         if offline():
-            reason, how = "HF_HUB_OFFLINE is set", "unset HF_HUB_OFFLINE and run `vlm-vit download"
+            reason, how = "HF_HUB_OFFLINE is set", "unset HF_HUB_OFFLINE and run"
         else:
             first = (str(error).splitlines() or [type(error).__name__])[0][:160]
-            reason, how = f"the Hub could not give it: {first}", "run `vlm-vit download"
+            reason, how = f"the Hub could not give it: {first}", "run"
+        hf_revision = f" --revision {revision}" if revision else ""
         raise NotCachedError(f"{shown} is not a local path, and {repo_id}{at} is not in the "
-                             f"Hugging Face cache at {cache} ({reason}); to fetch it, {how} "
-                             f"{shown}` or `huggingface-cli download {repo_id}`") from error
+                             f"Hugging Face cache at {cache} ({reason})",
+                             f"{how} `vlm-vit download {shown}` or "
+                             f"`hf download {repo_id}{hf_revision}`") from error
     check_snapshot(snapshot)
     return snapshot
 

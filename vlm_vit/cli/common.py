@@ -85,7 +85,8 @@ def not_a_variant_either(model: str) -> Iterator[None]:
         try:
             EncoderConfig.from_name(model)
         except (KeyError, ValueError) as unknown:  # UnknownNameError, with close matches
-            raise NotCachedError(f"{error}. Nor a variant: {unknown}") from error
+            raise NotCachedError(error.problem, f"{error.fetch}. Nor a variant: {unknown}") \
+                from error
         raise
 
 

@@ -26,7 +26,12 @@ def run(args: argparse.Namespace) -> int:
 
     if Path(args.name).exists():
         raise ValueError(f"{args.name} is a local path; download takes a model name")
-    location = hub.locate(args.name, args.revision)
+    try:
+        location = hub.locate(args.name, args.revision)
+    except hub.NotCachedError as error:  # its advice would be to run this very command
+        then = ("unset HF_HUB_OFFLINE and run it again" if hub.offline() else
+                "check the name and revision, the network and HF_ENDPOINT")
+        raise hub.NotCachedError(error.problem, then) from error
     fmt = location.format or detect_format(read_checkpoint(location)).name
     print(f"{location.directory}\t{fmt}")
     return 0
