@@ -324,3 +324,104 @@ def test_when_no_image_reads_nothing_is_left(tmp_path, capsys):
     code, out = shards(tmp_path, tmp_path / "bad")
     assert code == 1 and "none of the 1 images" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A readable image beside the image folder, which no record may reach."""
+    (tmp_path / "outside").mkdir()
+    photo("coffee").save(tmp_path / "outside" / "secret.png")
+    return tmp_path / "outside" / "secret.png"
+
+
+@pytest.mark.parametrize("make_name", [
+    lambda root, secret: "../outside/secret.png",
+    lambda root, secret: str(secret),  # absolute
+    lambda root, secret: "photos/../../outside/secret.png",
+    lambda root, secret: (root / "photos" / "link.png").symlink_to(secret) or "photos/link.png",
+], ids=["dotdot", "absolute", "inner-dotdot", "symlink"])
+@pytest.mark.parametrize("source", ["llava", "captions"])
+def test_a_record_image_outside_the_folder_is_skipped_and_named(
+        tmp_path, folder, outside, caplog, capsys, source, make_name):
+    name = make_name(folder, outside)
+    rows = [{"image": "coffee.jpg", "caption": "a cup"}, {"image": name, "caption": "secret"}]
+    if source == "llava":
+        rows = [{"id": str(n), "image": row["image"], "conversations": []}
+                for n, row in enumerate(rows)]
+    records = tmp_path / "records.jsonl"
+    records.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    with caplog.at_level(logging.WARNING, logger="vlm_vit.train.shard_writer"):
+        code, out = shards(tmp_path, folder, f"--{source}", str(records), "--no-shuffle")
+    assert code == 0
+    assert capsys.readouterr().out.strip() == f"wrote 1 samples in 1 shards to {out} (1 skipped)"
+    index = json.loads((out / "dataset.json").read_text())
+    assert index["skipped"] == [{"path": name, "reason": "image outside the image folder"}]
+    assert name in caplog.text
+    secret = outside.read_bytes()
+    assert [meta(s)["path"] for s in samples_of(out)] == ["coffee.jpg"]
+    assert all(secret not in path.read_bytes() for path in out.glob("*.tar"))
+
+
+def test_a_folder_image_that_links_outside_is_still_written(tmp_path, folder, outside):
+    """Only paths a records file names are held to the folder: a folder of links (a class
+    subset made with `ln -s`) is the user's own choice of files."""
+    (folder / "photos" / "link.png").symlink_to(outside)
+    index = write_shards(folder, tmp_path / "out", progress=False)
+    assert index["samples"] == 21 and index["skipped"] == []
+
+
+@pytest.mark.parametrize("kind", ["dds", "im"])
+@pytest.mark.parametrize("layout", ["folder", "captions"])
+def test_an_image_pil_fails_on_in_any_way_is_skipped_and_named(
+        tmp_path, folder, caplog, capsys, kind, layout):
+    """DDS: PIL raises NotImplementedError; IM: it opens and passes verify(), and loading it
+    raises TypeError. Neither may reach a shard."""
+    from tests.hostile_images import HOSTILE
+
+    (folder / "photos" / "hostile.jpg").write_bytes(HOSTILE[kind]())
+    options = []
+    if layout == "captions":
+        captions = tmp_path / "captions.jsonl"
+        captions.write_text("\n".join(json.dumps({"image": image, "caption": "x"}) for image in
+                                      ("coffee.jpg", "photos/hostile.jpg")) + "\n")
+        options = ["--captions", str(captions)]
+    with caplog.at_level(logging.WARNING, logger="vlm_vit.train.shard_writer"):
+        code, out = shards(tmp_path, folder, *options)
+    assert code == 0
+    written = 1 if layout == "captions" else 20
+    assert capsys.readouterr().out.strip() == \
+        f"wrote {written} samples in 1 shards to {out} (1 skipped)"
+    (skipped,) = json.loads((out / "dataset.json").read_text())["skipped"]
+    assert skipped["path"] == "photos/hostile.jpg"
+    assert ("NotImplementedError" if kind == "dds" else "TypeError") in skipped["reason"]
+    assert "hostile.jpg" in caplog.text
+    assert "photos/hostile.jpg" not in [meta(s)["path"] for s in samples_of(out)]
+
+
+def test_a_decompression_bomb_header_is_skipped_not_written(tmp_path, folder):
+    from tests.hostile_images import huge_png
+
+    (folder / "bomb.png").write_bytes(huge_png())
+    index = write_shards(folder, tmp_path / "out", progress=False)
+    assert [s["path"] for s in index["skipped"]] == ["bomb.png"]
+    assert "too large" in index["skipped"][0]["reason"]
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "link"])
+def test_an_out_in_the_image_folder_is_refused_and_nothing_deleted(tmp_path, folder, capsys,
+                                                                   where):
+    (folder / "00000.tar").write_bytes(b"a user's tar among the images")
+    (folder / "dataset.json").write_text("{}")
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    out = {"same": folder, "inside": folder / "digits" / "shards",
+           "link": tmp_path / "link"}[where]
+    if where == "link":
+        out.symlink_to(folder / "photos")
+    code = main(["shards", str(folder), "--out", str(out), "--overwrite", "--quiet"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("vlm-vit shards: error: ") and len(err.strip().splitlines()) == 1
+    where = "is" if where == "same" else "is inside"
+    assert f"output folder {out} {where} the image folder {folder}; write the shards" in err
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+    assert not (folder / "digits" / "shards").exists()

@@ -1,37 +1,46 @@
 """Writing an image folder (plain, by class, with captions or LLaVA records) as WebDataset
 tar shards, with a `dataset.json` index that names every shard and every skipped file.
 
-The image bytes are copied as they are, never re-encoded. Each shard appears under its name
-only once complete, and `dataset.json` is written last, so a folder with one is whole.
+The image bytes are copied as they are, never re-encoded, once they decode as the readers
+decode them. Each shard appears under its name only once complete, and `dataset.json` is
+written last, so a folder with one is whole.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
 import random
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from PIL import Image, UnidentifiedImageError
-
-from vlm_vit.files import IMAGE_SUFFIXES, atomic_write, class_folders, image_files
+from vlm_vit.files import (
+    IMAGE_SUFFIXES,
+    atomic_write,
+    class_folders,
+    image_files,
+    resolves_inside,
+)
 from vlm_vit.optional import require
+from vlm_vit.processor import ImageLoadError, ImageProcessor, ImageTooLargeError
 from vlm_vit.train.data import read_caption_lines
-from vlm_vit.train.tar_shards import DATASET_FORMAT, DATASET_VERSION
+from vlm_vit.train.tar_shards import DATASET_FORMAT, DATASET_VERSION, WRITER_LEFTOVER
 from vlm_vit.train.tar_shards import DATASET_INDEX as INDEX
 
 logger = logging.getLogger(__name__)
 
-# What an earlier run leaves in its folder: shards, their temporaries, the index's temporary.
+# What an earlier run leaves in its folder: shards, and the temporaries in WRITER_LEFTOVER.
 _SHARD = re.compile(r"\d{5,}\.tar")
-_LEFTOVER = re.compile(r"\.(\d{5,}\.tar|dataset\.json\..*)\.tmp")
+# Decodes each image as training and encoding will (their default pixel bound), so what PIL
+# fails on in any way is skipped here rather than written.
+_DECODER = ImageProcessor()
+# A records file's image that resolves outside the image folder (a `..`, an absolute path, a
+# link out) is a bad record, skipped with this reason: it must not copy other files.
+OUTSIDE = "image outside the image folder"
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,7 @@ class _Sample:
     relative: str | None  # `path` as written in the sample's json, relative to the root
     fields: dict[str, bytes]  # extra entries, e.g. {"cls": b"3"}
     meta: dict[str, Any]  # the sample's json object, less "path"
+    folder: Path | None = None  # named by a records file: the (resolved) folder it must be in
 
 
 def write_shards(
@@ -64,13 +74,16 @@ def write_shards(
     the file's lowercased suffix (`jpg`, `png`, ...), `cls` (the class index as decimal text)
     with `classes`, `txt` (the caption) with `captions`, and always a `json` object: the
     image's `path` relative to `root`, plus `class`, `caption` (and `prompt`, if given) or the
-    whole LLaVA record. A text-only LLaVA record (no "image") has only its json. An image PIL
-    cannot verify, or a missing one, is skipped with a warning and listed in the index.
+    whole LLaVA record. A text-only LLaVA record (no "image") has only its json. An image
+    that does not decode (`ImageProcessor.load`, whatever PIL raised), is over its pixel bound
+    or is missing, or a captions or LLaVA image that resolves outside `root`, is skipped with
+    a warning and listed in the index.
 
     Args:
         root: the image folder (searched recursively), or the folder the records' image
             paths are relative to.
-        out: the output folder; it must be missing or empty unless `overwrite`.
+        out: the output folder, not `root` nor inside it; it must be missing or empty unless
+            `overwrite`.
         per_shard: the most samples in one shard.
         classes: read `root`'s sub-folders as classes (see `vlm_vit.files.class_folders`).
         captions: a JSON Lines file of `{"image": relative path, "caption": text}`.
@@ -88,8 +101,8 @@ def write_shards(
     Raises:
         FileNotFoundError, NotADirectoryError: for a missing `root`, captions or LLaVA file,
             or an `out` that is a file.
-        ValueError: for conflicting options, no images, or a malformed captions or LLaVA file
-            (naming the file and line or record).
+        ValueError: for conflicting options, an `out` inside `root`, no images, or a
+            malformed captions or LLaVA file (naming the file and line or record).
         FileExistsError: for an `out` that holds files, without `overwrite`.
     """
     if per_shard < 1:
@@ -104,6 +117,10 @@ def write_shards(
         raise FileNotFoundError(f"image folder {root} does not exist")
     if not root.is_dir():
         raise NotADirectoryError(f"image folder {root} is not a folder")
+    if resolves_inside(out, root.resolve()):  # shards among the images, deleted by --overwrite
+        where = "is" if out.resolve() == root.resolve() else "is inside"
+        raise ValueError(f"output folder {out} {where} the image folder {root}; write the "
+                         f"shards elsewhere")
 
     class_names = None
     if classes:
@@ -151,14 +168,15 @@ def write_shards(
 
 def _read_captions(path: Path, root: Path) -> list[_Sample]:
     """The captions file's lines (`vlm_vit.train.data.read_caption_lines`) as samples; a
-    missing image is not an error here: writing skips it."""
+    missing image, or one outside `root`, is not an error here: writing skips it."""
+    folder = root.resolve()
     samples = []
     for _, row in read_caption_lines(path):
         meta = {"caption": row["caption"]}
         if "prompt" in row:
             meta["prompt"] = row["prompt"]
         samples.append(_Sample(root / row["image"], row["image"],
-                               {"txt": row["caption"].encode("utf-8")}, meta))
+                               {"txt": row["caption"].encode("utf-8")}, meta, folder))
     return samples
 
 
@@ -187,6 +205,7 @@ def _read_llava(path: Path, root: Path) -> list[_Sample]:
                 numbered.append((f"{path} line {number}", json.loads(line)))
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path} line {number} is not JSON: {error}") from None
+    folder = root.resolve()
     samples = []
     for where, record in numbered:
         if not isinstance(record, dict):
@@ -195,7 +214,8 @@ def _read_llava(path: Path, root: Path) -> list[_Sample]:
         if image is not None and not isinstance(image, str):
             raise ValueError(f"{where}: 'image' must be one relative path, got {image!r:.100}")
         meta = {key: value for key, value in record.items() if key != "path"}
-        samples.append(_Sample(None if image is None else root / image, image, {}, meta))
+        samples.append(_Sample(None if image is None else root / image, image, {}, meta,
+                               folder))
     if not samples:
         raise ValueError(f"LLaVA file {path} holds no records")
     return samples
@@ -216,7 +236,7 @@ def _prepare_output(out: Path, overwrite: bool) -> bool:
         with contextlib.suppress(FileNotFoundError):
             (out / INDEX).unlink()
         for entry in out.iterdir():
-            if (_SHARD.fullmatch(entry.name) or _LEFTOVER.fullmatch(entry.name)) \
+            if (_SHARD.fullmatch(entry.name) or WRITER_LEFTOVER.fullmatch(entry.name)) \
                     and entry.is_file():
                 entry.unlink()
     return False
@@ -224,7 +244,7 @@ def _prepare_output(out: Path, overwrite: bool) -> bool:
 
 def _write(samples: list[_Sample], out: Path, per_shard: int, skipped: list[dict[str, str]],
            progress: bool) -> list[dict[str, Any]]:
-    """Writes the samples that read back as images, `per_shard` to a shard; returns the
+    """Writes the samples whose images decode, `per_shard` to a shard; returns the
     shards' names and sizes and appends each skipped image to `skipped`."""
     webdataset = require("webdataset", "train", "writing shards")
     from tqdm import tqdm
@@ -280,7 +300,7 @@ def _finish(writer: Any, handle: IO[bytes], temp: Path, count: int) -> dict[str,
 
 def _entries(sample: _Sample, skipped: list[dict[str, str]]) -> dict[str, bytes] | None:
     """The sample's tar entries but its key, or None (and a line in `skipped`) when its image
-    is missing or does not verify."""
+    is missing, outside its records' folder, or does not decode."""
     meta = {"path": sample.relative, **sample.meta}
     entries = {**sample.fields, "json": json.dumps(meta, ensure_ascii=False).encode("utf-8")}
     if sample.path is None:
@@ -289,19 +309,20 @@ def _entries(sample: _Sample, skipped: list[dict[str, str]]) -> dict[str, bytes]
     reason = None
     if suffix not in IMAGE_SUFFIXES:
         reason = f"{suffix or 'no suffix'} is not an image suffix"
+    elif sample.folder is not None and not resolves_inside(sample.path, sample.folder):
+        reason = OUTSIDE
     elif not sample.path.is_file():
         reason = "no such file"
     else:
         try:
             data = sample.path.read_bytes()
-            # The bytes to be written are the ones checked; verify() reads without decoding.
-            with Image.open(io.BytesIO(data)) as image:
-                image.verify()
-        except UnidentifiedImageError:  # its own message names the BytesIO, not the file
-            reason = "not an image PIL can identify"
-        except (OSError, SyntaxError, EOFError, ValueError, struct.error,
-                Image.DecompressionBombError) as error:  # unreadable, not an image, bad data
+            # The bytes to be written are the ones decoded, whole: verify() passes files that
+            # fail to load (an IM file's TypeError).
+            _DECODER.load(data, "image")
+        except OSError as error:  # unreadable
             reason = f"{type(error).__name__}: {error}"
+        except (ImageLoadError, ImageTooLargeError) as error:
+            reason = str(error)
     if reason is not None:
         logger.warning("skipping %s: %s", sample.path, reason)
         skipped.append({"path": sample.relative, "reason": reason})
