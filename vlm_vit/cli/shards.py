@@ -12,12 +12,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Copy the images under FOLDER (searched recursively; bytes unchanged) into "
         "DIR/00000.tar, DIR/00001.tar, ... with a `json` per sample (its path, and its class, "
         "caption or LLaVA record) and DIR/dataset.json, which lists the shards and every "
-        "image skipped because PIL could not verify it.")
+        "image skipped: missing, not decodable, over the pixel bound, or (named by --captions "
+        "or --llava) outside FOLDER.")
     parser.add_argument("folder", metavar="FOLDER", type=Path,
                         help="the images, or the folder the records' image paths are "
                         "relative to")
     parser.add_argument("--out", required=True, type=Path, metavar="DIR",
-                        help="the output folder (missing or empty, unless --overwrite)")
+                        help="the output folder, not FOLDER nor inside it (missing or empty, "
+                        "unless --overwrite)")
     parser.add_argument("--per-shard", type=int, default=1000, metavar="N",
                         help="samples per shard (default 1000)")
     # Not an argparse mutually exclusive group: conflicts are a one-line error, exit 1.
