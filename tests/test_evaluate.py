@@ -7,9 +7,11 @@ import torch
 from vlm_vit import EncoderConfig, ImageProcessor, VisionEncoder
 from vlm_vit.evaluate import (
     BIAS_CONSTANT,
+    evaluate_features,
     extract_features,
     few_shot_accuracy,
     fit_least_squares,
+    key_order,
     knn_accuracy,
     linear_probe_accuracy,
     plus_minus_one_targets,
@@ -244,3 +246,41 @@ def test_read_class_folder_and_split(tmp_path):
         stratified_split(labels, 1.0)
     with pytest.raises(ValueError, match="class 1 has 1 image"):
         stratified_split(np.array([0, 0, 1]), 0.5)
+
+
+def test_a_keyed_split_and_its_shots_depend_on_the_names_not_their_order():
+    """Issue 27: with keys, which images are held out and which are the shots is a function
+    of the keys and the seed, so a folder and its shuffled shards agree."""
+    labels = np.repeat([0, 1, 2], 10)
+    keys = [f"c{label}/{index:02d}.png" for index, label in enumerate(labels)]
+    order = np.random.default_rng(5).permutation(len(keys))
+
+    def named(rows, keys):
+        return sorted(keys[row] for row in rows)
+
+    shuffled = [keys[i] for i in order]
+    for seed in (0, 1):
+        train, test = stratified_split(labels, 0.3, seed=seed, keys=keys)
+        train2, test2 = stratified_split(labels[order], 0.3, seed=seed, keys=shuffled)
+        assert named(test, keys) == named(test2, shuffled)
+        assert np.bincount(labels[test]).tolist() == [3, 3, 3]
+        shots = sample_shots(labels, 2, seed=seed, keys=keys)
+        assert named(shots, keys) == named(sample_shots(labels[order], 2, seed=seed,
+                                                        keys=shuffled), shuffled)
+    assert named(stratified_split(labels, 0.3, seed=0, keys=keys)[1], keys) != named(
+        stratified_split(labels, 0.3, seed=1, keys=keys)[1], keys)
+    # The documented order: BLAKE2b-64 of "seed:key", big-endian.
+    import hashlib
+
+    def digest(key):
+        return int.from_bytes(hashlib.blake2b(f"7:{key}".encode(), digest_size=8).digest(),
+                              "big")
+    assert key_order(keys, seed=7).tolist() == sorted(range(len(keys)),
+                                                      key=lambda i: digest(keys[i]))
+    # Every metric agrees however the rows come.
+    features = blobs(10, classes=3, spread=0.6)[0]
+    result = evaluate_features(features, labels, ["a", "b", "c"], shots=[1, 3], keys=keys)
+    assert result == evaluate_features(features[order], labels[order], ["a", "b", "c"],
+                                       shots=[1, 3], keys=shuffled)
+    with pytest.raises(ValueError, match="got 2 keys for 30 labels"):
+        stratified_split(labels, 0.3, keys=keys[:2])

@@ -14,13 +14,16 @@ The encoder is never trained here; each metric fits a cheap classifier on its fr
 
 `evaluate_folder` (a class-labelled folder) and `evaluate_shards` (labelled WebDataset tar
 shards) encode the images once and hand the features to `evaluate_features`, which splits
-them and runs every metric.
+them and runs every metric. Both split by each image's key (`key_order`): its path relative to
+the folder (`class/name.png`), which is also what `vlm-vit shards` records in a sample's json,
+so a folder and its shards give the same split and the same numbers.
 
 Shapes: N images, D the feature width, K classes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import math
@@ -147,14 +150,17 @@ def plus_minus_one_targets(label_index: np.ndarray, num_classes: int) -> np.ndar
     return targets
 
 
-def sample_shots(labels: Array, shots: int, seed: int = 0) -> np.ndarray:
+def sample_shots(labels: Array, shots: int, seed: int = 0, *,
+                 keys: Sequence[str] | None = None) -> np.ndarray:
     """Picks `shots` random examples of every class, as big_vision does (a seeded
-    permutation per class, its first `shots`).
+    permutation per class, its first `shots`); with `keys`, the first `shots` of each class
+    in `key_order` instead, so the pick depends on the examples' names, not their order.
 
     Args:
         labels: `[N]` training labels.
         shots: examples to take per class.
         seed: the sampling seed.
+        keys: `[N]` a name per example (see `key_order`).
 
     Returns:
         The sorted row indices, `shots` per class.
@@ -165,15 +171,54 @@ def sample_shots(labels: Array, shots: int, seed: int = 0) -> np.ndarray:
     labels = _labels(labels, "labels", len(labels))
     if isinstance(shots, bool) or not isinstance(shots, (int, np.integer)) or shots < 1:
         raise ValueError(f"shots must be a positive int, got {shots!r}")
-    rng = np.random.default_rng(seed)
+    shuffle = _class_shuffle(len(labels), seed, keys)
     picked = []
     for label in np.unique(labels):
         rows = np.flatnonzero(labels == label)
         if len(rows) < shots:
             raise ValueError(f"{shots}-shot sampling needs {shots} training examples of every "
                              f"class, but class {label.tolist()!r} has {len(rows)}")
-        picked.append(rng.permutation(rows)[:shots])
+        picked.append(shuffle(rows)[:shots])
     return np.sort(np.concatenate(picked))
+
+
+def key_order(keys: Sequence[str], seed: int = 0) -> np.ndarray:
+    """The rows ordered by a seeded hash of their keys: the order in which, within each
+    class, `stratified_split` holds images out and `sample_shots` picks them when given keys.
+
+    A key's hash is the first 8 bytes of BLAKE2b over the UTF-8 text `f"{seed}:{key}"`, read
+    as a big-endian integer; equal hashes fall back to the keys' text, and equal keys to
+    their rows. The order is thus a function of the keys and the seed alone, not of the
+    order the images were read in.
+
+    Args:
+        keys: `[N]` a name per row; `evaluate_folder` and `evaluate_shards` use the image's
+            path relative to the folder (`class/name.png`; the `path` that `vlm-vit shards`
+            records in a sample's json), else a shard sample's `__key__`.
+        seed: the hash's seed.
+
+    Returns:
+        `[N]` row indices, first to last.
+    """
+    def rank(row: int) -> tuple[int, str]:
+        text = f"{seed}:{keys[row]}".encode("utf-8", "surrogateescape")
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big"), keys[row]
+
+    return np.array(sorted(range(len(keys)), key=rank), dtype=np.int64)
+
+
+def _class_shuffle(count: int, seed: int, keys: Sequence[str] | None):
+    """A function that puts a class's rows in their sampling order: a seeded permutation
+    (one generator over the classes in turn), or `key_order` with `keys`."""
+    if keys is None:
+        rng = np.random.default_rng(seed)
+        return rng.permutation
+    keys = [str(key) for key in keys]
+    if len(keys) != count:
+        raise ValueError(f"got {len(keys)} keys for {count} labels")
+    position = np.empty(count, dtype=np.int64)
+    position[key_order(keys, seed)] = np.arange(count)
+    return lambda rows: rows[np.argsort(position[rows], kind="stable")]
 
 
 class LeastSquaresClassifier:
@@ -246,7 +291,7 @@ def fit_least_squares(train_x: Array, train_y: Array, *,
 
 def few_shot_accuracy(train_x: Array, train_y: Array, test_x: Array, test_y: Array, *,
                       shots: int | None = None, l2: float = DEFAULT_L2,
-                      seed: int = 0) -> float:
+                      seed: int = 0, train_keys: Sequence[str] | None = None) -> float:
     """Few-shot accuracy by regularised least squares (ViT paper section 4.1).
 
     Args:
@@ -258,6 +303,8 @@ def few_shot_accuracy(train_x: Array, train_y: Array, test_x: Array, test_y: Arr
         l2: the ridge strength; big_vision's fixed 2^10 by default (it is not tuned per
             dataset, so few-shot numbers stay comparable across datasets and runs).
         seed: the seed of the shot sampling.
+        train_keys: `[N]` a name per training image: the shots are then picked by
+            `key_order` (see `sample_shots`).
 
     Returns:
         The fraction of test images whose argmax regression output is their class.
@@ -269,7 +316,8 @@ def few_shot_accuracy(train_x: Array, train_y: Array, test_x: Array, test_y: Arr
     train_x, train_index, test_x, test_index, classes = _check_inputs(train_x, train_y,
                                                                       test_x, test_y)
     if shots is not None:
-        rows = sample_shots(classes[train_index], shots, seed)  # errors name the label
+        # errors name the label
+        rows = sample_shots(classes[train_index], shots, seed, keys=train_keys)
         train_x, train_index = train_x[rows], train_index[rows]
     classifier = fit_least_squares(train_x, train_index, l2=l2)
     return float(np.mean(classifier.predict(test_x) == test_index))
@@ -497,10 +545,12 @@ def read_class_folder(root: str | Path) -> tuple[list[Path], np.ndarray, list[st
     return files, np.asarray(labels), classes
 
 
-def stratified_split(labels: Array, test_fraction: float, seed: int = 0
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def stratified_split(labels: Array, test_fraction: float, seed: int = 0, *,
+                     keys: Sequence[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """A seeded split keeping each class's share: round(n * test_fraction) of its n images
-    to test, at least 1 and at most n - 1, so every class is in both parts.
+    to test, at least 1 and at most n - 1, so every class is in both parts. Which ones: the
+    first of a seeded permutation of each class; with `keys`, the first of each class in
+    `key_order(keys, seed)`, so the split is a function of the images' names.
 
     Returns:
         The sorted train and test row indices.
@@ -511,10 +561,10 @@ def stratified_split(labels: Array, test_fraction: float, seed: int = 0
     labels = _labels(labels, "labels", len(labels))
     if not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction}")
-    rng = np.random.default_rng(seed)
+    shuffle = _class_shuffle(len(labels), seed, keys)
     train, test = [], []
     for label in np.unique(labels):
-        rows = rng.permutation(np.flatnonzero(labels == label))
+        rows = shuffle(np.flatnonzero(labels == label))
         if len(rows) < 2:
             raise ValueError(f"class {label.tolist()!r} has {len(rows)} image; each class needs at "
                              "least 2 (one to train on, one to test)")
@@ -544,13 +594,14 @@ def _checked_shots(shots: Sequence[int]) -> list[int]:
 
 
 def split_for_shots(labels: np.ndarray, class_names: Sequence[str], shots: Sequence[int],
-                    test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+                    test_fraction: float, seed: int, keys: Sequence[str] | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
     """`stratified_split`, refusing shots that the smallest class's training part cannot give.
 
     Args:
         labels: `[N]` class indices into `class_names`.
         class_names: the name of each class index (for the error).
-        shots, test_fraction, seed: as in `evaluate_features`.
+        shots, test_fraction, seed, keys: as in `evaluate_features`.
 
     Returns:
         The sorted train and test row indices.
@@ -558,7 +609,7 @@ def split_for_shots(labels: np.ndarray, class_names: Sequence[str], shots: Seque
     Raises:
         ValueError: as `stratified_split`, or when max(shots) is more than a class has.
     """
-    train, test = stratified_split(labels, test_fraction, seed)
+    train, test = stratified_split(labels, test_fraction, seed, keys=keys)
     present, counts = np.unique(labels[train], return_counts=True)
     if shots and max(shots) > counts.min():
         name = class_names[int(present[np.argmin(counts)])]
@@ -580,10 +631,15 @@ def evaluate_features(
     C: float = 1.0,
     k: int = 20,
     temperature: float = 0.07,
+    keys: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Every metric on encoded images: a stratified split (`split_for_shots`), few-shot once
     per entry of `shots` (seeded by `seed`), and the linear probe and k-NN on the whole
     training part.
+
+    With `keys`, the rows are first put in the keys' sorted order, and the split and the
+    shots follow `key_order`: the same named images give the same numbers in whatever order
+    they come.
 
     Args:
         features: `[N, D]` one vector per image.
@@ -595,6 +651,8 @@ def evaluate_features(
         test_fraction: each class's share held out for testing.
         seed: the split and shot-sampling seed.
         l2: few-shot ridge strength. C: the linear probe's. k, temperature: the k-NN's.
+        keys: `[N]` a name per image (see `key_order`); None: a seeded permutation of the
+            rows splits them.
 
     Returns:
         A JSON-able dict: `classes`, `num_train`, `num_test`, `feature_dim`, `seed`,
@@ -604,10 +662,26 @@ def evaluate_features(
     """
     shots = _checked_shots(shots)
     features, labels = np.asarray(features), np.asarray(labels)
-    train, test = split_for_shots(labels, class_names, shots, test_fraction, seed)
+    train_keys = None
+    if keys is not None:
+        keys = np.asarray([str(key) for key in keys])
+        if len(keys) != len(labels):
+            raise ValueError(f"got {len(keys)} keys for {len(labels)} images")
+        order = np.argsort(keys, kind="stable")  # the rows in one order, however read
+        features, labels, keys = features[order], labels[order], keys[order]
+        repeated = len(keys) - len(np.unique(keys))
+        if repeated:
+            logger.warning("%d images share a key with another (e.g. %r); their split depends "
+                           "on the order they are read in", repeated,
+                           str(keys[np.flatnonzero(keys[1:] == keys[:-1])[0]]))
+    train, test = split_for_shots(labels, class_names, shots, test_fraction, seed,
+                                  None if keys is None else keys.tolist())
+    if keys is not None:
+        train_keys = keys[train].tolist()
     present = np.unique(labels)
     split = (features[train], labels[train], features[test], labels[test])
-    few_shot = {str(count): few_shot_accuracy(*split, shots=count, l2=l2, seed=seed)
+    few_shot = {str(count): few_shot_accuracy(*split, shots=count, l2=l2, seed=seed,
+                                              train_keys=train_keys)
                 for count in shots}
     return {
         "classes": [class_names[int(index)] for index in present],
@@ -647,7 +721,8 @@ def evaluate_folder(
     """Every metric on a class-labelled folder, split into train and test.
 
     The folder is read by `read_class_folder`; the split and the shots are checked before
-    anything is encoded; every image is encoded once and `evaluate_features` does the rest.
+    anything is encoded; every image is encoded once and `evaluate_features` does the rest,
+    each image's key being its path relative to `root` (`class/name.png`, see `key_order`).
 
     Args:
         encoder: the frozen encoder.
@@ -664,12 +739,13 @@ def evaluate_folder(
     pooling = _resolve_pooling(encoder, pooling)
     shots = _checked_shots(shots)
     files, labels, classes = read_class_folder(root)
-    split_for_shots(labels, classes, shots, test_fraction, seed)  # fails before encoding
+    keys = [path.relative_to(root).as_posix() for path in files]
+    split_for_shots(labels, classes, shots, test_fraction, seed, keys)  # fails before encoding
     features, _ = extract_features(encoder, files, pooling=pooling, batch_size=batch_size,
                                    processor=processor, device=device, progress=progress)
     return {"data": str(root), "pooling": pooling, **evaluate_features(
         features.numpy(), labels, classes, shots=shots, test_fraction=test_fraction,
-        seed=seed, l2=l2, C=C, k=k, temperature=temperature)}
+        seed=seed, l2=l2, C=C, k=k, temperature=temperature, keys=keys)}
 
 
 # -- labelled tar shards --------------------------------------------------------------------
@@ -698,10 +774,12 @@ def evaluate_shards(
     Each sample's image goes through `processor` and its label is its `cls` field, or
     `label_field` of its `json` field (`LabelledDecode`). The class names are those of the
     `dataset.json` beside the shards (`vlm-vit shards --classes` writes it), else "0".."K-1"
-    for the largest label K-1 seen. Samples without an image, and those whose image or label
-    cannot be read (a label with no name in `dataset.json` included), are skipped, named in a
-    warning and counted; a truncated shard gives what it holds before the cut (`read_shard`
-    warns).
+    for the largest label K-1 seen. A sample's key (`key_order`) is the `path` its json
+    records (`vlm-vit shards` writes the image's path relative to its folder there, so shards
+    split as the folder they were written from), else its `__key__`. Samples without an
+    image, and those whose image or label cannot be read (a label with no name in
+    `dataset.json` included), are skipped, named in a warning and counted; a truncated
+    shard gives what it holds before the cut (`read_shard` warns).
 
     Args:
         encoder: the frozen encoder.
@@ -733,8 +811,8 @@ def evaluate_shards(
     urls = expand_shards(shards)
     index = read_dataset_index(urls)
     names = index.get("classes") if index else None
-    decode = LabelledDecode(processor or _default_processor(encoder), label_field,
-                            num_classes=len(names) if names else None)
+    decode = _KeyedDecode(LabelledDecode(processor or _default_processor(encoder), label_field,
+                                         num_classes=len(names) if names else None))
     stream = LabelledBatches(urls, decode, batch_size)
     batches = iter(stream)
     first = next(batches, None)  # a clear error for shards without one usable sample
@@ -753,5 +831,33 @@ def evaluate_shards(
             else [str(shard) for shard in shards])
     return {"data": data, "pooling": pooling, **evaluate_features(
         features.numpy(), labels, [str(name) for name in names], shots=shots,
-        test_fraction=test_fraction, seed=seed, l2=l2, C=C, k=k, temperature=temperature),
-        "shards": len(urls), "skipped": skipped}
+        test_fraction=test_fraction, seed=seed, l2=l2, C=C, k=k, temperature=temperature,
+        keys=decode.keys), "shards": len(urls), "skipped": skipped}
+
+
+def sample_key(sample: Any) -> str:
+    """A shard sample's key for the split (`key_order`): the `path` its json records (the
+    image's path relative to the folder `vlm-vit shards` read), else its `__key__`."""
+    try:
+        record = sample.json()
+    except ValueError:  # a json field that is not JSON: the label check reports it
+        record = None
+    path = record.get("path") if isinstance(record, dict) else None
+    return path if isinstance(path, str) and path else sample.key
+
+
+class _KeyedDecode:
+    """A `LabelledDecode` that also records, in order, the key of each sample it decodes
+    into an image and a label (the rows `LabelledBatches` yields)."""
+
+    def __init__(self, decode: Any) -> None:
+        self.decode = decode
+        self.keys: list[str] = []
+
+    def __call__(self, sample: Any) -> Any:
+        from vlm_vit.train.data import UndecodableImage
+
+        item = self.decode(sample)
+        if item is not None and not isinstance(item, UndecodableImage):
+            self.keys.append(sample_key(sample))
+        return item

@@ -51,8 +51,9 @@ def test_probe_prints_a_table_and_writes_json(digits, checkpoint, tmp_path, caps
     assert set(result["few_shot"]) == {"1", "5"}
     for accuracy in [*result["few_shot"].values(), result["linear_probe"], result["knn"]]:
         assert 0.0 <= accuracy <= 1.0
-    # Even random features separate these digits better than chance (1/3).
-    assert result["linear_probe"] > 0.5 and result["few_shot"]["5"] > 0.5
+    # Even random features separate these digits better than chance (1/3). Over split seeds
+    # 0-7 this measured linear probe 0.53-0.83 and 5-shot 0.43-0.63 (30 test images).
+    assert result["linear_probe"] > 0.5 and result["few_shot"]["5"] > result["chance"]
 
 
 @pytest.mark.parametrize("data, options, message", [

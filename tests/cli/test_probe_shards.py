@@ -55,7 +55,8 @@ def class_shards(tmp_path_factory, digits):
 @pytest.fixture(scope="module")
 def json_shards(tmp_path_factory, digits):
     """The same images in the same order, labelled by a `json` field `digit` (no `cls`, no
-    dataset.json), followed by a shard with a corrupt image and a sample without an image."""
+    dataset.json) and named by its `path` (as `vlm-vit shards` names them), followed by a
+    shard with a corrupt image and a sample without an image."""
     import webdataset as wds
 
     out = tmp_path_factory.mktemp("json_shards")
@@ -64,7 +65,10 @@ def json_shards(tmp_path_factory, digits):
         with wds.TarWriter(str(out / f"part-{shard}.tar")) as writer:
             for index in range(shard * 30, shard * 30 + 30):
                 writer.write({"__key__": f"k{index:03d}", "png": files[index].read_bytes(),
-                              "json": json.dumps({"digit": labels[index]}).encode()})
+                              "json": json.dumps({
+                                  "digit": labels[index],
+                                  "path": files[index].relative_to(digits).as_posix(),
+                              }).encode()})
     with wds.TarWriter(str(out / "part-9.tar")) as writer:
         writer.write({"__key__": "corrupt", "png": b"no PNG at all",
                       "json": json.dumps({"digit": 0}).encode()})
@@ -95,6 +99,36 @@ def test_class_shards_score_exactly_as_the_folder(class_shards, checkpoint, fold
     assert result["linear_probe"] > 0.5  # a real measurement, not a degenerate one
     assert result["shards"] == 3
     assert result["skipped"] == {"no_image": 0, "undecodable": 0, "truncated_shards": 0}
+
+
+def test_shuffled_shards_split_by_image_path_and_probe_exactly_as_the_folder(
+        digits, checkpoint, tmp_path, capsys):
+    """Issue 27: `vlm-vit shards --classes` shuffles the images (and numbers them anew), yet
+    `probe` splits both sources by each image's path relative to the folder, so it measures
+    the same numbers on the folder and on its shards."""
+    shards = tmp_path / "shards"
+    assert main(["shards", str(digits), "--out", str(shards), "--classes", "--seed", "3",
+                 "--per-shard", "25", "--quiet"]) == 0
+    results = {}
+    for name, data in (("folder", digits), ("shards", shards)):
+        out = tmp_path / f"{name}.json"
+        assert main(["probe", str(checkpoint), "--data", str(data), "--shots", "1", "5",
+                     "--batch-size", "8", "--json", str(out), "--quiet"]) == 0
+        results[name] = json.loads(out.read_text())
+    capsys.readouterr()
+    for key in (*SAME, "classes"):
+        assert results["shards"][key] == results["folder"][key], key
+    # The held-out images are the same named ones: the split is a function of the paths.
+    from vlm_vit.evaluate import key_order, stratified_split
+
+    files, labels, _ = class_folders(digits)
+    keys = [path.relative_to(digits).as_posix() for path in files]
+    _, test = stratified_split(np.array(labels), 0.5, seed=0, keys=keys)
+    backwards = list(reversed(range(len(keys))))
+    _, test_backwards = stratified_split(np.array(labels)[backwards], 0.5, seed=0,
+                                         keys=[keys[i] for i in backwards])
+    assert sorted(keys[i] for i in test) == sorted(keys[backwards[i]] for i in test_backwards)
+    assert sorted(key_order(keys, seed=0)) == list(range(len(keys)))
 
 
 def test_json_labels_skip_bad_samples_and_name_classes_by_index(json_shards, checkpoint,
