@@ -93,3 +93,30 @@ def test_encode_runs_with_device_auto(tmp_path, capsys):
     assert main(["encode", str(tmp_path / "ckpt"), str(tmp_path / "imgs"), "-o", str(out),
                  "--device", "auto", "--quiet"]) == 0, capsys.readouterr().err
     assert out.is_file()
+
+
+@pytest.mark.parametrize("command", ["encode", "probe", "llm train"])
+def test_a_mistyped_flag_shows_the_subcommand_s_usage(command, capsys):
+    """Issue 27, 9: argparse reports a subcommand's unknown flag from the top level, with
+    the top-level usage; ours names the subcommand and shows its own usage."""
+    argv = {"encode": ["encode", "m", "x", "-o", "o"], "probe": ["probe", "m", "--data", "d"],
+            "llm train": ["llm", "train", "--data", "d", "--out", "o"]}[command]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--bogus", "1"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: vlm-vit {command} ")
+    assert err.strip().endswith(f"vlm-vit {command}: error: unrecognized arguments: --bogus 1")
+
+
+def test_every_description_ends_with_its_sentence():
+    """`vlm-vit demo --help` once stopped mid-sentence (issue 27, 9)."""
+    def walk(parser, prefix):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield " ".join([*prefix, name]), (sub.description or "").strip()
+                    yield from walk(sub, [*prefix, name])
+
+    for command, description in walk(build_parser(), []):
+        assert not description or description[-1] in ".)", (command, description[-60:])

@@ -52,13 +52,26 @@ _WRITE_ERRNOS = frozenset(getattr(errno, name) for name in ("ENOSPC", "EDQUOT", 
                           if hasattr(errno, name))
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an argument it does not know is reported with its own usage
+    (`vlm-vit encode --bogus` shows encode's usage, not the top level's). Nested subcommands
+    (plugins' `vlm-vit llm train`) are parsers of this class too."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vlm-vit", description="Vision Transformer encoders for multimodal pipelines."
     )
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log progress details; a failure prints its full traceback too")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                       parser_class=CommandParser)
     info.add_parser(subparsers)
     encode.add_parser(subparsers)
     convert.add_parser(subparsers)

@@ -37,7 +37,7 @@ MAE_SETTINGS = {"mask_ratio": 0.75, "decoder_width": 64, "decoder_depth": 2}  # 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo", help="pretrain, evaluate and encode on bundled data (no downloads)",
-        description=__doc__.splitlines()[0] + " " + " ".join(__doc__.splitlines()[2:6]))
+        description=" ".join(__doc__.split("\n\n")[1].split()))
     parser.add_argument("--out", type=Path, default=Path("vlm-vit-demo"), metavar="DIR")
     parser.add_argument("--objective", choices=("mpp", "mae"), default=DEFAULTS["objective"],
                         help="pretraining objective (default %(default)s; see the README)")
