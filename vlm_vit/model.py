@@ -26,6 +26,7 @@ from vlm_vit.config import EncoderConfig
 from vlm_vit.files import atomic_directory, atomic_write, read_json
 from vlm_vit.integrity import write_manifest
 from vlm_vit.layers import Attention, Mlp, PatchEmbed, Segments, resample_pos_embed
+from vlm_vit.layers.pos_embed import is_symbolic
 from vlm_vit.shards import WEIGHTS_NAME as WEIGHTS_NAME
 from vlm_vit.shards import read_weights, write_weights
 
@@ -156,14 +157,16 @@ class VisionEncoder(nn.Module):
 
         A resized table is cached per grid while the table is not being trained; the cache
         notices in-place updates (an optimizer step) through the parameter's version counter.
+        Under `torch.export` the resize is traced instead (no cache, no comparison of a
+        symbolic grid with the native one), so the program resizes for any grid.
         """
         table = self.pos_embed
-        if tuple(grid) == self.config.grid:
+        if not is_symbolic(grid) and tuple(grid) == self.config.grid:
             return table
         resize = dict(num_prefix_tokens=int(self.config.class_token),
                       mode=self.config.pos_resize_mode,
                       antialias=self.config.pos_resize_antialias)
-        if torch.is_grad_enabled() and table.requires_grad:
+        if (torch.is_grad_enabled() and table.requires_grad) or torch.compiler.is_exporting():
             return resample_pos_embed(table, self.config.grid, grid, **resize)
         key = (tuple(grid), table.device, table.dtype, table.data_ptr(), table._version)
         cached = self._pos_cache.get(key)

@@ -19,7 +19,9 @@ def resample_pos_embed(
 
     The prefix entries (the class token's position) are kept as they are. The arithmetic runs
     in float32 whatever the table's dtype, and the result is cast back. The same grid returns
-    the table itself.
+    the table itself, unless `new_grid` is symbolic (`torch.export`): there the resize always
+    runs, so the exported program holds no guard on the grid and resizes for any size (the
+    resize to the same grid is the identity, exactly).
 
     Args:
         table: `[1, prefix + rows * cols, D]`.
@@ -38,7 +40,7 @@ def resample_pos_embed(
             f"position table of shape {list(table.shape)} does not fit grid {old_grid} "
             f"with {num_prefix_tokens} prefix tokens (expected [1, {expected}, D])"
         )
-    if tuple(new_grid) == tuple(old_grid):
+    if not is_symbolic(new_grid) and tuple(new_grid) == tuple(old_grid):
         return table
     prefix, patches = table[:, :num_prefix_tokens], table[:, num_prefix_tokens:]
     width = table.shape[-1]
@@ -49,6 +51,13 @@ def resample_pos_embed(
     )
     patches = patches.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], width)
     return torch.cat([prefix, patches.to(table.dtype)], dim=1)
+
+
+def is_symbolic(grid: tuple) -> bool:
+    """Whether a grid holds symbolic sizes (`torch.SymInt`: traced by `torch.export` with a
+    dynamic height or width). Comparing one with a Python integer would add a guard that
+    freezes the exported program to one grid."""
+    return any(isinstance(side, torch.SymInt) for side in grid)
 
 
 def sincos_2d_pos_embed(

@@ -1,0 +1,383 @@
+"""Deployable graphs: `torch.export` programs and ONNX files of an encoder or a tower, with a
+dynamic batch, height and width, checked against eager right after export; int8 and bf16
+for CPU inference.
+
+The encoder is traced as it is (`vlm_vit/model.py`): under export the position table is
+resized inside the graph from the symbolic grid (`VisionEncoder.position_table`), so one
+program serves every size on the patch grid. Measured with torch 2.14 and ONNX Runtime 1.32
+(docs/export.md): `torch.export` keeps `aten._upsample_bicubic2d_aa` and matches eager
+exactly; the ONNX exporter writes it as opset-20 `Resize` (cubic, `cubic_coeff_a=-0.5`,
+`exclude_outside=1`, `antialias=1`), which ONNX Runtime's CPU provider computes within 2e-6
+of PyTorch. Runtimes without `Resize` antialiasing need `--image-size` (a frozen size, whose
+table is a constant).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vlm_vit.model import VisionEncoder
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("onnx", "torch-export")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}
+ONNX_OPSET = 20  # Resize's antialias attribute needs opset 18 or later
+PROTOBUF_LIMIT = 2 * 1024**3  # one .onnx file holds at most 2 GB; larger weights go beside it
+MIN_GRID_SIDE = 2  # torch.export specialises sizes 0 and 1: a grid side of 1 is not traced
+MAX_BATCH = 4096
+
+
+class ExportError(ValueError):
+    """A model or option that cannot be exported, said in one line."""
+
+
+class ExportedForward(nn.Module):
+    """What an exported graph computes: pixels `[B, C, H, W]` to one tensor.
+
+    An encoder gives every token after the final norm `[B, T, D]`, or with `feature_layer`
+    the raw tokens of that hidden state (several: concatenated on the channel axis, as a
+    tower does); a tower gives its pooler's output.
+    """
+
+    def __init__(self, model: nn.Module, feature_layer: int | list[int] | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.is_tower = not isinstance(model, VisionEncoder)
+        if self.is_tower and feature_layer is not None:
+            raise ExportError("a tower reads its own feature layer; --feature-layer is for an "
+                              "encoder")
+        layers = [feature_layer] if isinstance(feature_layer, int) else feature_layer
+        for layer in layers or []:
+            model.layer_index(layer)  # a bad index fails here, naming the valid range
+        self.layers = list(layers) if layers else None
+
+    @property
+    def encoder(self) -> VisionEncoder:
+        return self.model.encoder if self.is_tower else self.model
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        if self.is_tower:
+            return self.model(pixel_values)
+        out = self.model(pixel_values, feature_layers=self.layers)
+        return out.tokens if self.layers is None else torch.cat(out.features, dim=-1)
+
+
+@dataclass
+class ExportReport:
+    """What `export_model` wrote and how it compares with eager.
+
+    Attributes:
+        path: the file written.
+        format: "onnx" or "torch-export".
+        dtype: "float32", "bfloat16" or "int8".
+        dynamic: whether batch, height and width are dynamic.
+        checks: one entry per size checked: `size` (H, W), `batch`, `max_abs_difference`
+            against eager in the same dtype (float32 for int8), and `cosine` (the mean
+            cosine similarity of the output tokens to eager float32).
+    """
+
+    path: Path
+    format: str
+    dtype: str
+    dynamic: bool
+    checks: list[dict] = field(default_factory=list)
+
+    @property
+    def max_abs_difference(self) -> float:
+        return max(check["max_abs_difference"] for check in self.checks)
+
+
+def check_size(encoder: VisionEncoder, size: tuple[int, int]) -> tuple[int, int]:
+    """`size` if both sides are multiples of the patch size with a grid of at least
+    `MIN_GRID_SIDE` patches a side, else an ExportError naming it."""
+    patch = encoder.config.patch_size
+    height, width = size
+    if height % patch or width % patch or min(height, width) < MIN_GRID_SIDE * patch:
+        raise ExportError(f"image size {height}x{width} is not on the patch grid: each side "
+                          f"must be a multiple of the patch size {patch}, at least "
+                          f"{MIN_GRID_SIDE * patch}")
+    return height, width
+
+
+def dynamic_shapes(encoder: VisionEncoder, max_side: int) -> dict:
+    """`torch.export` dims for `pixel_values`: any batch, and any height and width that are
+    multiples of the patch size, from `MIN_GRID_SIDE` patches to `max_side` pixels."""
+    from torch.export import Dim
+
+    patch = encoder.config.patch_size
+    rows = Dim("rows", min=MIN_GRID_SIDE, max=max(MIN_GRID_SIDE, max_side // patch))
+    cols = Dim("cols", min=MIN_GRID_SIDE, max=max(MIN_GRID_SIDE, max_side // patch))
+    batch = Dim("batch", min=1, max=MAX_BATCH)
+    return {"pixel_values": {0: batch, 2: patch * rows, 3: patch * cols}}
+
+
+def check_sizes(encoder: VisionEncoder, size: tuple[int, int]) -> list[tuple[int, int]]:
+    """The export size and two others never seen at export, both non-square: one larger
+    (the table enlarged) and one smaller in height (the table shrunk, where antialiasing
+    acts)."""
+    patch = encoder.config.patch_size
+    height, width = size
+    larger = (height + 2 * patch, width + 4 * patch)
+    smaller = (max(MIN_GRID_SIDE * patch, (height // 2) // patch * patch), width)
+    if smaller == size:
+        smaller = (height, width + patch)
+    return [size, larger, smaller]
+
+
+def _trace_failure(forward: ExportedForward, error: Exception, what: str) -> ExportError:
+    first = " ".join(str(error).split("\n", 1)[0].split()) or type(error).__name__
+    if forward.is_tower:
+        spec = getattr(forward.model.pooler, "pooler_spec", None) or {}
+        name = spec.get("name", type(forward.model.pooler).__name__)
+        return ExportError(f"the tower's pooler {name!r} cannot be traced by {what} "
+                           f"({type(error).__name__}: {first})")
+    return ExportError(f"the encoder cannot be traced by {what} ({type(error).__name__}: "
+                       f"{first})")
+
+
+def _example(encoder: VisionEncoder, size: tuple[int, int], batch: int,
+             dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(batch, encoder.config.in_channels, *size, generator=generator).to(dtype)
+
+
+def export_program(model: nn.Module, *, image_size: tuple[int, int] | None = None,
+                   dynamic: bool = True, feature_layer: int | list[int] | None = None,
+                   max_side: int = 4096) -> torch.export.ExportedProgram:
+    """Traces an encoder or a tower with `torch.export`.
+
+    Args:
+        model: a `VisionEncoder` or a `VisionTower`, in the dtype to export.
+        image_size: (H, W) traced (default: the encoder's native size).
+        dynamic: batch, height and width dynamic (else frozen at batch 2 and `image_size`).
+        feature_layer: for an encoder, the hidden state(s) to return instead of the tokens.
+        max_side: the largest height or width the program accepts when dynamic.
+
+    Returns:
+        The program; `program.module()(pixels)` runs it.
+
+    Raises:
+        ExportError: for a size off the patch grid, or a model that cannot be traced
+            (naming a tower's pooler).
+    """
+    forward = ExportedForward(model, feature_layer).eval()
+    encoder = forward.encoder
+    size = check_size(encoder, image_size or encoder.config.image_size)
+    dtype = encoder.patch_embed.proj.weight.dtype
+    example = _example(encoder, size, 2, dtype)
+    shapes = dynamic_shapes(encoder, max_side) if dynamic else None
+    try:
+        with torch.no_grad():
+            return torch.export.export(forward, (example,), dynamic_shapes=shapes, strict=False)
+    except Exception as error:
+        raise _trace_failure(forward, error, "torch.export") from error
+
+
+def export_onnx(model: nn.Module, path: str | Path, *, image_size: tuple[int, int] | None = None,
+                dynamic: bool = True, feature_layer: int | list[int] | None = None,
+                max_side: int = 4096, opset: int = ONNX_OPSET) -> Path:
+    """Writes an ONNX file through `torch.onnx.export(..., dynamo=True)`: input
+    `pixel_values`, output `tokens` (arguments as in `export_program`).
+
+    Weights over 2 GB (protobuf's limit) go to `PATH.data` beside the file, which must then
+    travel with it.
+
+    Raises:
+        ExportError: as `export_program`.
+        ImportError: without `onnx` and `onnxscript` (`pip install 'vlm-vit[export]'`).
+    """
+    _require("onnx", "onnxscript")
+    forward = ExportedForward(model, feature_layer).eval()
+    encoder = forward.encoder
+    size = check_size(encoder, image_size or encoder.config.image_size)
+    dtype = encoder.patch_embed.proj.weight.dtype
+    example = _example(encoder, size, 2, dtype)
+    shapes = dynamic_shapes(encoder, max_side) if dynamic else None
+    try:
+        with torch.no_grad():
+            program = torch.onnx.export(forward, (example,), dynamo=True, dynamic_shapes=shapes,
+                                        input_names=["pixel_values"], output_names=["tokens"],
+                                        opset_version=opset, verbose=False)
+    except Exception as error:
+        raise _trace_failure(forward, error, "torch.onnx.export") from error
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    size_bytes = sum(p.numel() * p.element_size() for p in forward.parameters())
+    program.save(path, external_data=size_bytes > PROTOBUF_LIMIT)
+    return path
+
+
+def quantize_onnx_int8(source: str | Path, destination: str | Path) -> Path:
+    """ONNX Runtime's dynamic quantization of the block Linears: int8 weights (per output
+    channel), activations quantized per call; the patch embedding, norms and any pooler stay
+    float32.
+
+    Raises:
+        ImportError: without `onnxruntime`.
+    """
+    _require("onnx", "onnxruntime")
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    graph = onnx.load(str(source), load_external_data=False).graph
+    block_matmuls = [node.name for node in graph.node
+                     if node.op_type in ("MatMul", "Gemm") and _in_blocks(node)]
+    quantize_dynamic(str(source), str(destination), weight_type=QuantType.QInt8,
+                     per_channel=True, op_types_to_quantize=["MatMul", "Gemm"],
+                     nodes_to_quantize=block_matmuls)
+    logger.info("quantized %d block Linears of %s to int8", len(block_matmuls), source)
+    return Path(destination)
+
+
+def _in_blocks(node) -> bool:
+    """Whether an ONNX node comes from one of the encoder's blocks (the exporter records
+    the module path in `pkg.torch.onnx.name_scopes`)."""
+    scopes = {prop.key: prop.value for prop in node.metadata_props}.get(
+        "pkg.torch.onnx.name_scopes", "")
+    return "blocks." in scopes or "blocks." in node.name
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """A copy of a float32 encoder or tower whose block Linears are int8 (PyTorch's dynamic
+    quantization: int8 weights per tensor, activations quantized per call; the x86 backend),
+    for CPU inference. The patch embedding, tables, norms and any pooler stay float32."""
+    from torch.ao.quantization import quantize_dynamic
+
+    names = {name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and ".blocks." in f".{name}"}
+    return quantize_dynamic(model, names, dtype=torch.qint8, inplace=False)
+
+
+def onnx_session(path: str | Path):
+    """An ONNX Runtime session on the CPU provider, as a callable: pixels to the output."""
+    _require("onnxruntime")
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+
+    def run(pixels: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(session.run(None, {name: pixels.float().numpy()})[0])
+
+    return run
+
+
+def compare(run, eager: nn.Module, reference: nn.Module, sizes: list[tuple[int, int]],
+            batches: list[int], in_channels: int, dtype: torch.dtype) -> list[dict]:
+    """Runs `run` and eager on the same random pixels at each size.
+
+    Returns:
+        Per size: `size`, `batch`, `max_abs_difference` (against `eager`) and `cosine` (the
+        mean cosine similarity of the output tokens to `reference`, eager float32).
+    """
+    checks = []
+    for index, (size, batch) in enumerate(zip(sizes, batches, strict=True)):
+        generator = torch.Generator().manual_seed(1 + index)
+        pixels = torch.randn(batch, in_channels, *size, generator=generator)
+        with torch.no_grad():
+            got = run(pixels.to(dtype)).float()
+            expected = eager(pixels.to(dtype)).float()
+            exact = reference(pixels).float()
+        checks.append({"size": list(size), "batch": batch,
+                       "max_abs_difference": (got - expected).abs().max().item(),
+                       "cosine": token_cosine(got, exact)})
+    return checks
+
+
+def token_cosine(tokens: torch.Tensor, reference: torch.Tensor) -> float:
+    """The mean cosine similarity of `tokens` to `reference`, token by token (last axis)."""
+    return torch.nn.functional.cosine_similarity(tokens.float(), reference.float(),
+                                                 dim=-1).mean().item()
+
+
+def export_model(model: nn.Module, path: str | Path, *, format: str = "onnx",
+                 dtype: str = "float32", image_size: tuple[int, int] | None = None,
+                 dynamic: bool = True, feature_layer: int | list[int] | None = None,
+                 max_side: int = 4096) -> ExportReport:
+    """Exports and checks: the program against eager at the export size and, when dynamic,
+    two sizes never seen at export (`check_sizes`), with other batch sizes.
+
+    Args:
+        model: a float32 `VisionEncoder` or `VisionTower` (cast here for `dtype`).
+        path: the file to write (`.onnx`, or `.pt2` for torch-export).
+        format: "onnx" (checked in ONNX Runtime's CPU provider) or "torch-export".
+        dtype: "float32"; "bfloat16" (bf16 weights; torch-export only); "int8" (ONNX
+            Runtime's dynamic quantization of the block Linears; onnx only).
+        image_size, dynamic, feature_layer, max_side: as in `export_program`.
+
+    Returns:
+        An `ExportReport` with the differences measured.
+
+    Raises:
+        ExportError: for a format or dtype that does not go together, a size off the patch
+            grid, or a model that cannot be traced.
+    """
+    if format not in FORMATS:
+        raise ExportError(f"unknown export format {format!r} (known: {', '.join(FORMATS)})")
+    if dtype not in DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    if format == "onnx" and dtype == "bfloat16":
+        raise ExportError("bfloat16 ONNX does not run in ONNX Runtime's CPU provider; export "
+                          "float32 (or int8), or bfloat16 with --format torch-export")
+    if format == "torch-export" and dtype == "int8":
+        raise ExportError("int8 export is ONNX Runtime's dynamic quantization: use --format "
+                          "onnx (eager int8: vlm-vit encode --dtype int8)")
+    reference = ExportedForward(model, feature_layer).eval()  # float32, left as it is
+    eager = ExportedForward(_bfloat16_copy(model) if dtype == "bfloat16" else model,
+                            feature_layer).eval()
+    encoder = eager.encoder
+    size = check_size(encoder, image_size or encoder.config.image_size)
+    path = Path(path)
+    if format == "torch-export":
+        program = export_program(eager.model, image_size=size, dynamic=dynamic,
+                                 feature_layer=feature_layer, max_side=max_side)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.export.save(program, path)
+        run = torch.export.load(path).module()
+    else:
+        if dtype == "int8":
+            float_path = path.with_name(path.stem + ".float32.onnx")
+            export_onnx(model, float_path, image_size=size, dynamic=dynamic,
+                        feature_layer=feature_layer, max_side=max_side)
+            quantize_onnx_int8(float_path, path)
+            _remove_onnx(float_path)
+        else:
+            export_onnx(model, path, image_size=size, dynamic=dynamic,
+                        feature_layer=feature_layer, max_side=max_side)
+        run = onnx_session(path)
+    sizes = check_sizes(encoder, size) if dynamic else [size]
+    batches = [2, 1, 3] if dynamic else [2]
+    checks = compare(run, eager, reference, sizes, batches, encoder.config.in_channels,
+                     DTYPES[dtype])
+    report = ExportReport(path=path, format=format, dtype=dtype, dynamic=dynamic, checks=checks)
+    for check in checks:
+        logger.info("%s %s at %s batch %d: max |difference| %.3g, cosine %.6f", format, dtype,
+                    check["size"], check["batch"], check["max_abs_difference"],
+                    check["cosine"])
+    return report
+
+
+def _bfloat16_copy(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model).to(torch.bfloat16)
+
+
+def _remove_onnx(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    path.with_name(path.name + ".data").unlink(missing_ok=True)
+
+
+def _require(*modules: str) -> None:
+    import importlib.util
+
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"ONNX export needs {', '.join(missing)}: pip install "
+                          f"'vlm-vit[export]'")
