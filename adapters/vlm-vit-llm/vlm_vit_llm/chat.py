@@ -55,6 +55,8 @@ PRESETS = {
 }
 FALLBACK = "vicuna_v1"
 AUTO = "auto"
+# What a template must render when it is adopted (`check_chat_template`).
+PROBE = (Turn("user", "<image>\nWhat is in the image?"), Turn("assistant", "A photo."))
 
 
 def chat_template(tokenizer: Any, name: str = AUTO) -> str:
@@ -85,10 +87,39 @@ def chat_template(tokenizer: Any, name: str = AUTO) -> str:
     return PRESETS[name]
 
 
-def adopt_chat_template(tokenizer: Any, name: str = AUTO) -> str:
-    """Resolves `name` (see `chat_template`) and makes it the tokenizer's own template, so a
-    model saved after training generates and exports with the template it learned."""
+def check_chat_template(tokenizer: Any, template: str, source: str = "the tokenizer") -> None:
+    """Renders `PROBE` (one image, one answer) and its generation prompt with `template`, so
+    a template that cannot render a conversation (Jinja's `raise_exception(...)`, a
+    `SecurityError` from the sandbox, an undefined name, a prefix that does not grow) is
+    named when it is adopted, not mid-training.
+
+    Args:
+        source: whose template it is, for the message (the model's path or name).
+
+    Raises:
+        ValueError: `the chat template of SOURCE fails: ...`, in one line.
+    """
+    try:
+        render_conversation(tokenizer, PROBE, template)
+        _render(tokenizer, [{"role": "user", "content": PROBE[0].text}], template,
+                generation_prompt=True)
+    except Exception as error:  # Jinja's TemplateError and anything a template may raise
+        message = " ".join(str(error).split())[:200]
+        raise ValueError(f"the chat template of {source} fails: {type(error).__name__}"
+                         + (f": {message}" if message else "")) from error
+
+
+def adopt_chat_template(tokenizer: Any, name: str = AUTO, source: str = "the tokenizer") -> str:
+    """Resolves `name` (see `chat_template`), checks it on a probe conversation
+    (`check_chat_template`) and makes it the tokenizer's own template, so a model saved after
+    training generates and exports with the template it learned.
+
+    Raises:
+        ValueError: for an unknown name, or a template that fails on the probe (naming
+            `source`).
+    """
     template = chat_template(tokenizer, name)
+    check_chat_template(tokenizer, template, source)
     if getattr(tokenizer, "chat_template", None) != template:
         tokenizer.chat_template = template
         logger.info("the tokenizer's chat template is now the %r preset", name)

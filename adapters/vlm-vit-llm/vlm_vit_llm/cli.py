@@ -288,15 +288,24 @@ def _data(args: argparse.Namespace, mm, records, shards: bool):
         return dataset, train.CaptionCollate(mm, args.prompt), train.CaptionObjective
     from vlm_vit_llm.chat import adopt_chat_template
 
-    adopt_chat_template(mm.tokenizer, args.template)  # saved with the model
+    # Saved with the model; a template that cannot render a probe conversation fails here.
+    adopt_chat_template(mm.tokenizer, args.template, source=str(args.model or args.llm))
+    collate = train.ConversationCollate(mm, max_length=args.max_length)
     if shards:
         dataset = ShardStream(args.data, train.ConversationShardDecode(mm.processor,
                                                                        mm.image_token),
                               seed=args.seed)
     else:
+        before = records.skipped.count
         dataset = train.ConversationDataset(records, mm.processor,
-                                            image_tokens=mm.tower.num_image_tokens())
-    collate = train.ConversationCollate(mm, max_length=args.max_length)
+                                            image_tokens=collate.image_tokens,
+                                            max_length=collate.max_length)
+        if records.skipped.count > before:
+            named = records.skipped.named[before:]
+            print(f"skipped {records.skipped.count - before} record(s) of {args.data} whose "
+                  f"images alone take more than --max-length {collate.max_length}"
+                  + (f" (first: {named[0]})" if named else "") + "; --strict stops at the "
+                  "first", file=sys.stderr)
     return dataset, collate, train.ConversationObjective
 
 
@@ -305,10 +314,12 @@ def run_generate(args: argparse.Namespace) -> int:
     images = [_existing(path, "--image") for path in args.image]
     prompt = args.prompt if args.prompt is not None else mm.image_token * len(images) + "\n"
     if args.chat:
-        from vlm_vit_llm.chat import chat_prompt, chat_template
+        from vlm_vit_llm.chat import chat_prompt, chat_template, check_chat_template
         from vlm_vit_llm.records import Turn
 
-        prompt = chat_prompt(mm.tokenizer, [Turn("user", prompt)], chat_template(mm.tokenizer))
+        template = chat_template(mm.tokenizer)
+        check_chat_template(mm.tokenizer, template, source=str(args.model))
+        prompt = chat_prompt(mm.tokenizer, [Turn("user", prompt)], template)
     print(mm.eval().generate([prompt], [images], max_new_tokens=args.max_new_tokens,
                              do_sample=False)[0])
     return 0
