@@ -1,6 +1,7 @@
 import functools
 import json
 import logging
+import re
 import tarfile
 
 import numpy as np
@@ -425,3 +426,30 @@ def test_an_out_in_the_image_folder_is_refused_and_nothing_deleted(tmp_path, fol
     assert f"output folder {out} {where} the image folder {folder}; write the shards" in err
     assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
     assert not (folder / "digits" / "shards").exists()
+
+
+@pytest.mark.parametrize("source, line, message", [
+    ("llava", '{"id": "\\ud800", "image": "coffee.jpg", "conversations": []}',
+     r"line 2 holds a lone surrogate \('\\ud800'\)"),
+    ("llava", '{"id": "x", "image": "\\udfff.png", "conversations": []}',
+     r"line 2 holds a lone surrogate \('\\udfff'\)"),
+    ("llava", "[" * 100_000 + "]" * 100_000, "line 2 is nested too deeply"),
+    ("llava-array", "[" * 100_000 + "]" * 100_000, "is nested too deeply"),
+    ("captions", '{"image": "coffee.jpg", "caption": "\\ud800"}',
+     r"line 2 holds a lone surrogate \('\\ud800'\)"),
+])
+def test_a_record_json_cannot_hold_is_one_line_naming_it(tmp_path, folder, capsys, source,
+                                                          line, message):
+    """A lone surrogate (a `\\ud800` escape) cannot be written as UTF-8, and json recurses
+    once per bracket: each was an unnamed error or a traceback, after reading every record."""
+    records = tmp_path / "records.jsonl"
+    good = '{"id": "a", "image": "coffee.jpg", "caption": "fine", "conversations": []}'
+    records.write_text(line if source == "llava-array" else f"{good}\n{line}\n")
+    flag = "--captions" if source == "captions" else "--llava"
+    code, out = shards(tmp_path, folder, flag, str(records))
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("vlm-vit shards: error: ") and len(err.splitlines()) == 1
+    assert str(records) in err
+    assert re.search(message, err), err
+    assert not out.exists()

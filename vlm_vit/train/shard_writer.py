@@ -41,6 +41,8 @@ _DECODER = ImageProcessor()
 # A records file's image that resolves outside the image folder (a `..`, an absolute path, a
 # link out) is a bad record, skipped with this reason: it must not copy other files.
 OUTSIDE = "image outside the image folder"
+# json's C scanner recurses once per [ or {: a file of brackets is an error, not a traceback.
+_TOO_DEEP = "is nested too deeply to read (JSON arrays or objects inside one another)"
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,8 @@ def _read_captions(path: Path, root: Path) -> list[_Sample]:
     missing image, or one outside `root`, is not an error here: writing skips it."""
     folder = root.resolve()
     samples = []
-    for _, row in read_caption_lines(path):
+    for where, row in read_caption_lines(path):
+        _check_encodable(row, where)
         meta = {"caption": row["caption"]}
         if "prompt" in row:
             meta["prompt"] = row["prompt"]
@@ -194,6 +197,8 @@ def _read_llava(path: Path, root: Path) -> list[_Sample]:
             records = json.loads(text)
         except json.JSONDecodeError as error:
             raise ValueError(f"LLaVA file {path} is not valid JSON: {error}") from None
+        except RecursionError:
+            raise ValueError(f"LLaVA file {path} {_TOO_DEEP}") from None
         numbered = [(f"{path} record {number}", record)
                     for number, record in enumerate(records, 1)]
     else:
@@ -205,6 +210,8 @@ def _read_llava(path: Path, root: Path) -> list[_Sample]:
                 numbered.append((f"{path} line {number}", json.loads(line)))
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path} line {number} is not JSON: {error}") from None
+            except RecursionError:
+                raise ValueError(f"{path} line {number} {_TOO_DEEP}") from None
     folder = root.resolve()
     samples = []
     for where, record in numbered:
@@ -213,12 +220,28 @@ def _read_llava(path: Path, root: Path) -> list[_Sample]:
         image = record.get("image")
         if image is not None and not isinstance(image, str):
             raise ValueError(f"{where}: 'image' must be one relative path, got {image!r:.100}")
+        _check_encodable(record, where)
         meta = {key: value for key, value in record.items() if key != "path"}
         samples.append(_Sample(None if image is None else root / image, image, {}, meta,
                                folder))
     if not samples:
         raise ValueError(f"LLaVA file {path} holds no records")
     return samples
+
+
+def _check_encodable(record: dict[str, Any], where: str) -> None:
+    """Refuses a record that UTF-8 cannot hold, which JSON can (a lone surrogate, from an
+    escape such as `\\ud800`): its json entry could not be written.
+
+    Raises:
+        ValueError: naming `where` and the character.
+    """
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{where} holds a lone surrogate "
+                         f"({error.object[error.start:error.end]!r}), which UTF-8 cannot "
+                         f"encode") from None
 
 
 def _prepare_output(out: Path, overwrite: bool) -> bool:
