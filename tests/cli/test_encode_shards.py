@@ -286,3 +286,161 @@ def test_a_rerun_with_other_settings_does_not_touch_the_outputs(tmp_path, checkp
     assert "shard-00.safetensors was encoded with settings" in err and "remove it" in err
     assert len(err.strip().splitlines()) == 1
     assert_same_outputs(out, reference)
+
+
+# -- issue 26: trust at the new surfaces -------------------------------------------------------
+
+HOLD = ("import sys, time\nfrom vlm_vit.train.run_lock import RunLock\n"
+        "with RunLock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(60)\n")
+
+
+@pytest.mark.parametrize("rank, world, held", [(0, 1, ""), (1, 2, ".rank_1")])
+def test_a_second_job_on_the_same_out_is_refused_naming_the_holder(
+        tmp_path, checkpoint, shards, monkeypatch, capsys, rank, world, held):
+    """Another job's process holds OUT (rank 0's lock) or OUT/.rank_1: this job's process of
+    the same rank writes nothing and exits 1 with one line naming OUT and the holder."""
+    pytest.importorskip("fcntl")
+    out = tmp_path / "tokens"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out / held)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = sorted(out.rglob("*"))
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        folder = os.path.dirname(next(iter(shards)))
+        assert main(["encode", str(checkpoint), folder, "-o", str(out), "--quiet"]) == 1
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"vlm-vit encode: error: -o {out} is in use by another "
+                                   f"encode job (pid {holder.pid} on ")
+    assert len(captured.err.strip().splitlines()) == 1 and captured.out == ""
+    assert sorted(out.rglob("*")) == before  # nothing written, no temporary file removed
+
+
+def encode_quietly(checkpoint, inputs, out, capsys):
+    assert main(["encode", str(checkpoint), *map(str, inputs), "-o", str(out), "--quiet"]) == 0
+    return capsys.readouterr()
+
+
+def test_shards_rewritten_with_another_seed_are_encoded_again(tmp_path, checkpoint, capsys):
+    """`vlm-vit shards --seed 1 --overwrite` deals the same images into the same shard names
+    in another order: a rerun encodes every shard again, and its features are the new
+    shards', as a fresh job's."""
+    images = tmp_path / "images"
+    images.mkdir()
+    for number, data in enumerate(real_images(8)):
+        (images / f"img-{number}.png").write_bytes(data)
+    data = tmp_path / "shards"
+
+    def write(*extra):
+        assert main(["shards", str(images), "--out", str(data), "--per-shard", "4",
+                     "--quiet", *extra]) == 0
+        capsys.readouterr()  # its summary
+
+    write()
+    out = tmp_path / "tokens"
+    encode_quietly(checkpoint, [data], out, capsys)
+    first = {path.name: read(path) for path in out.glob("*.safetensors")}
+    write("--seed", "1", "--overwrite")
+    captured = encode_quietly(checkpoint, [data], out, capsys)
+    assert captured.out.strip() == (f"wrote 2 shards (8 images) to {out} (0 already complete, "
+                                    "0 skipped samples)")
+    assert "dataset.json changed since it was encoded; encoding it again" in captured.err
+    fresh = tmp_path / "fresh"
+    encode_quietly(checkpoint, [data], fresh, capsys)
+    assert_same_outputs(out, fresh)
+    name = "00000.safetensors"
+    assert not torch.equal(first[name][0]["tokens"], read(out / name)[0]["tokens"])
+    assert encode_quietly(checkpoint, [data], out, capsys).out.strip() == (
+        f"wrote 0 shards (0 images) to {out} (2 already complete, 0 skipped samples)")
+
+
+@pytest.mark.parametrize("change", ["content, same time", "time, same content"])
+def test_a_shard_changed_since_its_output_is_encoded_again(tmp_path, checkpoint, capsys,
+                                                          change):
+    """Without a dataset.json: the shard's size and modification time tell."""
+    images = real_images(8)
+    data = tmp_path / "shards"
+    data.mkdir()
+    shard = data / "one.tar"
+    tar(shard, [{"__key__": "old-a", "png": images[0]}, {"__key__": "old-b", "png": images[1]}])
+    out = tmp_path / "tokens"
+    encode_quietly(checkpoint, [shard], out, capsys)
+    status = shard.stat()
+    if change == "content, same time":
+        keys = [f"new-{number}" for number in range(6)]  # more than one 10 KiB tar record
+        tar(shard, [{"__key__": key, "png": image}
+                    for key, image in zip(keys, images[2:], strict=True)])
+        assert shard.stat().st_size != status.st_size
+        os.utime(shard, ns=(status.st_atime_ns, status.st_mtime_ns))
+        words = "its size changed"
+    else:
+        os.utime(shard, ns=(status.st_atime_ns, status.st_mtime_ns + 10**9))
+        keys, words = ["old-a", "old-b"], "its modification time changed"
+    captured = encode_quietly(checkpoint, [shard], out, capsys)
+    assert f"shard {shard}: {words} since it was encoded; encoding it again" in captured.err
+    assert captured.out.strip().startswith(f"wrote 1 shards ({len(keys)} images)")
+    fresh = tmp_path / "fresh"
+    encode_quietly(checkpoint, [shard], fresh, capsys)
+    assert_same_outputs(out, fresh)
+    assert json.loads(read(out / "one.safetensors")[1]["keys"]) == keys
+
+
+def test_names_that_are_not_utf8_or_hold_a_newline_are_escaped_in_the_outputs(
+        tmp_path, checkpoint, capsys):
+    """Member names with a newline or bytes that are not UTF-8, in a shard whose file name
+    is not UTF-8: written as `escape_name` writes them, readable back, and a rerun finds the
+    output complete."""
+    import io
+    import tarfile
+
+    from vlm_vit.train.tar_shards import unescape_name
+
+    images = real_images(2)
+    data = tmp_path / "shards"
+    data.mkdir()
+    shard = os.path.join(os.fsencode(data), b"caf\xe9\nx.tar")  # Latin-1, and a newline
+    members = [("line\nbreak.png", images[0]), ("caf\udce9.png", images[1]),
+               ("bad\udcff.png", b"no image")]  # surrogates: the bytes as tarfile reads them
+    with tarfile.open(shard, "w", format=tarfile.GNU_FORMAT) as archive:
+        for name, content in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(content)
+            archive.addfile(info, io.BytesIO(content))
+    out = tmp_path / "tokens"
+    captured = encode_quietly(checkpoint, [data], out, capsys)
+    assert captured.out.strip() == (f"wrote 1 shards (2 images) to {out} (0 already "
+                                    "complete, 1 skipped samples)")
+    assert listing(out) == ["caf\\xe9\\x0ax.safetensors"]
+    tensors, metadata = read(out / "caf\\xe9\\x0ax.safetensors")
+    keys = json.loads(metadata["keys"])
+    assert keys == ["line\\x0abreak", "caf\\xe9"] and tensors["tokens"].shape[0] == 2
+    assert [unescape_name(key) for key in keys] == ["line\nbreak", "caf\udce9"]
+    assert os.fsencode(unescape_name(metadata["shard"])) == shard
+    assert [entry["key"] for entry in json.loads(metadata["skipped"])] == ["bad\\xff"]
+    assert "\n" not in captured.err.strip()  # the warning naming them is one line
+    assert encode_quietly(checkpoint, [data], out, capsys).out.strip().endswith(
+        "(1 already complete, 0 skipped samples)")
+
+
+def test_a_folder_a_killed_shards_job_left_is_named_with_what_is_missing(
+        tmp_path, checkpoint, shards, capsys, caplog):
+    """Whole 00000.tar and 00001.tar, a .00002.tar.tmp and no dataset.json: encode warns
+    (logging, which the command line prints on stderr) and encodes what is there."""
+    import logging
+    import shutil
+
+    folder = tmp_path / "unfinished"
+    folder.mkdir()
+    for number, path in enumerate(sorted(shards)[:2]):
+        shutil.copy(path, folder / f"{number:05d}.tar")
+    (folder / ".00002.tar.tmp").write_bytes(b"half a shard")
+    out = tmp_path / "tokens"
+    with caplog.at_level(logging.WARNING):
+        captured = encode_quietly(checkpoint, [folder], out, capsys)
+    assert f"{folder} holds .00002.tar.tmp" in caplog.text
+    assert "no dataset.json" in caplog.text and "still to write are missing" in caplog.text
+    assert captured.out.strip().startswith("wrote 2 shards (12 images)")

@@ -68,15 +68,19 @@ from vlm_vit.train.tar_shards import (
 
 def shard_output_name(url: str) -> str:
     """The output file name of a shard: its base name less the shard suffix, plus
-    `.safetensors` (for a `pipe:` URL, the last word that ends in a shard suffix), escaped
-    by `escape_name` (a name that is not UTF-8, or holds a newline, is written as escapes).
+    `.safetensors` (for a URL such as `pipe:...`, the last word that ends in a shard
+    suffix), escaped by `escape_name` (a name that is not UTF-8, or holds a newline, is
+    written as escapes).
 
     Raises:
         ValueError: when no word of `url` ends in a shard suffix.
     """
-    words = [word.strip("'\"").split("?")[0] for word in url.split()]
-    named = [word for word in words if word.endswith(SHARD_SUFFIXES)]
-    base = named[-1].rsplit("/", 1)[-1].rsplit(":", 1)[-1] if named else ""
+    if url.startswith(URL_PREFIXES):
+        words = [word.strip("'\"").split("?")[0] for word in url.split()]
+        named = [word for word in words if word.endswith(SHARD_SUFFIXES)]
+        base = named[-1].rsplit("/", 1)[-1].rsplit(":", 1)[-1] if named else ""
+    else:  # a local file: its whole name, spaces and newlines included
+        base = Path(url).name
     stem = next((base[:-len(s)] for s in SHARD_SUFFIXES if base.endswith(s)), "")
     if not stem:
         raise ValueError(f"cannot name the output of shard {url!r}: no word of it is a file "
