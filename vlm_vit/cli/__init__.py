@@ -30,6 +30,7 @@ from vlm_vit.cli import (
     demo,
     download,
     encode,
+    export,
     finetune,
     info,
     predict,
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     finetune.add_parser(subparsers)
     predict.add_parser(subparsers)
     shards.add_parser(subparsers)
+    export.add_parser(subparsers)
     for entry in metadata.entry_points(group=COMMAND_GROUP):
         try:
             entry.load()(subparsers)

@@ -1,0 +1,102 @@
+"""`vlm-vit export`: an encoder or a tower to an ONNX file or a `torch.export` program,
+checked against eager right after export (`vlm_vit.export`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from vlm_vit.cli.common import image_size, is_variant, reading_checkpoint, variant_or_checkpoint
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "export", help="export an encoder or tower to ONNX or a torch.export program",
+        description="Export an encoder (every token after the final norm, or --feature-layer's "
+        "raw tokens) or a tower (encoder plus its pooler/projector) to an ONNX file (opset 20, "
+        "checked in ONNX Runtime's CPU provider) or a torch.export program (.pt2). With "
+        "--dynamic the batch, height and width are dynamic (any multiple of the patch size); "
+        "else they are frozen at --image-size (default: the model's). The program is compared "
+        "with eager at the export size and, when dynamic, at two sizes never seen at export; "
+        "the maximum difference is printed.")
+    parser.add_argument("model", metavar="MODEL", help="a checkpoint or saved tower, a model "
+                        "name, or a variant name together with --random-init")
+    parser.add_argument("--format", choices=["onnx", "torch-export"], required=True)
+    parser.add_argument("--out", required=True, type=Path, help="the file to write")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="dynamic batch, height and width")
+    parser.add_argument("--image-size", type=int, nargs="+", metavar="SIDE",
+                        help="export at SIDE or HEIGHT WIDTH (frozen there without --dynamic)")
+    parser.add_argument("--max-side", type=int, default=4096,
+                        help="with --dynamic: the largest height or width accepted")
+    parser.add_argument("--feature-layer", type=int, action="append", dest="feature_layers",
+                        metavar="K", help="an encoder's hidden-state index to return instead "
+                        "of the final tokens (repeatable: concatenated; -2 for LLaVA)")
+    parser.add_argument("--pooler", help="export a tower with this registered pooler (fresh "
+                        "weights) in place of a checkpoint's own")
+    parser.add_argument("--out-dim", type=int, help="the --pooler's output width")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "int8"], default="float32",
+                        help="bfloat16: bf16 weights (torch-export); int8: ONNX Runtime's "
+                        "dynamic quantization of the block Linears (onnx)")
+    parser.add_argument("--random-init", action="store_true",
+                        help="allow a variant name: export random weights (for testing)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(run=run)
+
+
+def _load(args: argparse.Namespace):
+    """The model to export: an encoder, or a tower (a saved tower, or --pooler)."""
+    from vlm_vit.loading import load_tower
+    from vlm_vit.poolers import build_pooler
+    from vlm_vit.tower import VisionTower
+
+    if is_variant(args.model):
+        if not args.random_init:
+            raise ValueError(f"{args.model} is a variant name, not a checkpoint; to export "
+                             f"random weights, add --random-init")
+        encoder = variant_or_checkpoint(args.model, None)
+        if args.pooler is None:
+            return encoder
+        pooler = build_pooler(args.pooler, in_dim=encoder.config.width, out_dim=args.out_dim)
+        drop_prefix = not getattr(pooler, "requires_class_token", False)
+        return VisionTower(encoder, pooler, drop_prefix=drop_prefix)
+    with reading_checkpoint(args.model):
+        from vlm_vit.files import read_json
+        from vlm_vit.model import CONFIG_NAME
+
+        config = Path(args.model) / CONFIG_NAME
+        saved_tower = config.is_file() and "tower" in read_json(config)
+        if args.pooler is not None or saved_tower:
+            return load_tower(args.model, args.pooler, out_dim=args.out_dim)
+        return variant_or_checkpoint(args.model, None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vlm_vit.export import check_size, export_model
+
+    size = image_size(args.image_size)
+    model = _load(args).float().eval()
+    if size is not None:
+        encoder = getattr(model, "encoder", model)
+        check_size(encoder, size)
+    layers = args.feature_layers
+    feature_layer = layers[0] if layers and len(layers) == 1 else layers
+    report = export_model(model, args.out, format=args.format, dtype=args.dtype,
+                          image_size=size, dynamic=args.dynamic, feature_layer=feature_layer,
+                          max_side=args.max_side)
+    if args.json:
+        print(json.dumps({"path": str(report.path), "format": report.format,
+                          "dtype": report.dtype, "dynamic": report.dynamic,
+                          "checks": report.checks}, indent=2))
+        return 0
+    against = "eager float32" if args.dtype != "bfloat16" else "eager bfloat16"
+    print(f"wrote {report.path} ({args.format}, {args.dtype}, "
+          f"{'dynamic batch, height and width' if args.dynamic else 'frozen size'})")
+    for check in report.checks:
+        height, width = check["size"]
+        print(f"  {height}x{width} batch {check['batch']}: max |difference| vs {against} "
+              f"{check['max_abs_difference']:.3g}, token cosine vs float32 "
+              f"{check['cosine']:.6f}")
+    print(f"maximum difference: {report.max_abs_difference:.3g}")
+    return 0
