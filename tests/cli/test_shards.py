@@ -1,6 +1,7 @@
 import functools
 import json
 import logging
+import os
 import re
 import tarfile
 
@@ -453,3 +454,25 @@ def test_a_record_json_cannot_hold_is_one_line_naming_it(tmp_path, folder, capsy
     assert str(records) in err
     assert re.search(message, err), err
     assert not out.exists()
+
+
+def test_a_file_name_that_is_not_utf8_is_skipped_by_its_escaped_name(tmp_path, folder,
+                                                                     caplog):
+    """Its json entry could not be written: one such file ended the whole run, unnamed."""
+    (folder / os.fsdecode(b"photos/\xff.png")).write_bytes((folder / "coffee.jpg").read_bytes())
+    with caplog.at_level(logging.WARNING, logger="vlm_vit.train.shard_writer"):
+        index = write_shards(folder, tmp_path / "out", progress=False)
+    assert index["samples"] == 20
+    assert index["skipped"] == [{"path": "photos/\\xff.png", "reason": "file name is not UTF-8"}]
+    assert "photos/\\xff.png" in caplog.text
+    assert json.loads((tmp_path / "out" / "dataset.json").read_text()) == index
+
+
+def test_a_class_folder_that_is_not_utf8_is_refused_before_writing(tmp_path, class_folder,
+                                                                   capsys):
+    (class_folder / "photo").rename(class_folder / os.fsdecode(b"ph\xffto"))
+    code, out = shards(tmp_path, class_folder, "--classes")
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "class folder ph\\xffto" in err and str(class_folder) in err
+    assert len(err.splitlines()) == 1 and not out.exists()

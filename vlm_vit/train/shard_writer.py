@@ -28,7 +28,12 @@ from vlm_vit.files import (
 from vlm_vit.optional import require
 from vlm_vit.processor import ImageLoadError, ImageProcessor, ImageTooLargeError
 from vlm_vit.train.data import read_caption_lines
-from vlm_vit.train.tar_shards import DATASET_FORMAT, DATASET_VERSION, WRITER_LEFTOVER
+from vlm_vit.train.tar_shards import (
+    DATASET_FORMAT,
+    DATASET_VERSION,
+    WRITER_LEFTOVER,
+    escape_name,
+)
 from vlm_vit.train.tar_shards import DATASET_INDEX as INDEX
 
 logger = logging.getLogger(__name__)
@@ -128,6 +133,10 @@ def write_shards(
     if classes:
         kind = "classes"
         files, labels, class_names = class_folders(root)
+        for name in class_names:  # the index lists them: refused before anything is written
+            if not _is_utf8(name):
+                raise ValueError(f"class folder {escape_name(name)} of {root} is not named in "
+                                 f"UTF-8; rename it")
         samples = [_Sample(path, path.relative_to(root).as_posix(),
                            {"cls": str(label).encode("ascii")}, {"class": class_names[label]})
                    for path, label in zip(files, labels, strict=True)]
@@ -323,14 +332,16 @@ def _finish(writer: Any, handle: IO[bytes], temp: Path, count: int) -> dict[str,
 
 def _entries(sample: _Sample, skipped: list[dict[str, str]]) -> dict[str, bytes] | None:
     """The sample's tar entries but its key, or None (and a line in `skipped`) when its image
-    is missing, outside its records' folder, or does not decode."""
+    is missing, outside its records' folder, or does not decode, or its file name (which the
+    json holds) is not UTF-8."""
     meta = {"path": sample.relative, **sample.meta}
-    entries = {**sample.fields, "json": json.dumps(meta, ensure_ascii=False).encode("utf-8")}
-    if sample.path is None:
-        return entries
+    if sample.path is None:  # a text-only record: checked for UTF-8 when read
+        return {**sample.fields, "json": json.dumps(meta, ensure_ascii=False).encode("utf-8")}
     suffix = sample.path.suffix.lower()
     reason = None
-    if suffix not in IMAGE_SUFFIXES:
+    if not _is_utf8(sample.relative):  # records are checked when read: a folder's file
+        reason = "file name is not UTF-8"
+    elif suffix not in IMAGE_SUFFIXES:
         reason = f"{suffix or 'no suffix'} is not an image suffix"
     elif sample.folder is not None and not resolves_inside(sample.path, sample.folder):
         reason = OUTSIDE
@@ -347,7 +358,20 @@ def _entries(sample: _Sample, skipped: list[dict[str, str]]) -> dict[str, bytes]
         except (ImageLoadError, ImageTooLargeError) as error:
             reason = str(error)
     if reason is not None:
-        logger.warning("skipping %s: %s", sample.path, reason)
-        skipped.append({"path": sample.relative, "reason": reason})
+        utf8 = _is_utf8(sample.relative)
+        logger.warning("skipping %s: %s", sample.path if utf8 else escape_name(str(sample.path)),
+                       reason)
+        skipped.append({"path": sample.relative if utf8 else escape_name(sample.relative),
+                        "reason": reason})
         return None
-    return {suffix[1:]: data, **entries}
+    return {suffix[1:]: data, **sample.fields,
+            "json": json.dumps(meta, ensure_ascii=False).encode("utf-8")}
+
+
+def _is_utf8(name: str) -> bool:
+    """Whether a name from the file system is UTF-8 (others hold surrogate escapes)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
