@@ -476,3 +476,19 @@ def test_a_class_folder_that_is_not_utf8_is_refused_before_writing(tmp_path, cla
     err = capsys.readouterr().err
     assert "class folder ph\\xffto" in err and str(class_folder) in err
     assert len(err.splitlines()) == 1 and not out.exists()
+
+
+def test_a_file_over_the_readers_member_bound_is_skipped_unread(tmp_path, folder, monkeypatch):
+    """The readers skip a member over tar_shards.MAX_MEMBER_BYTES: the writer does not read
+    such a file into memory to write a sample no reader will take."""
+    from vlm_vit.train import tar_shards
+
+    sizes = {p.relative_to(folder).as_posix(): p.stat().st_size for p in folder.rglob("*")
+             if p.suffix.lower() in {".png", ".jpg", ".jpeg"}}
+    bound = max(sizes.values()) - 1
+    monkeypatch.setattr(tar_shards, "MAX_MEMBER_BYTES", bound)
+    index = write_shards(folder, tmp_path / "out", progress=False)
+    largest = [path for path, size in sizes.items() if size > bound]
+    assert index["skipped"] == [{"path": path, "reason": f"{sizes[path]:,} bytes, over the "
+                                 f"{bound:,} a shard member may hold"} for path in largest]
+    assert index["samples"] == len(sizes) - len(largest)

@@ -27,6 +27,7 @@ from vlm_vit.files import (
 )
 from vlm_vit.optional import require
 from vlm_vit.processor import ImageLoadError, ImageProcessor, ImageTooLargeError
+from vlm_vit.train import tar_shards
 from vlm_vit.train.data import read_caption_lines
 from vlm_vit.train.tar_shards import (
     DATASET_FORMAT,
@@ -347,6 +348,10 @@ def _entries(sample: _Sample, skipped: list[dict[str, str]]) -> dict[str, bytes]
         reason = OUTSIDE
     elif not sample.path.is_file():
         reason = "no such file"
+    elif (size := sample.path.stat().st_size) > tar_shards.MAX_MEMBER_BYTES:
+        # read at call time, as the readers do; they would skip the member unread
+        reason = f"{size:,} bytes, over the {tar_shards.MAX_MEMBER_BYTES:,} a shard member " \
+                 f"may hold"
     else:
         try:
             data = sample.path.read_bytes()
