@@ -309,3 +309,34 @@ def test_qlora_on_gpu_trains_and_merges():
     merged, error = lora.merge_lora(model, report=True)
     # Not measured on a GPU yet (CI has none): the CPU figure's order of magnitude, 10x.
     assert merged.blocks[0].attn.qkv.weight.is_cuda and error < 0.04
+
+
+BNB_IMPORT_WARNING = """
+import importlib.abc, logging, sys
+logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+
+class SimulatedKernelWarning(importlib.abc.MetaPathFinder):
+    # bitsandbytes warns while its CPU backend is imported on AVX512-BF16 machines without
+    # the `kernels` package; this says the same from the same logger at the same moment.
+    def find_spec(self, name, path, target=None):
+        if name == "bitsandbytes.backends.cpu.ops":
+            logging.getLogger(name).warning("Failed to load CPU gemm_4bit_forward")
+
+sys.meta_path.insert(0, SimulatedKernelWarning())
+from vlm_vit import EncoderConfig, VisionEncoder, lora
+encoder = VisionEncoder(EncoderConfig(image_size=16, patch_size=8, width=16, depth=1, heads=2,
+                                      mlp_width=32))
+lora.apply_lora(encoder, r=2, quantize=sys.argv[1] == "qlora")
+"""
+
+
+@pytest.mark.parametrize("mode", ["lora", "qlora"])
+def test_bitsandbytes_import_warnings_are_held_back_without_qlora(mode):
+    """Issue 27, 9: peft imports bitsandbytes, whose kernel warnings only concern 4-bit
+    layers; a LoRA run does not show them, a QLoRA run does."""
+    pytest.importorskip("bitsandbytes")
+    done = subprocess.run([sys.executable, "-c", BNB_IMPORT_WARNING, mode], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    warned = "Failed to load CPU gemm_4bit_forward" in done.stderr
+    assert warned == (mode == "qlora"), done.stderr[-2000:]

@@ -19,6 +19,7 @@ import copy
 import json
 import logging
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +34,26 @@ if TYPE_CHECKING:
     from peft import PeftModel
 
 logger = logging.getLogger(__name__)
+
+
+def import_peft(purpose: str, quiet: bool = True):
+    """peft, imported with bitsandbytes' import-time warnings held back when `quiet`.
+
+    peft imports bitsandbytes whenever it is installed, and bitsandbytes warns at import
+    about kernels only 4-bit layers use (a missing optional CPU kernel, the CUDA library it
+    picked): noise on every LoRA run without QLoRA. A QLoRA run passes `quiet=False`.
+
+    Raises:
+        ImportError: without peft, naming the extra.
+    """
+    bnb_logger = logging.getLogger("bitsandbytes")
+    level = bnb_logger.level
+    if quiet and "bitsandbytes" not in sys.modules:
+        bnb_logger.setLevel(logging.ERROR)
+    try:
+        return require("peft", "lora", purpose)
+    finally:
+        bnb_logger.setLevel(level)
 
 # Module names are matched whole; `(?:.*\.)?blocks\.N\.` is a transformer block of the encoder
 # at any depth of nesting (`blocks.0`, `encoder.blocks.0`) but not `decoder_blocks.0` (MAE's
@@ -90,7 +111,7 @@ def apply_lora(
         ImportError: without peft (or bitsandbytes, for `quantize`).
         RuntimeError: when bitsandbytes cannot run 4-bit layers on this device.
     """
-    peft = require("peft", "lora", "LoRA fine-tuning")
+    peft = import_peft("LoRA fine-tuning", quiet=not quantize)
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise ValueError(f"LoRA rank r must be an integer >= 1, got {r!r}")
     train_modules = list(train_modules)
@@ -247,7 +268,7 @@ def load_adapter(model: nn.Module, directory: str | Path, adapter_name: str = "d
     Raises:
         ValueError: when `adapter_name` is taken.
     """
-    peft = require("peft", "lora", "loading a LoRA adapter")
+    peft = import_peft("loading a LoRA adapter")
     if not isinstance(model, peft.PeftModel):
         model = peft.PeftModel.from_pretrained(model, str(directory), adapter_name=adapter_name,
                                                is_trainable=trainable)
@@ -408,7 +429,7 @@ def _bitsandbytes_if_loaded():
 def _dequantized_copy_of_adapter(model: PeftModel, bnb) -> PeftModel:
     """Rebuilds the active adapter on a float copy of the base: every Linear4bit becomes an
     nn.Linear with the dequantised weight, so the merge is exact float arithmetic."""
-    peft = require("peft", "lora", "LoRA merging")
+    peft = import_peft("LoRA merging")
     name = model.active_adapter
     config = copy.deepcopy(model.peft_config[name])
     state = peft.get_peft_model_state_dict(model, adapter_name=name)
