@@ -290,8 +290,13 @@ def test_a_rerun_with_other_settings_does_not_touch_the_outputs(tmp_path, checkp
 
 # -- issue 26: trust at the new surfaces -------------------------------------------------------
 
-HOLD = ("import sys, time\nfrom vlm_vit.train.run_lock import RunLock\n"
-        "with RunLock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(60)\n")
+# Holds a RunLock; run_lock.py is loaded alone (standard library only), not through
+# vlm_vit.train, which imports torch: seconds saved per test.
+HOLD = ("import importlib.util, sys, time\n"
+        "spec = importlib.util.spec_from_file_location('run_lock', sys.argv[2])\n"
+        "run_lock = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(run_lock)\n"
+        "with run_lock.RunLock(sys.argv[1]):\n    print('held', flush=True)\n"
+        "    time.sleep(60)\n")
 
 
 @pytest.mark.parametrize("rank, world, held", [(0, 1, ""), (1, 2, ".rank_1")])
@@ -301,7 +306,9 @@ def test_a_second_job_on_the_same_out_is_refused_naming_the_holder(
     the same rank writes nothing and exits 1 with one line naming OUT and the holder."""
     pytest.importorskip("fcntl")
     out = tmp_path / "tokens"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out / held)],
+    from vlm_vit.train import run_lock
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out / held), run_lock.__file__],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
