@@ -99,3 +99,58 @@ def test_finetune_on_shards_reads_classes_labels_and_a_held_out_split(setup, cap
     assert main(["finetune", "--encoder", str(setup / "encoder"), "--data",
                  str(setup / "shards"), "--out", str(setup / "run2")]) == 1
     assert "need --num-classes K" in capsys.readouterr().err
+
+
+def test_a_full_finetune_leaves_a_classifier_that_predict_reads(setup, capsys):
+    """Issue 27: a fine-tune without --lora leaves RUN_DIR/classifier; `predict` on it gives
+    the trained model's own predictions, and `predict` or `merge` given the run directory
+    name that folder."""
+    from vlm_vit.finetune import ImageClassifier
+    from vlm_vit.loading import load_with_processor
+    from vlm_vit.processor import ImageProcessor
+
+    run = setup / "run"
+    assert main(["finetune", "--encoder", str(setup / "encoder"), "--data",
+                 str(setup / "digits"), "--out", str(run), "--steps", "4", "--batch-size",
+                 "16", "--lr", "1e-2", "--num-workers", "0", "--pooling", "mean"]) == 0
+    printed = capsys.readouterr().out
+    assert f"classifier: {run / 'classifier'} (vlm-vit predict" in printed
+    assert not [p for p in run.iterdir() if p.name.startswith(".classifier")]  # no temporary
+    # The model as the run trained it: its encoder/ and the head inside objective.pt.
+    encoder, processor = load_with_processor(run / "encoder")
+    expected = ImageClassifier(encoder, 3, pooling="mean")
+    state = torch.load(run / "objective.pt", map_location="cpu", weights_only=True)
+    expected.head.load_state_dict({"weight": state["head.weight"], "bias": state["head.bias"]})
+    assert expected.head.weight.abs().sum() > 0  # the head trained away from zero
+    preprocess = ImageProcessor(size=processor.size, mean=processor.mean, std=processor.std)
+    images = sorted((setup / "digits").rglob("*.png"))
+    with torch.inference_mode():
+        probabilities = expected.eval()(preprocess(images)).softmax(-1)
+    classes = ["digit_0", "digit_1", "digit_2"]
+    assert main(["predict", str(run / "classifier"), str(setup / "digits"), "--top", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == len(images)
+    for line, path, row in zip(lines, images, probabilities, strict=True):
+        name, ranked = line.split("\t")
+        assert name == str(path)
+        got = {part.split()[0]: float(part.split()[1]) for part in ranked.split("  ")}
+        assert got == {classes[i]: round(float(row[i]), 3) for i in range(3)}, path
+        assert ranked.split()[0] == classes[int(row.argmax())]
+    # Given the run directory instead, predict and merge name the classifier directory.
+    for argv in (["predict", str(run), str(images[0])], ["merge", str(run), "--out",
+                                                           str(setup / "merged")]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert f"its classifier directory is {run / 'classifier'}" in err, argv
+    assert main(["merge", str(run / "classifier"), "--out", str(setup / "merged")]) == 1
+    assert "is a classifier directory already" in capsys.readouterr().err
+    # A LoRA run over it (--overwrite) leaves no stale classifier, and its directory points
+    # to merge.
+    assert main(["finetune", "--encoder", str(setup / "encoder"), "--data",
+                 str(setup / "digits"), "--out", str(run), "--lora", "r=2", "--steps", "1",
+                 "--batch-size", "16", "--num-workers", "0", "--pooling", "mean",
+                 "--overwrite"]) == 0
+    assert f"vlm-vit merge {run} --out DIR" in capsys.readouterr().out
+    assert not (run / "classifier").exists() and (run / "adapter").is_dir()
+    assert main(["predict", str(run), str(images[0])]) == 1
+    assert f"vlm-vit merge {run} --out DIR" in capsys.readouterr().err

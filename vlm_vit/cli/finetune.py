@@ -6,12 +6,16 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 from vlm_vit.cli.common import reading_checkpoint, refusing_pickles
 from vlm_vit.files import atomic_write, read_json
 
 FINETUNE_NAME = "finetune.json"  # what `merge` needs to rebuild the model
+# Where a full fine-tune leaves its classifier (`ImageClassifier.save_pretrained`, what
+# `predict` reads); a LoRA run gets one from `merge`.
+CLASSIFIER_DIR = "classifier"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -19,7 +23,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "finetune", help="fine-tune an encoder on a class-labelled folder (LoRA optional)",
         description="Image classification with a new zero-initialised head (paper 3.2) on a "
         "folder with one sub-folder per class; --lora trains only LoRA adapters (peft) and "
-        "the head; a held-out share measures accuracy at the end.")
+        "the head; a held-out share measures accuracy at the end. A full fine-tune leaves "
+        "RUN_DIR/classifier, the directory `vlm-vit predict` reads; a LoRA run's adapter "
+        "becomes one with `vlm-vit merge RUN_DIR --out DIR`.")
     parser.add_argument("--encoder", required=True, metavar="PATH")
     parser.add_argument("--data", required=True, metavar="DIR_OR_SHARDS",
                         help="a folder with one sub-folder per class, or WebDataset tar "
@@ -141,8 +147,15 @@ def run(args: argparse.Namespace) -> int:
             out.mkdir(parents=True, exist_ok=True)
             with atomic_write(out / FINETUNE_NAME, "w") as handle:
                 json.dump(settings, handle, indent=2)
+            if args.overwrite and (out / CLASSIFIER_DIR).is_dir():  # never the old run's
+                shutil.rmtree(out / CLASSIFIER_DIR)
         trainer.fit(resume=args.resume, overwrite=args.overwrite)
-    if int(os.environ.get("RANK", "0")) != 0:
+        if main_rank and settings["lora"] is None:
+            # The trained encoder, head, class names and the preprocessing it trained with,
+            # in one directory that appears at once.
+            classifier = model.save_pretrained(out / CLASSIFIER_DIR, classes=classes,
+                                               processor=preprocess)
+    if not main_rank:
         return 0
     if held_out is not None:
         model.eval()
@@ -160,7 +173,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"held-out accuracy {accuracy:.3f} on {total} images (chance "
               f"{1 / len(classes):.3f})")
     print(f"fine-tuned {args.steps} steps; outputs in {out}")
+    if settings["lora"] is None:
+        print(f"classifier: {classifier} (vlm-vit predict {classifier} IMAGES)")
+    else:
+        print(f"adapter: {out / 'adapter'} (vlm-vit merge {out} --out DIR writes a classifier "
+              "directory that vlm-vit predict reads)")
     return 0
+
+
+def run_dir_hint(path: Path) -> str | None:
+    """What to give `predict` instead of a `vlm-vit finetune` run directory (None for any
+    other path): the run's classifier directory, or how a LoRA run gets one."""
+    settings_path = path / FINETUNE_NAME
+    if not settings_path.is_file():
+        return None
+    lora = read_json(settings_path).get("lora") is not None
+    if lora:
+        return (f"{path} is the run directory of a LoRA fine-tune; fold its adapter into a "
+                f"classifier directory with `vlm-vit merge {path} --out DIR`, then give DIR")
+    classifier = path / CLASSIFIER_DIR
+    if not classifier.is_dir():
+        return (f"{path} is a fine-tune's run directory without {CLASSIFIER_DIR}/ (has the run "
+                f"finished?); a finished run leaves its classifier directory in {classifier}")
+    return f"{path} is a fine-tune's run directory; its classifier directory is {classifier}"
 
 
 def _recorded_settings(out: Path, settings: dict) -> dict | None:
@@ -242,12 +277,18 @@ def _shard_parts(args: argparse.Namespace, processor, classes: list[str]):
 
 
 def run_merge(args: argparse.Namespace) -> int:
+    from vlm_vit.finetune import CLASSIFIER_CONFIG_NAME
     from vlm_vit.lora import load_adapter, merge_lora, set_adapter
 
+    if not (args.run_dir / FINETUNE_NAME).is_file() \
+            and (args.run_dir / CLASSIFIER_CONFIG_NAME).is_file():
+        raise ValueError(f"{args.run_dir} is a classifier directory already: vlm-vit predict "
+                         f"reads it; merge takes the run directory of `vlm-vit finetune --lora`")
     settings = read_json(args.run_dir / FINETUNE_NAME)
     if settings.get("lora") is None:
-        raise ValueError(f"{args.run_dir} is a full fine-tune: its encoder is already in "
-                         f"{args.run_dir / 'encoder'}, there is nothing to merge")
+        raise ValueError(f"{args.run_dir} is a full fine-tune: there is nothing to merge; "
+                         f"its classifier directory is {args.run_dir / CLASSIFIER_DIR} "
+                         f"(vlm-vit predict {args.run_dir / CLASSIFIER_DIR} IMAGES)")
     adapter = args.run_dir / "adapter"
     if not adapter.is_dir():
         raise FileNotFoundError(f"{adapter} is missing: has the run finished?")

@@ -1,5 +1,6 @@
-"""`vlm-vit predict`: a fine-tuned classifier directory (from `vlm-vit merge` or
-`ImageClassifier.save_pretrained`) on images or folders, one line per image."""
+"""`vlm-vit predict`: a fine-tuned classifier directory (RUN_DIR/classifier of `vlm-vit
+finetune`, `vlm-vit merge`'s output or `ImageClassifier.save_pretrained`) on images or folders,
+one line per image."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "predict", help="classify images with a fine-tuned classifier directory",
-        description=__doc__.splitlines()[0] + " " + __doc__.splitlines()[1])
+        description=" ".join(__doc__.split()))
     parser.add_argument("classifier", type=Path, metavar="CLASSIFIER_DIR")
     parser.add_argument("inputs", nargs="+", metavar="IMAGE_OR_DIR")
     parser.add_argument("--top", type=int, default=1, metavar="K",
@@ -25,9 +26,15 @@ def run(args: argparse.Namespace) -> int:
 
     from vlm_vit.cli.common import reading_checkpoint
     from vlm_vit.cli.encode import find_images
-    from vlm_vit.finetune import ImageClassifier
+    from vlm_vit.cli.finetune import run_dir_hint
+    from vlm_vit.finetune import CLASSIFIER_CONFIG_NAME, ImageClassifier
     from vlm_vit.processor import ImageProcessor
 
+    if not (args.classifier / CLASSIFIER_CONFIG_NAME).is_file():
+        hint = run_dir_hint(args.classifier)
+        if hint is not None:
+            raise FileNotFoundError(f"{args.classifier / CLASSIFIER_CONFIG_NAME} does not "
+                                    f"exist: {hint}")
     files = find_images(args.inputs)
     with reading_checkpoint(args.classifier):
         classifier = ImageClassifier.from_pretrained(args.classifier).to(args.device)
