@@ -176,7 +176,7 @@ def _shard_source(url: str, digests: dict[Path, str | None]) -> dict | None:
 
 
 def _source_change(recorded: str | None, source: dict | None) -> str | None:
-    """How shard's `source` differs from the one its output recorded, or None when equal."""
+    """How a shard's `source` differs from the one its output recorded, or None when equal."""
     if recorded is None:  # written by an older vlm-vit
         return None if source is None else "its output records no size or time of it"
     try:
@@ -192,12 +192,12 @@ def _source_change(recorded: str | None, source: dict | None) -> str | None:
     return f"its {', '.join(changed)} changed since it was encoded"
 
 
-def _is_complete(path: Path, url: str, model: str, settings: str,
-                 source: dict | None) -> bool:
+def _is_complete(path: Path, url: str, model: str, settings: str, source: dict | None,
+                 changed: list[str]) -> bool:
     """Whether `path` is a whole output of shard `url` by this model and settings (a rerun
     skips it). A truncated shard's output is not: the rerun reads the shard again; nor is one
-    whose recorded `source` differs from the shard's now (rewritten since): said in a
-    warning.
+    whose recorded `source` differs from the shard's now (rewritten since), said in
+    `changed`.
 
     Raises:
         ValueError: when `path` is not an encode output, or one of another shard, model or
@@ -222,7 +222,7 @@ def _is_complete(path: Path, url: str, model: str, settings: str,
         return False
     change = _source_change(metadata.get("source"), source)
     if change is not None:
-        _warn(f"shard {escape_name(url)}: {change}; encoding it again into {path}")
+        changed.append(f"shard {escape_name(url)}: {change}")
         return False
     return True
 
@@ -358,8 +358,14 @@ def _encode_shards(args: argparse.Namespace, shards: list[str], outputs: list[Pa
     settings = _settings(args)
     digests: dict[Path, str | None] = {}
     sources = {i: _shard_source(shards[i], digests) for i in mine}
+    changed: list[str] = []
     todo = [i for i in mine if not _is_complete(outputs[i], shards[i], str(args.model),
-                                                 settings, sources[i])]
+                                                 settings, sources[i], changed)]
+    for line in changed[:5]:
+        _warn(f"{line}; encoding it again")
+    if len(changed) > 5:
+        _warn(f"and {len(changed) - 5} more shards changed since they were encoded; encoding "
+              "them again")
     complete = len(mine) - len(todo)
     args.out.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(args.out, [outputs[i] for i in mine])
@@ -377,8 +383,8 @@ def _encode_shards(args: argparse.Namespace, shards: list[str], outputs: list[Pa
                 skipped += len(record.skipped)
                 for url, read, error in record.problems.truncated:
                     _warn(f"shard {escape_name(url)} is truncated after {read} samples "
-                          f"({error}); encoded "
-                          f"the {len(record.keys)} images read, in {outputs[index]}")
+                          f"({error}); encoded the {len(record.keys)} images read, in "
+                          f"{outputs[index]}")
                 if record.skipped:
                     shown = "; ".join(f"{s['key']}: {s['reason']}" for s in record.skipped[:3])
                     more = len(record.skipped) - 3
