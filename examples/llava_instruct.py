@@ -12,7 +12,9 @@ The records are written as LLaVA-Instruct's JSON: `{"id", "image": path | [paths
 """
 
 import argparse
+import atexit
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -93,6 +95,8 @@ def train(mm, records, template: str, run_dir: Path, steps: int, lr: float) -> l
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llm", type=Path, help="a Hugging Face causal LM folder")
+    parser.add_argument("--work", type=Path, help="keep the data, runs and export here "
+                        "(default: a temporary folder, removed at the end)")
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--stage-1-steps", type=int, default=100)
     parser.add_argument("--stage-2-steps", type=int, default=200)
@@ -103,7 +107,11 @@ def main() -> int:
     from vlm_vit_llm.records import ConversationRecords, Turn
 
     torch.manual_seed(0)
-    work = Path(tempfile.mkdtemp(prefix="llava-instruct-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="llava-instruct-"))
+    if args.work is None:
+        atexit.register(shutil.rmtree, work, ignore_errors=True)
+    else:
+        work.mkdir(parents=True, exist_ok=True)
     records = ConversationRecords(write_data(work, args.image_size), work)
     if args.llm:
         llm, tokenizer = (AutoModelForCausalLM.from_pretrained(args.llm),
@@ -146,7 +154,8 @@ def main() -> int:
         # The export holds W + BA, summed once: the same floats as peft's merge of our model.
         merged = mm.merged()([prompt], [first.images]).logits
     difference = (merged - theirs).abs().max().item()
-    print(f"LLaVA export in {work / 'llava'}: max |ours - transformers| logits = "
+    kept = f" in {work / 'llava'}" if args.work else " (removed at the end; --work keeps it)"
+    print(f"LLaVA export{kept}: max |ours - transformers| logits = "
           f"{difference:.1e} (our model with LoRA merged); merging LoRA itself moves them by "
           f"{(merged - ours).abs().max().item():.1e} (float32 rounding, logits up to "
           f"{ours.abs().max().item():.0f})")

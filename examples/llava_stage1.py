@@ -9,7 +9,9 @@ the captions, so the only thing that can tell the captions apart is the image.
 """
 
 import argparse
+import atexit
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -59,6 +61,8 @@ def tiny_llm(folder: Path, width: int):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llm", type=Path, help="a Hugging Face causal LM folder")
+    parser.add_argument("--work", type=Path, help="keep the data, runs and export here "
+                        "(default: a temporary folder, removed at the end)")
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=1e-2)
@@ -68,7 +72,11 @@ def main() -> int:
     from vlm_vit_llm.train import CaptionCollate, CaptionFolder, CaptionObjective
 
     torch.manual_seed(0)
-    work = Path(tempfile.mkdtemp(prefix="llava-stage1-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="llava-stage1-"))
+    if args.work is None:
+        atexit.register(shutil.rmtree, work, ignore_errors=True)
+    else:
+        work.mkdir(parents=True, exist_ok=True)
     write_photos(work, args.image_size)
     if args.llm:
         llm, tokenizer = (AutoModelForCausalLM.from_pretrained(args.llm),
@@ -102,7 +110,8 @@ def main() -> int:
         theirs = hf(input_ids=batch.input_ids, pixel_values=pixels).logits
         ours = mm(["<image>\n"], images[:1]).logits
     difference = float(np.abs((ours - theirs).numpy()).max())
-    print(f"LLaVA export in {work / 'llava'}: max |ours - transformers| logits = "
+    kept = f" in {work / 'llava'}" if args.work else " (removed at the end; --work keeps it)"
+    print(f"LLaVA export{kept}: max |ours - transformers| logits = "
           f"{difference:.1e}")
     if not difference <= TOLERANCE:
         print(f"the export differs from our model by more than {TOLERANCE}", file=sys.stderr)

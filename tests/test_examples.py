@@ -1,5 +1,6 @@
 """Every example runs, at a tiny size, so none rots."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,14 +33,19 @@ SLOW = {"llava_stage1.py", "llava_instruct.py"}  # tens of seconds: captions are
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW
                                   else name for name in sorted(TINY_ARGS)])
-def test_example_runs(name):
+def test_example_runs(name, tmp_path):
     pytest.importorskip("skimage")
     if name.startswith("llava_"):
         pytest.importorskip("vlm_vit_llm")
     arguments, expected = TINY_ARGS[name]
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     result = subprocess.run([sys.executable, str(EXAMPLES / name), *arguments],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TMPDIR": str(temp),  # torch's own cache apart
+                                 "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
     assert result.returncode == 0, result.stderr
+    assert not any(temp.iterdir()), f"{name} left {sorted(temp.iterdir())}"  # issue 27, 9
     assert expected in result.stdout
     if expected.endswith("= "):  # a parity figure: read it, not only its label
         figure = result.stdout.split(expected, 1)[1].split()[0]
