@@ -14,7 +14,10 @@ table is a constant).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,6 +144,28 @@ def _trace_failure(forward: ExportedForward, error: Exception, what: str) -> Exp
                        f"{first})")
 
 
+@contextlib.contextmanager
+def _quiet_tracing() -> Iterator[None]:
+    """Holds back the tracer's own warnings and the graph it writes to stderr when a trace
+    fails (the failure becomes one ExportError that carries its message); the stderr text
+    goes to this module's log at DEBUG."""
+    names = ("torch.fx.experimental.symbolic_shapes", "torch.export", "torch._export",
+             "torch.onnx", "torch._dynamo")
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    finally:
+        for log, level in zip(loggers, levels, strict=True):
+            log.setLevel(level)
+        if held.getvalue().strip():
+            logger.debug("the tracer wrote: %s", held.getvalue())
+
+
 def _example(encoder: VisionEncoder, size: tuple[int, int], batch: int,
              dtype: torch.dtype) -> torch.Tensor:
     generator = torch.Generator().manual_seed(0)
@@ -173,7 +198,7 @@ def export_program(model: nn.Module, *, image_size: tuple[int, int] | None = Non
     example = _example(encoder, size, 2, dtype)
     shapes = dynamic_shapes(encoder, max_side) if dynamic else None
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _quiet_tracing():
             return torch.export.export(forward, (example,), dynamic_shapes=shapes, strict=False)
     except Exception as error:
         raise _trace_failure(forward, error, "torch.export") from error
@@ -200,7 +225,7 @@ def export_onnx(model: nn.Module, path: str | Path, *, image_size: tuple[int, in
     example = _example(encoder, size, 2, dtype)
     shapes = dynamic_shapes(encoder, max_side) if dynamic else None
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _quiet_tracing():
             program = torch.onnx.export(forward, (example,), dynamo=True, dynamic_shapes=shapes,
                                         input_names=["pixel_values"], output_names=["tokens"],
                                         opset_version=opset, verbose=False)
