@@ -38,7 +38,10 @@ from vlm_vit.train.tar_shards import (
 )
 from vlm_vit.train.token_budget import first_fit_decreasing, tokens_for_size
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --dtype to the dtype of the pixels and tokens; int8 computes in float32 around its int8
+# block Linears (`prepare_encoder` quantizes them).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "int8": torch.float32}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -70,7 +73,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="encode at SIDE or HEIGHT WIDTH (position table resized)")
     parser.add_argument("--normalize", choices=sorted(NORMALIZATION),
                         help="mean/std preset (default: the checkpoint's processor settings)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="bfloat16 / float16: weights in that dtype; int8: the block "
+                        "Linears quantized to int8 (PyTorch dynamic quantization, CPU only)")
     parser.add_argument("--device", default="cpu",
                         help="cpu, cuda, cuda:N or mps; under torchrun, cuda means "
                         "cuda:LOCAL_RANK")
@@ -132,12 +137,23 @@ def prepare_encoder(args: argparse.Namespace
     """The encoder on its device and dtype, its processor, the --layer indices (None for the
     final tokens) and the output tensor names; a bad layer fails before any image is read."""
     encoder, processor = _model_and_processor(args)
+    if args.dtype == "int8":
+        if args.device != "cpu":
+            raise ValueError(f"--dtype int8 runs on the CPU only, not --device {args.device}")
+        from vlm_vit.export import quantize_int8
+
+        return quantize_int8(encoder.float().eval()), processor, *_layers(encoder, args)
     encoder = encoder.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
+    return encoder, processor, *_layers(encoder, args)
+
+
+def _layers(encoder: VisionEncoder, args: argparse.Namespace
+            ) -> tuple[list[int] | None, list[str]]:
     layers = args.layers or None
     for layer in layers or []:
         encoder.layer_index(layer)
     names = [f"layer_{k}" for k in layers] if layers else ["tokens"]
-    return encoder, processor, layers, names
+    return layers, names
 
 
 def encode_batch(args: argparse.Namespace, encoder: VisionEncoder, pixels: torch.Tensor,
