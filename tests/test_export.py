@@ -155,3 +155,55 @@ def test_onnx_int8_is_close_to_float32(tmp_path):
     report = export_model(encoder(), tmp_path / "q.onnx", format="onnx", dtype="int8")
     assert min(c["cosine"] for c in report.checks) > 0.99
     assert not (tmp_path / "q.float32.onnx").exists()
+
+
+# -- accuracy of bf16 and int8 on real photos --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def photos():
+    """scikit-image's photos at 64 x 96, ImageNet-normalised: `[4, 3, 64, 96]`."""
+    data = pytest.importorskip("skimage.data")
+    from vlm_vit import ImageProcessor
+
+    processor = ImageProcessor.for_family("imagenet", size=(64, 96))
+    from PIL import Image
+
+    images = [Image.fromarray(getattr(data, name)()) for name in
+              ("astronaut", "coffee", "chelsea", "rocket")]
+    return processor(images)
+
+
+def photo_encoder():
+    torch.manual_seed(0)
+    return VisionEncoder(tiny_config(width=64, heads=4, mlp_width=256, depth=4,
+                                     patch_size=16)).eval()
+
+
+def test_bfloat16_and_int8_accuracy_on_photos(photos):
+    """Targets of issue 32: token cosine to float32 >= 0.999 for bf16 (autocast, and bf16
+    weights), >= 0.99 for int8 (block Linears)."""
+    model = photo_encoder()
+    with torch.no_grad():
+        exact = model(photos).tokens
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = model(photos).tokens
+        int8 = quantize_int8(model)(photos).tokens
+        weights = __import__("copy").deepcopy(model).to(torch.bfloat16)
+        bf16 = weights(photos.to(torch.bfloat16)).tokens
+    assert token_cosine(autocast, exact) >= 0.999
+    assert token_cosine(bf16, exact) >= 0.999
+    assert token_cosine(int8, exact) >= 0.99
+    assert token_cosine(int8, exact) < 1.0  # the quantization did act
+
+
+@onnx_runtime
+@pytest.mark.slow
+def test_onnx_int8_accuracy_on_photos(tmp_path, photos):
+    from vlm_vit.export import export_onnx, onnx_session, quantize_onnx_int8
+
+    model = photo_encoder()
+    export_onnx(model, tmp_path / "f.onnx", image_size=(64, 96), dynamic=True)
+    quantize_onnx_int8(tmp_path / "f.onnx", tmp_path / "q.onnx")
+    with torch.no_grad():
+        exact = model(photos).tokens
+    assert token_cosine(onnx_session(tmp_path / "q.onnx")(photos), exact) >= 0.99

@@ -87,3 +87,17 @@ def test_onnx_export_of_a_tower(tmp_path, checkpoint, capsys):
     report = json.loads(capsys.readouterr().out)
     assert len(report["checks"]) == 3
     assert max(c["max_abs_difference"] for c in report["checks"]) < 1e-4
+
+
+def test_encode_dtype_int8(tmp_path, checkpoint):
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    Image.new("RGB", (40, 50), (200, 30, 90)).save(tmp_path / "a.png")
+    for dtype in ("float32", "int8"):
+        assert main(["encode", str(checkpoint), str(tmp_path / "a.png"), "-o",
+                     str(tmp_path / f"{dtype}.safetensors"), "--dtype", dtype, "--quiet"]) == 0
+    exact = load_file(tmp_path / "float32.safetensors")["tokens"]
+    int8 = load_file(tmp_path / "int8.safetensors")["tokens"]
+    assert int8.dtype == torch.float32 and not torch.equal(int8, exact)
+    assert torch.nn.functional.cosine_similarity(int8, exact, dim=-1).mean() > 0.99
