@@ -154,3 +154,14 @@ def test_a_full_finetune_leaves_a_classifier_that_predict_reads(setup, capsys):
     assert not (run / "classifier").exists() and (run / "adapter").is_dir()
     assert main(["predict", str(run), str(images[0])]) == 1
     assert f"vlm-vit merge {run} --out DIR" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_quiet_hides_the_progress_bar(setup, quiet, capsys):
+    """Issue 27, 9: `--quiet` (as encode and probe have it) on finetune too."""
+    assert main(["finetune", "--encoder", str(setup / "encoder"), "--data",
+                 str(setup / "digits"), "--out", str(setup / "run"), "--steps", "2",
+                 "--batch-size", "8", "--num-workers", "0",
+                 *(["--quiet"] if quiet else [])]) == 0
+    captured = capsys.readouterr()
+    assert ("it/s]" in captured.err or "s/it]" in captured.err) != quiet, captured.err

@@ -155,3 +155,14 @@ def test_pretrain_on_shards_killed_at_a_random_moment_resumes_bit_exactly(tmp_pa
         assert torch.equal(resumed[name], value), name
     assert read_sample_log(tmp_path / "run") == read_sample_log(tmp_path / "whole")
     assert len(read_sample_log(tmp_path / "whole")) == 40 * 4
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_quiet_hides_the_progress_bar(setup, quiet, capsys):
+    """Issue 27, 9: `--quiet` (as encode and probe have it) on pretrain too."""
+    assert main(["pretrain", "--objective", "mpp", "--model", str(setup / "start"), "--data",
+                 str(setup / "images"), "--out", str(setup / "run"), "--batch-size", "4",
+                 "--num-workers", "0", "--steps", "2", *(["--quiet"] if quiet else [])]) == 0
+    captured = capsys.readouterr()
+    assert ("it/s]" in captured.err or "s/it]" in captured.err) != quiet, captured.err
+    assert "trained 2 steps" in captured.out

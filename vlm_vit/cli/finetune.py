@@ -55,6 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an earlier run's files in the run directory")
     parser.set_defaults(run=run)
@@ -136,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
                          grad_checkpointing=args.grad_checkpointing, seed=args.seed,
                          num_workers=args.num_workers, device=args.device,
                          checkpoint_every=max(args.steps // 5, 1))
-    trainer = Trainer(model, train, config, out, collate=collate_labelled)
+    trainer = Trainer(model, train, config, out, collate=collate_labelled,
+                      progress_bar=not args.quiet)
     main_rank = int(os.environ.get("RANK", "0")) == 0
     # The run directory is locked from the checks to the end (the trainer takes the same
     # lock again); finetune.json only once the run is accepted: a refused one leaves the

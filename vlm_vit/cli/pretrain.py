@@ -60,6 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="shards: write every trained sample's key to "
                         "RUN_DIR/samples/rank_R.tsv")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an earlier run's files in the run directory")
     parser.set_defaults(run=run)
@@ -137,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     command = shlex.join(["vlm-vit", *sys.argv[1:]]) if sys.argv[1:2] == ["pretrain"] else None
     if int(os.environ.get("RANK", "0")) == 0:
         print(describe_objective(args.objective, objective))
-    result = Trainer(objective, dataset, config, args.out, command=command).fit(
+    result = Trainer(objective, dataset, config, args.out, command=command,
+                     progress_bar=not args.quiet).fit(
         resume=args.resume, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
         return 0
