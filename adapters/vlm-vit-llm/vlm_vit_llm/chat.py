@@ -55,6 +55,12 @@ PRESETS = {
 }
 FALLBACK = "vicuna_v1"
 AUTO = "auto"
+# No token spans more characters than this (a generous bound: natural text averages about
+# 4), so text past `MAX_CHARS_PER_TOKEN * max_length` characters cannot reach the first
+# `max_length` tokens and is never rendered (`bounded_turns`).
+MAX_CHARS_PER_TOKEN = 32
+# Private-use characters put around each answer to find it in one rendering.
+MARKS = ("\ue000", "\ue001")
 # What a template must render when it is adopted (`check_chat_template`).
 PROBE = (Turn("user", "<image>\nWhat is in the image?"), Turn("assistant", "A photo."))
 
@@ -132,12 +138,34 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], template: str,
                                          add_generation_prompt=generation_prompt)
 
 
+def bounded_turns(turns: Sequence[Turn], max_length: int | None) -> list[Turn]:
+    """The turns that can reach the first `max_length` tokens, cut to `MAX_CHARS_PER_TOKEN *
+    max_length` characters of text in all (so one 16 MB turn is never rendered or tokenised
+    whole) and to `2 * max_length + 2` turns (every round renders at least one token, so
+    later ones lie past the cut). None: all of them, whole.
+    """
+    if max_length is None:
+        return list(turns)
+    budget = MAX_CHARS_PER_TOKEN * max_length
+    kept: list[Turn] = []
+    for turn in turns[:2 * max_length + 2]:
+        if budget <= 0:
+            break
+        kept.append(turn if len(turn.text) <= budget else Turn(turn.role, turn.text[:budget]))
+        budget -= len(turn.text)
+    return kept
+
+
 def render_conversation(tokenizer: Any, turns: Sequence[Turn], template: str
                         ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and the character spans `[start, end)` of the assistant turns.
 
     Each span runs from where the turn starts to its end-of-turn token; whitespace the
-    template writes after it (ChatML's newline) is not learned.
+    template writes after it (ChatML's newline) is not learned. A span is what rendering the
+    conversation up to its turn adds to the rendering up to the turn before with the
+    generation prompt. The conversation is rendered once (`_spans_from_one_render`); one
+    whose rendering does not show that pattern is rendered prefix by prefix
+    (`_render_by_prefix`, quadratic in the turns: bound them first with `bounded_turns`).
 
     Raises:
         ValueError: when the template does not render the conversation as a growing prefix
@@ -145,33 +173,113 @@ def render_conversation(tokenizer: Any, turns: Sequence[Turn], template: str
     """
     messages = [{"role": turn.role, "content": turn.text} for turn in turns]
     text = _render(tokenizer, messages, template)
+    spans = _spans_from_one_render(tokenizer, messages, text, template)
+    if spans is None:
+        logger.debug("the chat template's rendering shows no per-turn pattern; rendering "
+                     "%d turns prefix by prefix", len(turns))
+        return _render_by_prefix(tokenizer, turns, template)
+    return text, spans
+
+
+def _first_span(tokenizer: Any, messages: list[dict[str, str]], index: int, text: str,
+                template: str) -> tuple[int, int]:
+    """The exact span of the assistant turn `messages[index]` within `text` (the whole
+    conversation's rendering), from the renderings up to it.
+
+    Raises:
+        ValueError: when they are not prefixes of one another (see `render_conversation`).
+    """
+    before = _render(tokenizer, messages[:index], template, generation_prompt=True) \
+        if index else ""
+    through = _render(tokenizer, messages[:index + 1], template)
+    if not (through.startswith(before) and text.startswith(through)):
+        raise ValueError("the chat template does not render this conversation as a "
+                         f"growing prefix (at turn {index}); give a template that does "
+                         f"(one of {list(PRESETS)})")
+    return len(before), len(through.rstrip())
+
+
+def _spans_from_one_render(tokenizer: Any, messages: list[dict[str, str]], text: str,
+                           template: str) -> list[tuple[int, int]] | None:
+    """The assistant spans of `text` from one more rendering, with each answer between
+    `MARKS`: where the marks fall is where each answer lies. The first answer's span is
+    found exactly (`_first_span`); what the template writes between its span's start and
+    the answer, and between the answer and the span's end (` ` and `</s>` in vicuna_v1),
+    must then surround every answer, character for character.
+
+    Returns:
+        The spans, or None when the rendering does not show that pattern (a template that
+        changes, drops or repeats an answer, or writes each turn differently): then only
+        rendering prefix by prefix tells the spans.
+    """
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not answers or any(mark in m["content"] for m in messages for mark in MARKS):
+        return None
+    opening, closing = MARKS
+    marked = _render(tokenizer, [dict(m, content=opening + m["content"] + closing)
+                                 if m["role"] == "assistant" else m for m in messages],
+                     template)
+    if marked.count(opening) != len(answers) or marked.count(closing) != len(answers) \
+            or marked.replace(opening, "").replace(closing, "") != text:
+        return None
+    bounds, position = [], 0  # each answer's [start, end) in `text`
+    for number in range(len(answers)):
+        start = marked.find(opening, position)
+        end = marked.find(closing, position)
+        if not 0 <= start < end:  # marks out of order
+            return None
+        bounds.append((start - 2 * number, end - 2 * number - 1))
+        position = end + 1
+    first_start, first_end = _first_span(tokenizer, messages, answers[0], text, template)
+    if not first_start <= bounds[0][0] <= bounds[0][1] <= first_end:
+        return None
+    lead, tail = text[first_start:bounds[0][0]], text[bounds[0][1]:first_end]
+    spans, previous = [], 0
+    for answer_start, answer_end in bounds:
+        start, end = answer_start - len(lead), answer_end + len(tail)
+        if start < previous or text[start:answer_start] != lead \
+                or text[answer_end:end] != tail:
+            return None
+        if end > start:
+            spans.append((start, end))
+        previous = end
+    if messages[-1]["role"] == "assistant" and previous != len(text.rstrip()):
+        return None  # the last answer's span ends the rendering
+    return spans
+
+
+def _render_by_prefix(tokenizer: Any, turns: Sequence[Turn], template: str
+                      ) -> tuple[str, list[tuple[int, int]]]:
+    """`render_conversation` the slow way: two renderings of a prefix per assistant turn."""
+    messages = [{"role": turn.role, "content": turn.text} for turn in turns]
+    text = _render(tokenizer, messages, template)
     spans = []
     for index, turn in enumerate(turns):
         if turn.role != "assistant":
             continue
-        before = _render(tokenizer, messages[:index], template, generation_prompt=True) \
-            if index else ""
-        through = _render(tokenizer, messages[:index + 1], template)
-        if not (through.startswith(before) and text.startswith(through)):
-            raise ValueError("the chat template does not render this conversation as a "
-                             f"growing prefix (at turn {index}); give a template that does "
-                             f"(one of {list(PRESETS)})")
-        end = len(through.rstrip())
-        if end > len(before):
-            spans.append((len(before), end))
+        start, end = _first_span(tokenizer, messages, index, text, template)
+        if end > start:
+            spans.append((start, end))
     return text, spans
 
 
-def tokenize_conversation(tokenizer: Any, turns: Sequence[Turn], template: str
-                          ) -> tuple[list[int], list[int]]:
+def tokenize_conversation(tokenizer: Any, turns: Sequence[Turn], template: str,
+                          max_length: int | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and labels aligned with them (the id on
     assistant tokens, `IGNORE_INDEX` elsewhere).
 
     The text is tokenised as a whole (so ids are those the model sees at inference) without
     adding special tokens (the template writes them); a token is learned when it starts
     inside an assistant span.
+
+    Args:
+        max_length: with it, only the turns that can reach the first `max_length` tokens
+            are rendered and tokenised (`bounded_turns`): the first `max_length` ids and
+            labels are those of the whole conversation (unless one word of more than
+            `MAX_CHARS_PER_TOKEN * max_length` characters spans the cut), and a record of
+            10,000 turns or a 16 MB turn costs what `max_length` tokens of text do.
     """
-    text, spans = render_conversation(tokenizer, turns, template)
+    text, spans = render_conversation(tokenizer, bounded_turns(turns, max_length), template)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoded["input_ids"])
     labels = [IGNORE_INDEX] * len(ids)

@@ -120,6 +120,16 @@ def _existing(path: Path, what: str) -> Path:
     return path
 
 
+def _flagged(error: FileNotFoundError, what: str) -> FileNotFoundError:
+    """`error` again, its message led by the flag `what` (a `NotCachedError` keeps its
+    problem and its advice apart)."""
+    from vlm_vit import hub
+
+    if isinstance(error, hub.NotCachedError):
+        return hub.NotCachedError(f"{what}: {error.problem}", error.fetch)
+    return type(error)(f"{what}: {error}")
+
+
 def _model(value: str | Path, what: str) -> Path:
     """A local path, or a model name (`org/name[@revision]`, `hf-hub:org/name`) from the
     Hugging Face cache, fetched if allowed (`vlm_vit.hub`): a multimodal model, an LLM and
@@ -131,7 +141,7 @@ def _model(value: str | Path, what: str) -> Path:
     try:
         return hub.locate(str(value), patterns=hub.LLM_PATTERNS).directory
     except FileNotFoundError as error:  # NotCachedError too: one line, naming the flag
-        raise type(error)(f"{what}: {error}") from error
+        raise _flagged(error, what) from error
 
 
 def load_multimodal(value: str | Path, what: str, *, trainable: bool = False):
@@ -170,7 +180,7 @@ def build_model(args: argparse.Namespace):
     try:  # open_clip's MODEL/TAG as well: the Location keeps which weights to read
         tower_at = hub.locate(str(args.tower))
     except FileNotFoundError as error:
-        raise type(error)(f"--tower: {error}") from error
+        raise _flagged(error, "--tower") from error
     with reading_checkpoint(args.tower):
         tower = load_tower(tower_at, args.projector, out_dim=width,
                            feature_layer=args.feature_layer, drop_prefix=True)

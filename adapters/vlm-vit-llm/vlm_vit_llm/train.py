@@ -33,7 +33,7 @@ from vlm_vit import ImageProcessor
 from vlm_vit.files import resolves_inside
 from vlm_vit.pretrain.base import ObjectiveOutput
 from vlm_vit.train.data import ImageBatch, UndecodableImage, read_caption_lines
-from vlm_vit_llm.chat import chat_template, tokenize_conversation
+from vlm_vit_llm.chat import bounded_turns, chat_template, tokenize_conversation
 from vlm_vit_llm.model import IGNORE_INDEX, MultimodalLM, target_ids
 from vlm_vit_llm.objective import BridgeObjective
 from vlm_vit_llm.records import BadRecord, ConversationRecords, Turn, parse_record
@@ -279,6 +279,7 @@ class ConversationCollate:
     def __init__(self, mm: MultimodalLM, template: str = "auto", max_length: int | None = None,
                  image_size: tuple[int, int] | None = None):
         self.tokenizer, self.image_token_id = mm.tokenizer, mm.image_token_id
+        self.image_token = mm.image_token
         self.template = chat_template(mm.tokenizer, template)
         self.image_tokens = mm.tower.num_image_tokens(image_size or mm.processor.size)
         context = getattr(getattr(mm.llm, "config", None), "max_position_embeddings", None)
@@ -295,11 +296,15 @@ class ConversationCollate:
         Raises:
             ValueError: naming the record when it cannot be used (see the class docstring).
         """
-        ids, labels = tokenize_conversation(self.tokenizer, item.turns, self.template)
+        # Only the turns that can reach max_length tokens are rendered (`bounded_turns`).
+        turns = bounded_turns(item.turns, self.max_length)
+        ids, labels = tokenize_conversation(self.tokenizer, turns, self.template)
         placeholders = ids.count(self.image_token_id)
-        if placeholders != len(item.pixels):
+        images = len(item.pixels) if turns == list(item.turns) else sum(  # the kept ones
+            turn.text.count(self.image_token) for turn in turns if turn.role == "user")
+        if placeholders != images:
             raise ValueError(f"the tokenizer reads {placeholders} image tokens for "
-                             f"{len(item.pixels)} image(s)")
+                             f"{images} image(s)")
         if len(item.pixels) * self.image_tokens > self.max_length:
             raise ValueError(f"its {len(item.pixels)} image(s) take "
                              f"{len(item.pixels) * self.image_tokens} tokens, more than "
