@@ -67,6 +67,12 @@ BENCHMARKS = {
         ("data_ratio_2_over_1_shards", "data pipeline, 2 processes vs 1 (shards)", ">= 1.6"),
         ("encode_ratio_shards_over_folder", "vlm-vit encode from shards vs a folder", ">= 1.0"),
         ("encode_ratio_2_over_1_shards", "vlm-vit encode, 2 processes vs 1 (shards)", "")]),
+    "export cpu": ("export_cpu.py", [
+        ("ratio_onnxruntime_over_ours_float32", "ONNX Runtime float32 vs our eager float32",
+         ">= 1.0"),
+        ("ratio_ours_over_timm_bf16", "eager bf16 (autocast) vs timm bf16", ">= 1.0"),
+        ("ratio_ours_over_timm_int8", "eager int8 vs timm int8", ""),
+        ("ratio_onnxruntime_int8_over_ours_float32", "ONNX Runtime int8 vs our float32", "")]),
 }
 
 _TINY = ["--depth", "1", "--image-size", "32", "--batch-size", "2", "--repeats", "1"]
@@ -83,6 +89,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "scaling": [],
         "packed vs padded": [],
         "shards vs folder": [],
+        "export cpu": ["--variant", "vit-b/16", "--batch-size", "8", "--repeats", "3"],
     },
     "quick": {
         "encode vit-b/16": ["--variant", "vit-s/16", "--anchors", "timm", "--repeats", "5"],
@@ -95,6 +102,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "scaling": ["--variant", "vit-ti/16", "--repeats", "2"],
         "packed vs padded": ["--variant", "vit-s/16", "--images", "16", "--repeats", "3"],
         "shards vs folder": ["--images", "1000", "--per-shard", "125", "--repeats", "2"],
+        "export cpu": ["--variant", "vit-s/16", "--batch-size", "1", "--repeats", "3"],
     },
     "tiny": {
         "encode vit-b/16": ["--variant", "vit-ti/16", "--anchors", "timm", *_TINY,
@@ -116,6 +124,8 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "packed vs padded": ["--variant", "vit-ti/16", "--depth", "1", "--images", "6",
                              "--shrink", "4", "--repeats", "1"],
         "shards vs folder": ["--images", "64", "--per-shard", "16", "--repeats", "1"],
+        "export cpu": ["--variant", "vit-ti/16", "--depth", "1", "--image-size", "32",
+                       "--batch-size", "2", "--repeats", "1", "--warmup", "0"],
     },
     "gpu": {  # gpu_suite.py: bf16 under autocast, sized to finish in one call of < 8 minutes
         "encode vit-b/16": ["--variant", "vit-b/16", "--anchors", "timm", "--batch-size", "256",
