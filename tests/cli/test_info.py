@@ -45,3 +45,27 @@ def test_info_of_another_family_reads_its_config(tmp_path, capsys):
     assert main(["info", str(tmp_path / "timm.safetensors"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["parameters"] == sum(p.numel() for p in encoder.parameters())
+
+
+def test_a_folder_with_encoders_inside_names_them(tmp_path, capsys):
+    """Issue 27, 9: `info` on a run directory or a saved multimodal model says where the
+    encoder is, in its one line."""
+    from vlm_vit import VisionTower, build_pooler
+
+    encoder = VisionEncoder(tiny_config())
+    encoder.save_pretrained(tmp_path / "run" / "encoder")
+    (tmp_path / "run" / "run_config.json").write_text("{}")
+    VisionTower(encoder, build_pooler("mlp2x_gelu", in_dim=32, out_dim=16)).save_pretrained(
+        tmp_path / "mm" / "tower")
+    (tmp_path / "lora" / "adapter").mkdir(parents=True)
+    (tmp_path / "lora" / "adapter" / "adapter_config.json").write_text("{}")
+    expected = {"run": f"the encoders inside it: {tmp_path / 'run' / 'encoder'} "
+                       f"(`vlm-vit info {tmp_path / 'run' / 'encoder'}`)",
+                "mm": f"the encoders inside it: {tmp_path / 'mm' / 'tower'}",
+                "lora": f"it holds the LoRA adapter {tmp_path / 'lora' / 'adapter'}; "
+                        f"`vlm-vit merge {tmp_path / 'lora'} --out DIR`"}
+    for folder, hint in expected.items():
+        assert main(["info", str(tmp_path / folder)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and hint in err[0], err
+    assert main(["info", str(tmp_path / "mm" / "tower")]) == 0

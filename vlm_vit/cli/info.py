@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -31,13 +32,48 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def resolve_config(model: str) -> EncoderConfig:
-    """The config of a variant name, a checkpoint or a model name (see `is_variant`)."""
+    """The config of a variant name, a checkpoint or a model name (see `is_variant`); for a
+    folder that holds none but has encoders inside (a run directory, a multimodal model),
+    the error names them."""
     if is_variant(model):
         return EncoderConfig.from_name(model)
     from vlm_vit.loading import convert_checkpoint
 
-    with reading_checkpoint(model):
-        return convert_checkpoint(model).config
+    try:
+        with reading_checkpoint(model):
+            return convert_checkpoint(model).config
+    except (FileNotFoundError, ValueError) as error:
+        hint = where_the_encoders_are(Path(model))
+        if hint:
+            raise type(error)(f"{error}; {hint}") from error
+        raise
+
+
+def where_the_encoders_are(directory: Path) -> str | None:
+    """A hint naming the native encoders (and LoRA adapters) up to two levels inside
+    `directory`, as a run directory (`encoder/`, `classifier/`) or a saved multimodal model
+    (`tower/`) holds them; None when there are none or `directory` is no folder."""
+    from vlm_vit.model import CONFIG_NAME, MODEL_TYPE
+
+    if not directory.is_dir():
+        return None
+    encoders, adapters = [], []
+    for inside in sorted([*directory.glob("*"), *directory.glob("*/*")]):
+        if (inside / "adapter_config.json").is_file():
+            adapters.append(inside)
+        try:
+            config = json.loads((inside / CONFIG_NAME).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(config, dict) and config.get("model_type") == MODEL_TYPE:
+            encoders.append(inside)
+    if encoders:
+        shown = ", ".join(map(str, encoders[:4])) + (", ..." if len(encoders) > 4 else "")
+        return f"the encoders inside it: {shown} (`vlm-vit info {encoders[0]}`)"
+    if adapters:
+        return (f"it holds the LoRA adapter {adapters[0]}; `vlm-vit merge {directory} --out DIR`"
+                f" folds it into an encoder")
+    return None
 
 
 def _sizes(config: EncoderConfig, requested: list[list[int]] | None) -> list[tuple[int, int]]:
