@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -146,9 +147,10 @@ def test_native_resolution_user_errors(tmp_path, checkpoint, photo_folder, capsy
 
 
 def native_error(tmp_path, checkpoint, photo_folder, capsys, *extra):
-    """Runs a native-resolution encode expected to fail; returns its one error line."""
+    """Runs a native-resolution encode expected to fail (--strict: a bad image stops it);
+    returns its one error line."""
     argv = ["encode", str(checkpoint), str(photo_folder), "-o", str(tmp_path / "x.safetensors"),
-            "--native-resolution", "--quiet", *extra]
+            "--native-resolution", "--quiet", "--strict", *extra]
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "unexpected" not in err, err
@@ -183,3 +185,65 @@ def test_a_max_tokens_no_image_can_have_names_the_flag(tmp_path, checkpoint, pho
                        "--max-tokens", "1000000000000")
     assert "--max-tokens 1000000000000" in err and "max_output_pixels" not in err
     assert f"{16384 ** 2 // 64 + 1}" in err  # patches of 8 in a 16384 x 16384 image, + 1
+
+
+
+def test_a_folder_encode_skips_and_names_bad_images_and_keeps_the_rest(tmp_path, checkpoint,
+                                                                       capsys):
+    """Issue 27, 2: a bad image in the last of 4 batches used to stop the encode with nothing
+    written; now every bad image is skipped, named on stderr and in the metadata, and the
+    others are encoded exactly as the library encodes them."""
+    rng = np.random.default_rng(1)
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for index in range(7):
+        Image.fromarray(rng.integers(0, 255, (36, 44, 3), dtype=np.uint8)).save(
+            folder / f"{index}.png")
+    (folder / "3.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")  # undecodable
+    (folder / "8.jpg").write_text("not an image")  # alone in the last batch
+    out = tmp_path / "tokens.safetensors"
+    argv = ["encode", str(checkpoint), str(folder), "-o", str(out), "--batch-size", "2",
+            "--quiet"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "wrote 6 images" in captured.out and "2 skipped" in captured.out
+    tensors, metadata = read(out)
+    files = json.loads(metadata["files"])
+    assert [Path(f).name for f in files] == ["0.png", "1.png", "2.png", "4.png", "5.png",
+                                              "6.png"]
+    skipped = json.loads(metadata["skipped"])
+    assert [Path(entry["file"]).name for entry in skipped] == ["3.png", "8.jpg"]
+    assert all(entry["reason"] for entry in skipped)
+    encoder = load_encoder(checkpoint).eval()
+    with torch.no_grad():
+        expected = encoder(ImageProcessor.from_pretrained(checkpoint)(files)).tokens
+    torch.testing.assert_close(tensors["tokens"], expected, atol=1e-6, rtol=1e-6)
+
+    out.unlink()
+    assert main([*argv, "--strict"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "3.png" in err[0] and not out.exists()
+
+
+def test_a_folder_of_only_bad_images_writes_nothing(tmp_path, checkpoint, capsys):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "a.png").write_text("not an image")
+    out = tmp_path / "tokens.safetensors"
+    assert main(["encode", str(checkpoint), str(tmp_path / "bad"), "-o", str(out),
+                 "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "no image could be encoded: all 1 were skipped" in err[-1] and "a.png" in err[-1]
+    assert not out.exists()
+
+
+def test_native_resolution_skips_an_image_no_budget_fits(tmp_path, checkpoint, photo_folder,
+                                                         capsys):
+    Image.new("RGB", (500, 2), (9, 9, 9)).save(photo_folder / "strip.png")
+    out = tmp_path / "x.safetensors"
+    assert main(["encode", str(checkpoint), str(photo_folder), "-o", str(out),
+                 "--native-resolution", "--quiet"]) == 0
+    _, metadata = read(out)
+    skipped = json.loads(metadata["skipped"])
+    assert [Path(entry["file"]).name for entry in skipped] == ["strip.png"]
+    assert "aspect ratio 250" in skipped[0]["reason"]
+    assert "strip.png" not in metadata["files"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -37,6 +38,8 @@ from vlm_vit.train.tar_shards import (
     is_shard_spec,
 )
 from vlm_vit.train.token_budget import first_fit_decreasing, tokens_for_size
+
+logger = logging.getLogger(__name__)
 
 # --dtype to the dtype of the pixels and tokens; int8 computes in float32 around its int8
 # block Linears (`prepare_encoder` quantizes them).
@@ -89,6 +92,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=int, default=4096, metavar="N",
                         help="with --native-resolution: tokens per pack (first-fit "
                         "decreasing), and so at most N minus the prefix tokens per image")
+    parser.add_argument("--strict", action="store_true",
+                        help="stop at the first image that cannot be decoded (default: skip "
+                        "it, name it, and list it in the output's `skipped` metadata)")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar (under torchrun, rank 0 shows its own)")
     parser.set_defaults(run=run)
@@ -205,24 +211,70 @@ def run(args: argparse.Namespace) -> int:
         return _run_native(args, files, encoder, processor, layers, names)
     collected: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     grid = None
+    skipped = Skipped(args.strict)
+    encoded: list[Path] = []
     batches = range(0, len(files), args.batch_size)
     with torch.inference_mode():
         for start in tqdm(batches, desc="encoding", unit="batch", disable=args.quiet):
-            pixels = processor(files[start:start + args.batch_size])
+            chunk = files[start:start + args.batch_size]
+            decoded = [(path, skipped.call(processor.preprocess_one, path)) for path in chunk]
+            kept = [(path, pixels) for path, pixels in decoded if pixels is not None]
+            if not kept:
+                continue
+            pixels = torch.stack([pixels for _, pixels in kept])
             tensors, grid = encode_batch(args, encoder, pixels, layers, names)
             for name, tensor in tensors.items():
                 collected[name].append(tensor)
+            encoded.extend(path for path, _ in kept)
+    skipped.check_some_left(len(encoded))
     tensors = {name: torch.cat(parts) for name, parts in collected.items()}
     metadata = {
-        "files": json.dumps([str(f) for f in files]), "grid": json.dumps(list(grid)),
+        "files": json.dumps([str(f) for f in encoded]), "grid": json.dumps(list(grid)),
         "num_prefix_tokens": str(0 if args.drop_prefix else encoder.num_prefix_tokens),
-        "model": str(args.model),
+        "model": str(args.model), "skipped": json.dumps(skipped.entries),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_safetensors(tensors, args.out, metadata=metadata)
     shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in tensors.items())
-    print(f"wrote {len(files)} images to {args.out}: {shapes}")
+    print(f"wrote {len(encoded)} images to {args.out}: {shapes}{skipped.summary()}")
     return 0
+
+
+class Skipped:
+    """The images a folder encode could not decode: each is named (WARNING) and listed as
+    `{"file", "reason"}` in the output's `skipped` metadata, as the shard path lists its
+    samples; with `strict`, the first one is raised instead."""
+
+    ERRORS = (ImageLoadError, ImageTooLargeError, ValueError)
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.entries: list[dict[str, str]] = []
+
+    def call(self, function, path: Path):
+        """`function(path)`, or None (logged, listed) when the image is unusable."""
+        try:
+            return function(path)
+        except self.ERRORS as error:
+            if self.strict:
+                raise
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            logger.warning("skipped %s: %s", path, reason)
+            self.entries.append({"file": str(path), "reason": reason})
+            return None
+
+    def check_some_left(self, encoded: int) -> None:
+        """Refuses to write an output with no image in it."""
+        if not encoded:
+            first = self.entries[0]
+            raise ValueError(f"no image could be encoded: all {len(self.entries)} were skipped "
+                             f"(the first, {first['file']}: {first['reason']})")
+
+    def summary(self) -> str:
+        if not self.entries:
+            return ""
+        return (f"; {len(self.entries)} skipped, named above and in the metadata `skipped` "
+                f"(--strict stops at the first)")
 
 
 def _native_processor(processor: ImageProcessor, encoder: VisionEncoder,
@@ -262,10 +314,12 @@ def _run_native(args: argparse.Namespace, files: list[Path], encoder: VisionEnco
     output holds every image's tokens end to end, in file order, with `lengths` and `grids`."""
     processor = _native_processor(processor, encoder, args.max_tokens)
     prefix, patch = encoder.num_prefix_tokens, encoder.config.patch_size
-    lengths = []
-    for path in files:  # planned from the headers, so no image is decoded twice
-        size = _planned_size(processor, path, args.max_tokens)
-        lengths.append(tokens_for_size(size, patch, prefix))
+    skipped = Skipped(args.strict)
+    planned = [(path, skipped.call(lambda p: _planned_size(processor, p, args.max_tokens), path))
+               for path in files]  # from the headers, so no image is decoded twice
+    files = [path for path, size in planned if size is not None]
+    skipped.check_some_left(len(files))
+    lengths = [tokens_for_size(size, patch, prefix) for _, size in planned if size is not None]
     packs = first_fit_decreasing(lengths, args.max_tokens)
     per_image: dict[str, list[torch.Tensor | None]] = {name: [None] * len(files)
                                                         for name in names}
@@ -274,8 +328,13 @@ def _run_native(args: argparse.Namespace, files: list[Path], encoder: VisionEnco
     with torch.inference_mode(), tqdm(total=len(files), desc="encoding", unit="image",
                                       disable=args.quiet) as progress:
         for pack in packs:
+            decoded = [(i, skipped.call(processor.preprocess_one, files[i])) for i in pack]
+            pack = [i for i, image in decoded if image is not None]  # noqa: PLW2901
+            progress.update(len(decoded) - len(pack))
+            if not pack:
+                continue
             pixels = [image.to(device=args.device, dtype=dtype)
-                      for image in processor([files[i] for i in pack])]
+                      for _, image in decoded if image is not None]
             out = encoder(pixels, feature_layers=layers)
             for name, tensor in zip(names, out.features if layers else [out.tokens],
                                     strict=True):
@@ -284,15 +343,19 @@ def _run_native(args: argparse.Namespace, files: list[Path], encoder: VisionEnco
             for index, grid in zip(pack, out.grids, strict=True):
                 grids[index] = grid
             progress.update(len(pack))
-    tensors = {name: torch.cat(parts) for name, parts in per_image.items()}
+    done = [index for index, grid in enumerate(grids) if grid is not None]  # decoded ones
+    skipped.check_some_left(len(done))
+    tensors = {name: torch.cat([parts[i] for i in done]) for name, parts in per_image.items()}
     kept = 0 if args.drop_prefix else prefix
-    tensors["lengths"] = torch.tensor([kept + r * c for r, c in grids], dtype=torch.int64)
-    tensors["grids"] = torch.tensor(grids, dtype=torch.int64)
-    metadata = {"files": json.dumps([str(f) for f in files]), "packed": "true",
+    tensors["lengths"] = torch.tensor([kept + r * c for r, c in (grids[i] for i in done)],
+                                      dtype=torch.int64)
+    tensors["grids"] = torch.tensor([grids[i] for i in done], dtype=torch.int64)
+    metadata = {"files": json.dumps([str(files[i]) for i in done]), "packed": "true",
                 "num_prefix_tokens": str(kept), "model": str(args.model),
-                "max_tokens": str(args.max_tokens)}
+                "max_tokens": str(args.max_tokens), "skipped": json.dumps(skipped.entries)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_safetensors(tensors, args.out, metadata=metadata)
     shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in tensors.items())
-    print(f"wrote {len(files)} images in {len(packs)} packs to {args.out}: {shapes}")
+    print(f"wrote {len(done)} images in {len(packs)} packs to {args.out}: {shapes}"
+          f"{skipped.summary()}")
     return 0
