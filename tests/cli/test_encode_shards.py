@@ -192,7 +192,7 @@ def tar(path, samples):
 
 
 def test_bad_samples_and_a_truncated_shard_are_skipped_and_named(tmp_path, checkpoint,
-                                                                  shards, capsys):
+                                                                  shards, capsys, caplog):
     data = tmp_path / "bad"
     data.mkdir()
     good = real_images(2)
@@ -229,6 +229,8 @@ def test_bad_samples_and_a_truncated_shard_are_skipped_and_named(tmp_path, check
     assert json.loads(metadata["keys"]) == keys[:count]
     assert metadata["truncated"] == "true" and metadata["read"] == str(count)
     assert f"shard {data / 'c-cut.tar'} is truncated after {count} samples" in captured.err
+    said = [r.getMessage() for r in caplog.records] + captured.err.splitlines()
+    assert sum("c-cut.tar is truncated" in line for line in said) == 1  # once (issue 27, 9)
     assert captured.out.strip() == (f"wrote 3 shards ({2 + count} images) to {out} (0 already "
                                     "complete, 3 skipped samples)")
     # A rerun reads the truncated shard again (it may have been repaired), and only it.

@@ -248,7 +248,8 @@ class _ShardRecord:
     keys: list[str] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
     read: int = 0
-    problems: ShardProblems = field(default_factory=ShardProblems)
+    problems: ShardProblems = field(  # truncation reported by `run_shards`, once
+        default_factory=lambda: ShardProblems(warn_truncated=False))
 
 
 def _shard_batches(url: str, index: int, processor: ImageProcessor, batch_size: int,

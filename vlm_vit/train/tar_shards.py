@@ -311,6 +311,9 @@ class ShardProblems:
 
     truncated: list[tuple[str, int, str]] = field(default_factory=list)  # (url, read, error)
     members: list[tuple[str, str, str]] = field(default_factory=list)  # (url, member, reason)
+    # False where the caller reports each truncated shard itself (encode names its output),
+    # so the user is told once.
+    warn_truncated: bool = True
 
     def skip_member(self, url: str, member: str, reason: str) -> None:
         logger.warning("%s: skipping member %s: %s", url, escape_name(member), reason)
@@ -388,8 +391,9 @@ def read_shard(url: str, shard_index: int = 0, *, epoch: int = 0, skip: int = 0,
         raise
     except Exception as error:  # tarfile.ReadError, OSError, a pipe that failed...
         message = str(error).split(" @ ")[0]
-        logger.warning("shard %s is truncated or unreadable after %d samples (%s); going on "
-                       "with the next shard", url, read, message)
+        if problems.warn_truncated:
+            logger.warning("shard %s is truncated or unreadable after %d samples (%s); going "
+                           "on with the next shard", url, read, message)
         problems.truncated.append((url, read, message))
 
 
