@@ -47,10 +47,12 @@ def run_script(benchmarks, monkeypatch, tmp_path, name: str, extra: tuple = ()) 
 @pytest.mark.parametrize("name", ["encode vit-b/16", "encode clip-vit-b/16",
                                   "encode clip-vit-l/14-336", "llava features", "load",
                                   "mae step", "lora step", "llava step", "scaling",
-                                  "shards vs folder"])
+                                  "shards vs folder", "export cpu"])
 def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
     if name == "llava step":
         pytest.importorskip("vlm_vit_llm")
+    if name == "export cpu":
+        pytest.importorskip("onnxruntime")
     memory_children = ("mae step", "lora step", "llava step")
     extra = ("--no-memory",) if name in memory_children else ()  # children: below
     result = run_script(benchmarks, monkeypatch, tmp_path, name, extra)
