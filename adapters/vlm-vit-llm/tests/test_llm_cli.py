@@ -1,6 +1,7 @@
 """`vlm-vit llm ...`: the plugin's subcommands, reached through the core CLI's entry point."""
 
 import json
+import re
 
 import pytest
 from conftest import tiny_llm, tiny_tower
@@ -72,7 +73,8 @@ def test_generate_refuses_a_prompt_without_its_placeholder(parts, capsys):
     capsys.readouterr()
     assert main(["llm", "generate", str(parts / "s1" / "model"), "--image",
                  str(parts / "data" / "0.png"), "--prompt", "no placeholder"]) == 1
-    assert "0 '<image>' placeholder(s) but 1 image(s)" in capsys.readouterr().err
+    assert ("--prompt has 0 '<image>' placeholder(s) but 1 --image(s): 'no placeholder'"
+            in capsys.readouterr().err)
 
 
 def test_train_on_llava_conversations_then_chat(parts, tmp_path, capsys, chat_tokenizer):
@@ -111,3 +113,29 @@ def test_train_on_llava_conversations_then_chat(parts, tmp_path, capsys, chat_to
     assert main([*no_folder, "--model", str(tmp_path / "s1" / "model"),
                  "--out", str(tmp_path / "s4")]) == 1
     assert "--data-format llava needs --image-folder DIR" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_train_quiet_hides_the_progress_bar(parts, quiet, capsys):
+    """Issue 27, 9: `--quiet` on `llm train`, as on the core's pretrain and finetune."""
+    assert main(train_args(parts, "--tower", str(parts / "encoder"), "--llm", str(parts / "llm"),
+                           "--out", str(parts / "s1"), *(["--quiet"] if quiet else []))) == 0
+    captured = capsys.readouterr()
+    bars = [line for line in captured.err.split("\r") if re.search(r"\d+/\d+ \[", line)]
+    assert bool(bars) != quiet, captured.err  # transformers' loading bars too
+    assert "trained stage 1 for 3 steps" in captured.out
+
+
+def test_generate_names_the_prompt_text_of_a_chat_prompt_without_its_placeholder(parts, capsys):
+    """Issue 27, 9: with --chat the model is given token ids; the error still names the
+    prompt's text and the placeholder, in one line."""
+    assert main(train_args(parts, "--tower", str(parts / "encoder"), "--llm",
+                           str(parts / "llm"), "--out", str(parts / "s1"), "--quiet")) == 0
+    capsys.readouterr()
+    assert main(["llm", "generate", str(parts / "s1" / "model"), "--chat", "--image",
+                 str(parts / "data" / "0.png"), "--prompt", "what is\nthis"]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("vlm-vit")]
+    assert len(lines) == 1, err
+    assert lines[0] == ("vlm-vit llm: error: --prompt has 0 '<image>' placeholder(s) but 1 "
+                        "--image(s): 'what is\\nthis'")

@@ -87,6 +87,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--resume", action="store_true")
     train.add_argument("--overwrite", action="store_true",
                         help="replace an earlier run's files in the run directory")
+    train.add_argument("--quiet", action="store_true",
+                       help="no progress bars (training's and transformers' loading bars)")
     lora = train.add_argument_group("LoRA (stage 2)")
     lora.add_argument("--lora-r", type=int, default=16)
     lora.add_argument("--lora-alpha", type=float, default=32)
@@ -188,6 +190,21 @@ def build_model(args: argparse.Namespace):
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as transformers_logging
+
+    if not args.quiet:
+        return _train(args)
+    # --quiet: no bar at all, transformers' "Loading weights" bars included
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        return _train(args)
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
+
+
+def _train(args: argparse.Namespace) -> int:
     import torch
 
     from vlm_vit.train import TrainConfig, Trainer
@@ -218,8 +235,8 @@ def run_train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every, seed=args.seed, num_workers=args.num_workers,
         device=args.device)
     command = shlex.join(["vlm-vit", *sys.argv[1:]]) if sys.argv[1:2] == ["llm"] else None
-    result = Trainer(objective, dataset, config, args.out, collate=collate,
-                     command=command).fit(resume=args.resume, overwrite=args.overwrite)
+    result = Trainer(objective, dataset, config, args.out, collate=collate, command=command,
+                     progress_bar=not args.quiet).fit(resume=args.resume, overwrite=args.overwrite)
     if shards and result.undecodable_images:
         print(f"skipped {result.undecodable_images} bad sample(s) of the shards "
               f"({len(result.undecodable_paths)} distinct; first: "
@@ -323,6 +340,10 @@ def run_generate(args: argparse.Namespace) -> int:
     mm = load_multimodal(args.model, "MODEL")
     images = [_existing(path, "--image") for path in args.image]
     prompt = args.prompt if args.prompt is not None else mm.image_token * len(images) + "\n"
+    placeholders = prompt.count(mm.image_token)
+    if placeholders != len(images):  # named here: with --chat the model sees token ids
+        raise ValueError(f"--prompt has {placeholders} {mm.image_token!r} placeholder(s) but "
+                         f"{len(images)} --image(s): {prompt[:80]!r}")
     if args.chat:
         from vlm_vit_llm.chat import chat_prompt, chat_template, check_chat_template
         from vlm_vit_llm.records import Turn
