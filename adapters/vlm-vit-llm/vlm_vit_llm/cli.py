@@ -13,10 +13,10 @@ DATA_FORMATS = ("captions", "llava")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """The entry point: adds `llm` and its three subcommands."""
+    """The entry point: adds `llm` and its subcommands."""
     parser = subparsers.add_parser(
         "llm", help="image tokens into a Hugging Face causal LM (LLaVA): train, generate, "
-        "export", description="A vision tower feeding a causal LM (plugin vlm-vit-llm).")
+        "merge, export", description="A vision tower feeding a causal LM (plugin vlm-vit-llm).")
     commands = parser.add_subparsers(dest="llm_command", required=True, metavar="SUBCOMMAND")
 
     train = commands.add_parser(
@@ -109,6 +109,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                           "template (the one it was trained with)")
     generate.add_argument("--max-new-tokens", type=int, default=32)
     generate.set_defaults(run=run_generate)
+
+    merge = commands.add_parser(
+        "merge", help="fold a stage-2 model's LoRA into its weights: a plain model",
+        description="Folds the LoRA adapters of MODEL (LLM and encoder) into the weights they "
+        "adapt and writes a plain multimodal model to --out, atomically: no adapter folders, "
+        "loadable without peft, and a start for another `llm train --stage 2`.")
+    merge.add_argument("model", type=Path, metavar="MODEL_DIR_OR_NAME")
+    merge.add_argument("--out", required=True, type=Path, metavar="DIR",
+                       help="where the merged model goes (not MODEL, nor a folder holding it)")
+    merge.set_defaults(run=run_merge)
 
     export = commands.add_parser("export", help="write the Hugging Face LLaVA layout")
     export.add_argument("model", type=Path, metavar="MODEL_DIR_OR_NAME")
@@ -214,6 +224,8 @@ def _train(args: argparse.Namespace) -> int:
     shards = _check_data(args)
     if args.model is not None:
         args.model = _model(args.model, "--model")  # once: the records read its image token
+        if args.stage == 2:
+            _refuse_adapters(args.model)
     records = None if shards else _records(args)  # bad data fails before the LLM is loaded
     torch.manual_seed(args.seed)  # the same new projector on every process
     mm = build_model(args)
@@ -244,6 +256,20 @@ def _train(args: argparse.Namespace) -> int:
     print(f"trained stage {args.stage} for {result.step} steps, final loss "
           f"{result.losses[-1]:.4f}; model in {args.out / MODEL_DIR}")
     return 0
+
+
+def _refuse_adapters(model: Path) -> None:
+    """Stage 2 puts new LoRA on a plain model; one that holds LoRA is refused, naming the
+    command that merges it."""
+    from vlm_vit.files import read_json
+    from vlm_vit_llm.model import CONFIG_NAME
+
+    if not (model / CONFIG_NAME).is_file():
+        return  # from_pretrained names what is missing
+    config = read_json(model / CONFIG_NAME)
+    if config.get("llm_adapter") or config.get("vision_adapter"):
+        raise ValueError(f"--model {model} holds LoRA adapters; merge them first (vlm-vit llm "
+                         f"merge {model} --out DIR), then train --stage 2 from DIR")
 
 
 def _check_data(args: argparse.Namespace) -> bool:
@@ -353,6 +379,25 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt = chat_prompt(mm.tokenizer, [Turn("user", prompt)], template)
     print(mm.eval().generate([prompt], [images], max_new_tokens=args.max_new_tokens,
                              do_sample=False)[0])
+    return 0
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    from vlm_vit.files import read_json
+    from vlm_vit_llm.merge import merge_adapters
+    from vlm_vit_llm.model import CONFIG_NAME
+
+    model = _model(args.model, "MODEL")
+    out, source = args.out.resolve(), model.resolve()
+    if out == source or out in source.parents:
+        raise ValueError(f"--out {args.out} is MODEL or holds it ({model}): write the merged "
+                         "model to another folder")
+    config = read_json(model / CONFIG_NAME) if (model / CONFIG_NAME).is_file() else {}
+    if config.get("format") == "vlm_vit_llm" and not (config.get("llm_adapter")
+                                                     or config.get("vision_adapter")):
+        raise ValueError(f"MODEL {model} has no LoRA adapter: nothing to merge")
+    merged = merge_adapters(load_multimodal(model, "MODEL"))
+    print(f"wrote {merged.save_pretrained(args.out)} (LoRA merged: a plain model)")
     return 0
 
 
