@@ -46,7 +46,7 @@ import torch
 from tqdm import tqdm
 
 from vlm_vit.cli.common import check_output_apart
-from vlm_vit.cli.encode import DTYPES, encode_batch, prepare_encoder
+from vlm_vit.cli.encode_model import DTYPES, encode_batch, prepare_encoder
 from vlm_vit.files import write_safetensors
 from vlm_vit.integrity import file_sha256
 from vlm_vit.model import VisionEncoder
