@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import json
 import operator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -27,50 +25,12 @@ from vlm_vit.files import atomic_directory, atomic_write, read_json
 from vlm_vit.integrity import write_manifest
 from vlm_vit.layers import Attention, Mlp, PatchEmbed, Segments, resample_pos_embed
 from vlm_vit.layers.pos_embed import is_symbolic
+from vlm_vit.outputs import BlocksOutput, EncoderOutput
 from vlm_vit.shards import WEIGHTS_NAME as WEIGHTS_NAME
 from vlm_vit.shards import read_weights, write_weights
 
 CONFIG_NAME = "config.json"
 MODEL_TYPE = "vlm_vit.encoder"  # marks a native checkpoint in config.json
-
-
-@dataclass
-class EncoderOutput:
-    """What the encoder returns.
-
-    Attributes:
-        tokens: every token after the final norm, `[B, T, D]`; None when `feature_layers`
-            stopped the run before the last block.
-        patch_tokens: `tokens` without the prefix tokens, `[B, N, D]` (or None likewise).
-        cls_token: the class token after the final norm, `[B, D]`; None for models without
-            one (or when the run stopped early).
-        num_prefix_tokens: class token plus register tokens at the front of `tokens`.
-        grid: the patch grid (rows, cols); N = rows * cols, row-major.
-        hidden_states: when asked, depth + 1 raw residual-stream tensors `[B, T, D]`: index 0
-            the embeddings (after the pre-norm where there is one), index i the output of
-            block i, no final norm (the Hugging Face convention).
-        features: the raw tokens `[B, T, D]` of each of `feature_layers`, in the order asked,
-            indexed like `hidden_states`.
-        attentions: when asked, one `[B, heads, T, T]` map per block.
-    """
-
-    tokens: torch.Tensor | None
-    patch_tokens: torch.Tensor | None
-    cls_token: torch.Tensor | None
-    num_prefix_tokens: int
-    grid: tuple[int, int]
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    features: tuple[torch.Tensor, ...] | None = None
-    attentions: tuple[torch.Tensor, ...] | None = None
-
-
-class BlocksOutput(NamedTuple):
-    """What `VisionEncoder.run_blocks` returns (see `EncoderOutput` for each field)."""
-
-    tokens: torch.Tensor | None
-    hidden_states: tuple[torch.Tensor, ...] | None
-    features: tuple[torch.Tensor, ...] | None
-    attentions: tuple | None
 
 
 class Block(nn.Module):

@@ -18,88 +18,15 @@ Masked pretraining stays on fixed-size batches (`VisionEncoder.forward`'s masks)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
 
 from vlm_vit.layers.varlen import Segments
-from vlm_vit.model import EncoderOutput
+from vlm_vit.outputs import PackedOutput
 
 if TYPE_CHECKING:
     from vlm_vit.model import VisionEncoder
-
-
-@dataclass
-class PackedOutput:
-    """What the encoder returns for a list of images: every image's tokens, end to end.
-
-    Attributes:
-        tokens: every token after the final norm, `[total, D]`, image after image, each
-            image's prefix tokens first; None when `feature_layers` stopped the run early.
-        lengths: tokens per image (prefix + rows * cols).
-        grids: each image's patch grid (rows, cols).
-        num_prefix_tokens: class token plus register tokens at the front of each image.
-        hidden_states: when asked, depth + 1 tensors `[total, D]` (as `EncoderOutput`).
-        features: the raw tokens `[total, D]` of each of `feature_layers`, in the order asked.
-        attentions: when asked, per block a tuple of one `[heads, L_i, L_i]` map per image.
-    """
-
-    tokens: torch.Tensor | None
-    lengths: tuple[int, ...]
-    grids: tuple[tuple[int, int], ...]
-    num_prefix_tokens: int
-    has_class_token: bool
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    features: tuple[torch.Tensor, ...] | None = None
-    attentions: tuple[tuple[torch.Tensor, ...], ...] | None = None
-
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        """Where each image starts, and the total at the end: 0, L_0, L_0 + L_1, ..."""
-        return Segments(self.lengths).offsets
-
-    @property
-    def cu_seqlens(self) -> torch.Tensor:
-        """`offsets` as FlashAttention takes them, int32 `[n + 1]`."""
-        return Segments(self.lengths).cu_seqlens()
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def split(self) -> list[EncoderOutput]:
-        """One `EncoderOutput` per image, batch size 1, as `encoder(image[None])` gives."""
-        prefix = self.num_prefix_tokens
-        outputs = []
-        for index, (start, stop) in enumerate(pairwise(self.offsets)):
-            def part(x: torch.Tensor | None, start=start, stop=stop) -> torch.Tensor | None:
-                return None if x is None else x[start:stop][None]
-
-            tokens = part(self.tokens)
-            outputs.append(EncoderOutput(
-                tokens=tokens,
-                patch_tokens=tokens[:, prefix:] if tokens is not None else None,
-                cls_token=tokens[:, 0] if tokens is not None and self.has_class_token else None,
-                num_prefix_tokens=prefix,
-                grid=self.grids[index],
-                hidden_states=tuple(part(h) for h in self.hidden_states)
-                if self.hidden_states is not None else None,
-                features=tuple(part(f) for f in self.features)
-                if self.features is not None else None,
-                attentions=tuple(maps[index][None] for maps in self.attentions)
-                if self.attentions is not None else None,
-            ))
-        return outputs
-
-    def patch_mask(self) -> torch.Tensor:
-        """`[total]` bool: True at patch tokens, False at each image's prefix tokens."""
-        device = next(t.device for t in (self.tokens, *(self.features or ()),
-                                         *(self.hidden_states or ())) if t is not None)
-        mask = torch.ones(self.offsets[-1], dtype=torch.bool, device=device)
-        for start in self.offsets[:-1]:
-            mask[start:start + self.num_prefix_tokens] = False
-        return mask
 
 
 class PackedImages(tuple):
