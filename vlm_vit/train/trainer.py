@@ -31,7 +31,6 @@ which the scaler handles, are skipped without counting towards that).
 from __future__ import annotations
 
 import contextlib
-import csv
 import dataclasses
 import json
 import logging
@@ -43,309 +42,70 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+import vlm_vit.train.checkpoint as ckpt
+import vlm_vit.train.distributed as distributed
 from vlm_vit.files import atomic_write
-from vlm_vit.train import checkpoint as ckpt
-from vlm_vit.train import distributed
+from vlm_vit.train.config import (
+    _HARMLESS_CHANGES,
+    PRECISIONS,
+    NonFiniteLossError,
+    NothingTrainedError,
+    TrainConfig,
+    TrainResult,
+)
 from vlm_vit.train.data import (
-    ImageBatch,
     UndecodableImage,
     collate_images,
     describe_dataset,
     mixed_seed,
 )
 from vlm_vit.train.distributed import DistributedContext
+from vlm_vit.train.metrics import METRICS_NAME, TENSORBOARD_DIR, _MetricsLog, _Silent
+from vlm_vit.train.optim import (
+    NO_DECAY_NAMES,
+    build_scheduler,
+    learning_rate,
+    optimizer_groups,
+    parameter_groups,
+)
+from vlm_vit.train.run_dir import (
+    ADAPTER_DIR,
+    ENCODER_DIR,
+    MODEL_DIR,
+    OBJECTIVE_NAME,
+    RUN_CONFIG_NAME,
+    RUN_OUTPUTS,
+    _listing,
+)
 from vlm_vit.train.run_lock import RunLock
+from vlm_vit.train.signals import _ignore_interrupts
+from vlm_vit.train.step import (
+    _newest_checkpoint,
+    _nothing_trained,
+    _Progress,
+    _scalar_loss,
+    _unpack,
+)
 from vlm_vit.train.tar_shards import SAMPLES_DIR, SampleLog, ShardStream, StreamState
+
+# Names defined here before the split by idea, still importable from this module.
+__all__ = ["ADAPTER_DIR", "ENCODER_DIR", "METRICS_NAME", "MODEL_DIR", "NO_DECAY_NAMES",
+           "OBJECTIVE_NAME", "PRECISIONS", "RUN_CONFIG_NAME", "RUN_OUTPUTS", "SAMPLES_DIR",
+           "TENSORBOARD_DIR", "NonFiniteLossError", "NothingTrainedError", "TrainConfig",
+           "TrainResult", "Trainer", "build_scheduler", "learning_rate", "optimizer_groups",
+           "parameter_groups"]
 
 logger = logging.getLogger(__name__)
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-# Parameters that are not weight-decayed besides every one with ndim <= 1 (norms, biases):
-# learned tables and tokens, following MAE, DINOv2 and timm's `no_weight_decay`.
-NO_DECAY_NAMES = ("pos_embed", "cls_token", "reg_token", "mask_token")
-RUN_CONFIG_NAME = "run_config.json"
-METRICS_NAME = "metrics.csv"
-OBJECTIVE_NAME = "objective.pt"
-ENCODER_DIR = "encoder"
-TENSORBOARD_DIR = "tensorboard"
-ADAPTER_DIR = "adapter"  # a LoRA run saves its adapter here instead of the encoder
-MODEL_DIR = "model"  # where an objective's own `export` writes (the LLM bridge's whole model)
-# What a run writes into its directory: a fresh run refuses to start over any of these, and
-# --overwrite removes exactly these (the caller's own files, such as finetune.json, stay).
-RUN_OUTPUTS = (ckpt.CHECKPOINT_DIR, METRICS_NAME, RUN_CONFIG_NAME, ENCODER_DIR, TENSORBOARD_DIR,
-               SAMPLES_DIR, OBJECTIVE_NAME, ADAPTER_DIR, MODEL_DIR)
 # What a resume reads from a checkpoint; one without them is skipped like a corrupt one.
 _CHECKPOINT_KEYS = ("progress", "objective", "optimizer", "scheduler", "scaler", "rng",
                     "config")
-# Config fields that may change between a checkpoint and its resume without a warning.
-_HARMLESS_CHANGES = frozenset({"log_every", "checkpoint_every", "keep_checkpoints",
-                               "num_workers", "device", "compile", "max_bad_steps"})
-
-
-@dataclass
-class TrainConfig:
-    """How to train. The defaults follow MAE's pretraining recipe where it has one."""
-
-    steps: int = 1000  # optimizer steps in the whole run (a resumed run counts from 0 too)
-    batch_size: int = 256  # global: images per optimizer step, over processes and micro-batches
-    grad_accumulation: int = 1  # micro-batches per step, to fit a large batch in memory
-    lr: float = 1.5e-4  # the peak, reached at the end of warmup
-    min_lr: float = 0.0  # where the cosine decay ends
-    weight_decay: float = 0.05  # not applied to norms, biases, tables and tokens
-    betas: tuple[float, float] = (0.9, 0.95)  # MAE's beta2; 0.999 reacts slowly to spikes
-    warmup_steps: int = 0  # LR rises linearly to `lr` over these steps
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    precision: str = "fp32"  # "bf16" autocasts; "fp16" autocasts and scales the loss
-    grad_checkpointing: bool = False  # recompute block activations in backward: less memory
-    group_by_length: bool = False  # batches of similar `dataset.lengths`: less padding
-    compile: bool = False  # torch.compile the objective's forward (slow first step)
-    checkpoint_every: int = 1000  # steps between checkpoints; 0: only the one at the end
-    keep_checkpoints: int = 2  # newest checkpoints kept on disk; 0 keeps every one
-    log_every: int = 10  # steps between log lines; metrics.csv gets every step
-    seed: int = 0  # data order, augmentation and the objective's RNG (plus the rank)
-    num_workers: int = 4  # DataLoader worker processes per training process
-    max_bad_steps: int = 10  # consecutive non-finite losses or gradients before aborting
-    device: str = "auto"  # "auto" is CUDA when available, else CPU
-    # Treat denormal floats as zero while training on a CPU (torch.set_flush_denormal):
-    # gradients and Adam moments drift into that range, where x86 arithmetic is up to a
-    # hundred times slower (random-data steps measured 4-25x slower without). GPUs are
-    # unaffected. The flag is process-wide; `fit` sets it for the run and clears it after.
-    flush_denormal: bool = True
-    # Write the key of every sample each step trains on to samples/rank_R.tsv (shard
-    # streams only): the data order, checkable against the shards.
-    log_samples: bool = False
-
-    def __post_init__(self) -> None:
-        self.betas = tuple(float(b) for b in self.betas)
-        positive = ("steps", "batch_size", "grad_accumulation", "log_every", "max_bad_steps")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("warmup_steps", "checkpoint_every", "keep_checkpoints", "num_workers",
-                     "seed"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        if self.batch_size % self.grad_accumulation:
-            raise ValueError(f"batch_size {self.batch_size} is not divisible by "
-                             f"grad_accumulation {self.grad_accumulation}")
-        if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr} "
-                             f"min_lr={self.min_lr}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError(f"weight_decay and grad_clip must be >= 0, got "
-                             f"{self.weight_decay} and {self.grad_clip}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision {self.precision!r} is not one of {PRECISIONS}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as JSON-ready values."""
-        return {k: list(v) if isinstance(v, tuple) else v
-                for k, v in dataclasses.asdict(self).items()}
-
-
-@dataclass
-class TrainResult:
-    """What a run did.
-
-    Attributes:
-        step: optimizer steps taken in total, including those before a resume.
-        losses: the loss of every step from the first (NaN where it was not finite or the
-            batch was empty); its length is `step`.
-        skipped_steps: steps without an update (non-finite loss or gradient, fp16 overflow,
-            or no decodable image).
-        undecodable_images: how many times an image failed to decode (a file counts once
-            per epoch it is drawn in).
-        undecodable_paths: the distinct files that failed, sorted.
-        run_dir: where everything was written.
-        without_image: shard samples skipped for having no image, over every rank.
-        truncated_shards: (shard, samples read, error) for each truncated or unreadable
-            shard met (shard streams only).
-    """
-
-    step: int
-    losses: list[float]
-    skipped_steps: int
-    undecodable_images: int
-    undecodable_paths: list[str]
-    run_dir: Path
-    without_image: int = 0
-    truncated_shards: list[tuple[str, int, str]] = field(default_factory=list)
-
-
-class NonFiniteLossError(RuntimeError):
-    """Training produced `max_bad_steps` non-finite losses or gradients in a row."""
-
-
-class NothingTrainedError(ValueError):
-    """No step of the run updated the weights (every batch undecodable or non-finite): there
-    is nothing to export."""
-
-
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: weight-decayed matrices, and everything else without decay.
-
-    No decay for parameters with ndim <= 1 (norm scales and shifts, biases) and those whose
-    names contain one of `NO_DECAY_NAMES` (position tables and learned tokens): shrinking
-    them towards zero has no regularising meaning.
-
-    Args:
-        model: its trainable parameters are grouped; frozen ones are left out.
-        weight_decay: for the decayed group.
-
-    Returns:
-        Two groups, each with "params", "weight_decay" and "names" (for inspection).
-    """
-    decay: tuple[list, list] = ([], [])
-    no_decay: tuple[list, list] = ([], [])
-    for name, parameter in model.named_parameters():
-        if not parameter.requires_grad:
-            continue
-        exempt = parameter.ndim <= 1 or any(part in name for part in NO_DECAY_NAMES)
-        group = no_decay if exempt else decay
-        group[0].append(parameter)
-        group[1].append(name)
-    return [
-        {"params": decay[0], "weight_decay": weight_decay, "names": decay[1]},
-        {"params": no_decay[0], "weight_decay": 0.0, "names": no_decay[1]},
-    ]
-
-
-def optimizer_groups(objective: nn.Module, config: TrainConfig) -> list[dict[str, Any]]:
-    """The objective's own `parameter_groups(weight_decay)` where it has one (layer-wise
-    learning rates: a group's `lr_scale` multiplies `config.lr`), else `parameter_groups`.
-    Groups are ordered by descending scale, so the first (whose LR is logged) runs at the
-    schedule's own LR when any does."""
-    own = getattr(objective, "parameter_groups", None)
-    groups = own(config.weight_decay) if callable(own) else \
-        parameter_groups(objective, config.weight_decay)
-    for group in groups:
-        group["lr"] = config.lr * group.get("lr_scale", 1.0)
-    return sorted(groups, key=lambda group: -group.get("lr_scale", 1.0))
-
-
-def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int,
-                  total_steps: int) -> float:
-    """The learning rate of optimizer step `step` (0-based).
-
-    Linear warmup, `lr * (step + 1) / warmup_steps`, reaches `lr` at step warmup_steps - 1;
-    then a half cosine from `lr` at step `warmup_steps` towards `min_lr`, which it would
-    reach at step `total_steps` (one past the last, so the last step still learns).
-    """
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer,
-                    config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR following `learning_rate`; each group's LR is its starting LR (config.lr,
-    times its `lr_scale`) times the schedule's factor."""
-    def factor(step: int) -> float:
-        return learning_rate(step, lr=config.lr, min_lr=config.min_lr,
-                             warmup_steps=config.warmup_steps,
-                             total_steps=config.steps) / config.lr
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def _ignore_interrupts(worker_id: int) -> None:
-    """DataLoader workers ignore Ctrl-C (it reaches the whole process group): the main
-    process finishes its step, checkpoints, and then shuts them down itself."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _listing(names: list[str], most: int = 4) -> str:
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most
-                                      else "")
-
-
-class _Silent:
-    """Stands in for the logger on ranks other than 0."""
-
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        return lambda *args, **kwargs: None
-
-
-@dataclass
-class _Progress:
-    """Everything about the run's position that a checkpoint carries besides the modules."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_index: int = 0  # the next batch to draw within `epoch`
-    losses: list[float] = field(default_factory=list)
-    skipped_steps: int = 0
-    bad_streak: int = 0  # consecutive non-finite steps, for max_bad_steps
-    undecodable_images: int = 0
-    undecodable_paths: list[str] = field(default_factory=list)
-
-
-class _MetricsLog:
-    """metrics.csv (and TensorBoard when installed), written by rank 0.
-
-    On a resume, rows after the checkpoint's step (written before the interruption) are
-    dropped so every step appears once.
-    """
-
-    def __init__(self, run_dir: Path, resumed_step: int | None) -> None:
-        self.path = run_dir / METRICS_NAME
-        self.columns: list[str] | None = None
-        self._file = None
-        self._writer = None
-        if resumed_step is not None and self.path.is_file():
-            with self.path.open(newline="") as handle:
-                reader = csv.DictReader(handle)
-                self.columns = list(reader.fieldnames or []) or None
-                kept = [row for row in reader if int(row["step"]) <= resumed_step]
-            if self.columns:
-                with atomic_write(self.path, "w") as handle:
-                    writer = csv.DictWriter(handle, self.columns)
-                    writer.writeheader()
-                    writer.writerows(kept)
-                self._open()
-        elif self.path.exists():
-            self.path.unlink()
-        self.tensorboard = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # tensorboard is optional
-            pass
-        else:
-            self.tensorboard = SummaryWriter(str(run_dir / TENSORBOARD_DIR))
-
-    def _open(self) -> None:
-        self._file = self.path.open("a", newline="")
-        self._writer = csv.DictWriter(self._file, self.columns, extrasaction="ignore")
-
-    def write(self, row: dict[str, float]) -> None:
-        if self._writer is None:
-            self.columns = list(row)
-            self._open()
-            self._writer.writeheader()
-        self._writer.writerow(row)
-        self._file.flush()
-        if self.tensorboard is not None:
-            for name, value in row.items():
-                if name != "step":
-                    self.tensorboard.add_scalar(f"train/{name}", value, row["step"])
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
 
 
 class Trainer:
@@ -992,39 +752,3 @@ class Trainer:
                         type(encoder).__name__, self.run_dir / OBJECTIVE_NAME)
 
 
-def _nothing_trained(progress: _Progress, run_dir: Path) -> str:
-    """Why a run whose every step was skipped exports nothing."""
-    undecodable = (f"{len(progress.undecodable_paths)} undecodable image files "
-                   f"({_listing(sorted(progress.undecodable_paths))})" if progress.undecodable_paths
-                   else "no undecodable image")
-    return (f"no step of the {progress.step} trained: every batch was skipped ({undecodable}; "
-            f"a step without a decodable image, or with a non-finite loss, makes no update), so "
-            f"no encoder was exported to {run_dir}; check the data")
-
-
-def _newest_checkpoint(run_dir: Path) -> str:
-    found = ckpt.latest_checkpoint(run_dir)
-    return f"The newest checkpoint is {found}." if found else "No checkpoint was written yet."
-
-
-def _unpack(batch: Any) -> tuple[torch.Tensor, list[UndecodableImage], torch.Tensor | None]:
-    """Pixels `[B, 3, H, W]`, dropped files and labels `[B]` (or None) from whatever the collate
-    function returned."""
-    if isinstance(batch, ImageBatch):
-        return batch.pixel_values, batch.undecodable, batch.labels
-    if isinstance(batch, torch.Tensor):
-        return batch, [], None
-    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
-        labels = batch[1] if len(batch) > 1 and isinstance(batch[1], torch.Tensor) else None
-        return batch[0], [], labels  # (pixels, labels, ...)
-    raise TypeError(f"the collate function returned a {type(batch).__name__}; expected an "
-                    "ImageBatch, a pixel tensor, or a tuple starting with one")
-
-
-def _scalar_loss(output: Any) -> torch.Tensor:
-    loss = getattr(output, "loss", None)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(f"the objective must return an ObjectiveOutput with a scalar loss, "
-                         f"got {shape}")
-    return loss.reshape(()).float()  # float32 even under autocast
