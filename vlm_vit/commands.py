@@ -1,0 +1,190 @@
+"""Helpers for `vlm-vit` subcommands, the core's and plugins' alike.
+
+A plugin adds a subcommand through the entry-point group `vlm_vit.commands` (a function that
+takes the argparse subparsers); this module is the public API such a command uses to read
+checkpoints and check its arguments the way the core's commands do, so that plugins never
+import `vlm_vit.cli`. `vlm_vit.cli.common` re-exports every name here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import struct
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from vlm_vit.config import EncoderConfig, available_variants
+from vlm_vit.model import VisionEncoder
+from vlm_vit.registry import UnknownNameError
+
+
+def check_device(device: str) -> str:
+    """The `--device` every command runs on: "auto" becomes "cuda" when CUDA is available,
+    else "cpu" (a bare "cuda" still means each torchrun process's own GPU); any other
+    device is returned as given once it is known to be on this machine.
+
+    Raises:
+        ValueError: for a device that is not one, or not on this machine, naming it and
+            what to use instead.
+    """
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device!r} is not a device; use auto, cpu, cuda or "
+                         f"cuda:N") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device} asked for, but CUDA is not available on this "
+                             f"machine; use --device cpu (or auto)")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    elif resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device} asked for, but MPS is not available; use --device "
+                         f"cpu")
+    elif resolved.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {device}: vlm-vit runs on cpu, cuda or mps")
+    return device
+
+
+def image_size(values: list[int] | None) -> tuple[int, int] | None:
+    """`--image-size SIDE` or `--image-size HEIGHT WIDTH` as (height, width); None if absent."""
+    if not values:
+        return None
+    if len(values) not in (1, 2):
+        raise ValueError(f"--image-size takes SIDE or HEIGHT WIDTH, got {values}")
+    return (values[0], values[-1])
+
+
+def is_variant(model: str) -> bool:
+    """Whether a command that takes variants and checkpoints reads `model` as a variant: an
+    existing path wins, then a known variant name (`vit-b/16`); anything else, and any
+    `hf-hub:` name, is a checkpoint or a model name (`vlm_vit.hub`)."""
+    return model in available_variants() and not Path(model).exists()
+
+
+def variant_or_checkpoint(model: str, size: tuple[int, int] | int | None) -> VisionEncoder:
+    """A named variant at random init (see `is_variant`), else a checkpoint's encoder."""
+    overrides = {"image_size": size} if size else {}
+    if is_variant(model):
+        return VisionEncoder(EncoderConfig.from_name(model, **overrides))
+    from vlm_vit.loading import load_encoder
+
+    with reading_checkpoint(model):
+        return load_encoder(model, **overrides)
+
+
+@contextlib.contextmanager
+def not_a_variant_either(model: str) -> Iterator[None]:
+    """Adds the variant names to the error of a name that is no path, variant or cached
+    model, since a mistyped variant (`vit-b/17`) ends there too."""
+    from vlm_vit.hub import NotCachedError
+
+    try:
+        yield
+    except NotCachedError as error:
+        try:
+            EncoderConfig.from_name(model)
+        except (KeyError, ValueError) as unknown:  # UnknownNameError, with close matches
+            raise NotCachedError(error.problem, f"{error.fetch}. Nor a variant: {unknown}") \
+                from error
+        raise
+
+
+# What a weight file that is no checkpoint at all makes the readers of other libraries raise
+# (torch.load of text gives `KeyError: 101`, of a cut file `EOFError`).
+_GARBAGE_ERRORS = (pickle.UnpicklingError, KeyError, IndexError, EOFError, struct.error,
+                   UnicodeDecodeError)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+@contextlib.contextmanager
+def reading_checkpoint(model: str | Path) -> Iterator[None]:
+    """Reading (and building from) the checkpoint `model`: a file that is not a checkpoint
+    becomes one ValueError naming it, whatever the reader below raised; and the error of a
+    name that is no path, variant or cached model lists the variants (`not_a_variant_either`).
+
+    Raises:
+        ValueError: `MODEL is not a readable checkpoint` for a file none of the readers can
+            read, `MODEL is a pickle that needs arbitrary code` for one that would run code.
+    """
+    from vlm_vit.loading import unpickling_refusal
+
+    try:
+        with not_a_variant_either(str(model)):
+            yield
+    except UnknownNameError:  # a KeyError, but ours
+        raise
+    except _GARBAGE_ERRORS as error:
+        if isinstance(error, pickle.UnpicklingError) and unpickling_refusal(error)[0]:
+            raise ValueError(f"{model} is a pickle that needs arbitrary code to load, and "
+                             f"vlm-vit never runs code from a checkpoint "
+                             f"({unpickling_refusal(error)[1]})") from error
+        raise ValueError(f"{model} is not a readable checkpoint: no safetensors, PyTorch or "
+                         f".npz file that loads ({type(error).__name__}: {error})") from error
+
+
+@contextlib.contextmanager
+def refusing_pickles(directory: str | Path, what: str) -> Iterator[None]:
+    """Loading `directory` through another library (transformers, peft) that reads `.bin`
+    files with torch's weights-only unpickler: its refusal becomes one ValueError naming
+    `what` (the argument, e.g. MODEL) and the pickle files there.
+
+    Raises:
+        ValueError: for a weight file that needs code to load or is no pickle at all.
+    """
+    from vlm_vit.loading import unpickling_refusal
+
+    try:
+        yield
+    except pickle.UnpicklingError as error:
+        directory = Path(directory)
+        pickles = sorted(str(path.relative_to(directory)) for path in directory.rglob("*")
+                         if path.suffix in PICKLE_SUFFIXES and path.is_file()) \
+            if directory.is_dir() else [directory.name]
+        files = ", ".join(pickles) or "a weight file"
+        needs_code, reason = unpickling_refusal(error)
+        problem = ("is a pickle that needs arbitrary code to load, and vlm-vit never runs code "
+                   "from a checkpoint; re-save its weights as safetensors" if needs_code else
+                   "is not a readable PyTorch file (truncated or corrupt?)")
+        raise ValueError(f"{what} {directory}: {files} {problem} ({reason})") from error
+
+
+def check_output_apart(out: Path, model: str | Path, inputs: Iterable[str | Path], *,
+                       inputs_are: str = "one of the inputs", flag: str = "-o",
+                       replaced: bool = False) -> None:
+    """Refuses an output path that would overwrite what the command reads: the model (its
+    file, or anything inside its folder) or one of `inputs` (those that exist).
+
+    Args:
+        out: the -o path (a file or a folder).
+        model: the model argument; only a local path can be overwritten.
+        inputs: the paths read; an output equal to one of them is refused.
+        inputs_are: how the message calls such an input.
+        flag: how the message calls the output (`-o`, `DST`).
+        replaced: `out` is a folder the command replaces whole, so a model inside it is
+            refused too.
+
+    Raises:
+        ValueError: naming the output and what it would overwrite.
+    """
+    target = out.resolve()
+    model_path = Path(str(model))
+    if model_path.exists():
+        root = model_path.resolve()
+        if model_path.is_dir() and target.is_relative_to(root):
+            raise ValueError(f"{flag} {out} is inside the model folder {model}; write the "
+                             "output elsewhere")
+        if target == root:
+            raise ValueError(f"{flag} {out} is the model file {model}; write the output "
+                             "elsewhere")
+        if replaced and root.is_relative_to(target):
+            raise ValueError(f"{flag} {out} holds the model {model}, which writing {flag} "
+                             "would replace; write the output elsewhere")
+    if target in {Path(item).resolve() for item in inputs if Path(item).exists()}:
+        raise ValueError(f"{flag} {out} is {inputs_are}; write the output elsewhere")
