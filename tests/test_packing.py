@@ -226,3 +226,34 @@ def test_masking_needs_a_fixed_size_batch():
     encoder = encoder_for("paper")
     with pytest.raises(ValueError, match="not a list of images"):
         encoder(photos(), keep=torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_forward_packed_is_what_a_list_gives_and_takes_the_packing_options():
+    encoder = encoder_for("paper")
+    images = photos(SIZES[:3])
+    with torch.no_grad():
+        through_forward = encoder(images, feature_layers=[-2])
+        named = encoder.forward_packed(images, feature_layers=[-2])
+        direct = encode_packed(encoder, images, feature_layers=[-2])
+    assert isinstance(named, PackedOutput)
+    assert named.lengths == through_forward.lengths == direct.lengths
+    for a, b, c in zip(named.features, through_forward.features, direct.features, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    with pytest.raises(ValueError, match="budget of 10"):
+        encoder.forward_packed(images, max_tokens=10)
+    with pytest.raises(ValueError, match="maximum grid 2x2"):
+        encoder.forward_packed(images, max_grid=(2, 2))
+
+
+def test_packing_needs_only_what_its_protocol_names():
+    import ast
+    import inspect
+    import typing
+
+    from vlm_vit import packing
+
+    hints = typing.get_type_hints(packing.encode_packed)
+    assert hints["encoder"] is packing.PackableEncoder  # typed against the protocol, not model
+    imported = {node.module for node in ast.walk(ast.parse(inspect.getsource(packing)))
+                if isinstance(node, ast.ImportFrom)}
+    assert "vlm_vit.model" not in imported  # the model imports packing, never the reverse

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import operator
 from pathlib import Path
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -25,7 +26,8 @@ from vlm_vit.files import atomic_directory, atomic_write, read_json
 from vlm_vit.integrity import write_manifest
 from vlm_vit.layers import Attention, Mlp, PatchEmbed, Segments, resample_pos_embed
 from vlm_vit.layers.pos_embed import is_symbolic
-from vlm_vit.outputs import BlocksOutput, EncoderOutput
+from vlm_vit.outputs import BlocksOutput, EncoderOutput, PackedOutput
+from vlm_vit.packing import encode_packed
 from vlm_vit.shards import WEIGHTS_NAME as WEIGHTS_NAME
 from vlm_vit.shards import read_weights, write_weights
 
@@ -202,6 +204,13 @@ class VisionEncoder(nn.Module):
             )
         return index % count
 
+    @overload
+    def forward(self, pixel_values: torch.Tensor, **options: Any) -> EncoderOutput: ...
+
+    @overload
+    def forward(self, pixel_values: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                **options: Any) -> PackedOutput: ...
+
     def forward(
         self,
         pixel_values: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...],
@@ -213,13 +222,12 @@ class VisionEncoder(nn.Module):
         mask_token: torch.Tensor | None = None,
         source_index: torch.Tensor | None = None,
         keep: torch.Tensor | None = None,
-    ) -> EncoderOutput:
+    ) -> EncoderOutput | PackedOutput:
         """Encodes images.
 
         Args:
             pixel_values: `[B, C, H, W]`, H and W multiples of the patch size; or a list of
-                `[C, H_i, W_i]` images of any sizes, encoded in one packed pass
-                (`vlm_vit.packing.encode_packed`, which returns a `PackedOutput`).
+                `[C, H_i, W_i]` images of any sizes, handed to `forward_packed`.
             feature_layers: hidden-state indices whose raw tokens to return in `features`
                 (`[-2]` for LLaVA). Alone, they stop the run after the deepest one.
             output_hidden_states: return every hidden state.
@@ -229,7 +237,7 @@ class VisionEncoder(nn.Module):
                 patches, in `keep`'s order.
 
         Returns:
-            An `EncoderOutput` (a `PackedOutput` for a list).
+            An `EncoderOutput` for a batch; a `PackedOutput` for a list (see `forward_packed`).
 
         Raises:
             ValueError: for a bad shape, a side that is not a multiple of the patch size, or
@@ -239,11 +247,9 @@ class VisionEncoder(nn.Module):
             if any(t is not None for t in (mask, mask_token, source_index, keep)):
                 raise ValueError("masking (mask, source_index, keep) takes a [B, C, H, W] "
                                  "batch of one size, not a list of images")
-            from vlm_vit.packing import encode_packed
-
-            return encode_packed(self, pixel_values, feature_layers=feature_layers,
-                                 output_hidden_states=output_hidden_states,
-                                 output_attentions=output_attentions)
+            return self.forward_packed(pixel_values, feature_layers=feature_layers,
+                                       output_hidden_states=output_hidden_states,
+                                       output_attentions=output_attentions)
         x, grid = self.prepare_tokens(pixel_values, mask=mask, mask_token=mask_token,
                                       source_index=source_index, keep=keep)
         run = self.run_blocks(x, feature_layers=feature_layers,
@@ -261,6 +267,37 @@ class VisionEncoder(nn.Module):
             features=run.features,
             attentions=run.attentions,
         )
+
+    def forward_packed(
+        self,
+        images: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        *,
+        feature_layers: list[int] | tuple[int, ...] | int | None = None,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+        backend: str = "auto",
+        max_tokens: int | None = None,
+        max_grid: tuple[int, int] | None = None,
+    ) -> PackedOutput:
+        """Encodes images of different sizes in one packed pass (NaViT; `vlm_vit.packing`):
+        each image's tokens equal `self(image[None])`'s, end to end in one `[total, D]`.
+
+        Args:
+            images: `[C, H_i, W_i]` tensors, each side a multiple of the patch size.
+            feature_layers, output_hidden_states, output_attentions: as in `forward`
+                (attention maps come per image, `[heads, L_i, L_i]`).
+            backend, max_tokens, max_grid: as in `vlm_vit.packing.encode_packed`.
+
+        Returns:
+            A `PackedOutput` (`.split()` gives one `EncoderOutput` per image).
+
+        Raises:
+            ValueError: for a bad list (naming the image) or feature layer.
+        """
+        return encode_packed(self, images, feature_layers=feature_layers,
+                             output_hidden_states=output_hidden_states,
+                             output_attentions=output_attentions, backend=backend,
+                             max_tokens=max_tokens, max_grid=max_grid)
 
     def run_blocks(
         self,

@@ -9,24 +9,43 @@ over it, attention restricted to each image (`vlm_vit.layers.varlen`). So each i
 tokens equal `encoder(image[None])` for that image alone, while the Linears, norms and MLPs,
 most of the FLOPs, run as one matrix with no padding.
 
-    out = encoder([image_0, image_1, ...])   # [C, H_i, W_i] each -> PackedOutput
-    out.tokens                               # [total, D]
-    out.split()                              # one EncoderOutput per image
+    out = encoder.forward_packed([image_0, image_1, ...])  # [C, H_i, W_i] each; PackedOutput
+    out.tokens                                             # [total, D]
+    out.split()                                            # one EncoderOutput per image
+
+`encoder([image_0, image_1, ...])` is the same call (`forward` hands a list on).
 
 Masked pretraining stays on fixed-size batches (`VisionEncoder.forward`'s masks).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from vlm_vit.config import EncoderConfig
 from vlm_vit.layers.varlen import Segments
-from vlm_vit.outputs import PackedOutput
+from vlm_vit.outputs import BlocksOutput, PackedOutput
 
-if TYPE_CHECKING:
-    from vlm_vit.model import VisionEncoder
+
+class PackableEncoder(Protocol):
+    """What packing needs of an encoder (`vlm_vit.model.VisionEncoder` is one): its config
+    (channels, patch size), its prefix, eq. 1 for one image and the blocks over a sequence."""
+
+    config: EncoderConfig
+    cls_token: torch.Tensor | None
+
+    @property
+    def num_prefix_tokens(self) -> int: ...
+
+    def prepare_tokens(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        ...
+
+    def run_blocks(self, x: torch.Tensor, *,
+                   feature_layers: list[int] | tuple[int, ...] | int | None = None,
+                   output_hidden_states: bool = False, output_attentions: bool = False,
+                   segments: Segments | None = None) -> BlocksOutput: ...
 
 
 class PackedImages(tuple):
@@ -45,7 +64,7 @@ class PackedImages(tuple):
                      for b in bounds)
 
 
-def check_images(encoder: VisionEncoder, images: list[torch.Tensor] | tuple[torch.Tensor, ...],
+def check_images(encoder: PackableEncoder, images: list[torch.Tensor] | tuple[torch.Tensor, ...],
                  *, max_tokens: int | None = None,
                  max_grid: tuple[int, int] | None = None) -> list[tuple[int, int]]:
     """Checks a list of images for packing; returns their patch grids.
@@ -83,7 +102,7 @@ def check_images(encoder: VisionEncoder, images: list[torch.Tensor] | tuple[torc
 
 
 def encode_packed(
-    encoder: VisionEncoder,
+    encoder: PackableEncoder,
     images: list[torch.Tensor] | tuple[torch.Tensor, ...],
     *,
     feature_layers: list[int] | tuple[int, ...] | int | None = None,
@@ -96,7 +115,7 @@ def encode_packed(
     """Encodes images of different sizes in one packed pass (see the module docstring).
 
     Args:
-        encoder: a `VisionEncoder`.
+        encoder: a `VisionEncoder` (anything `PackableEncoder` describes).
         images: `[C, H_i, W_i]` tensors, each side a multiple of the patch size.
         feature_layers, output_hidden_states: as in `VisionEncoder.forward`; the run stops
             after the deepest feature layer when only features are asked for.
