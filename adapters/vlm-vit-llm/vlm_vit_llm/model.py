@@ -60,6 +60,9 @@ class MultimodalBatch:
         image_features: `[total image tokens, D]`, in the order of the True positions.
         labels: `[B, L]` target ids, `IGNORE_INDEX` on prompt, image and pad positions; None
             without targets.
+        record_index: `[B, L]`, the prompt each token belongs to (-1 on padding).
+        packing: None for one prompt per row (padded); for packed rows (`prepare(pack=...)`,
+            `vlm_vit_llm.packing`), the attention path that confines each record.
     """
 
     input_ids: torch.Tensor
@@ -68,6 +71,8 @@ class MultimodalBatch:
     image_mask: torch.Tensor
     image_features: torch.Tensor
     labels: torch.Tensor | None = None
+    record_index: torch.Tensor | None = None
+    packing: str | None = None
 
 
 class MultimodalLM(nn.Module):
@@ -111,6 +116,7 @@ class MultimodalLM(nn.Module):
             logger.info("no processor given: CLIP normalisation at %s", processor.size)
         self.processor = processor
         self.image_token_id = self._add_image_token()
+        self._packed_attention: str | None = None  # chosen and checked at first use
 
     # -- tokens ------------------------------------------------------------------------------
 
@@ -189,7 +195,8 @@ class MultimodalLM(nn.Module):
                 images: Sequence[Sequence[Any]] | None = None,
                 targets: Sequence[str | Sequence[int]] | None = None, *,
                 token_labels: Sequence[Sequence[int]] | None = None,
-                padding_side: str = "right") -> MultimodalBatch:
+                padding_side: str = "right",
+                pack: Sequence[Sequence[int]] | None = None) -> MultimodalBatch:
         """Tokenises, expands the placeholders and pads (see `MultimodalBatch`).
 
         Args:
@@ -203,6 +210,10 @@ class MultimodalLM(nn.Module):
                 a label per token (the id where it is learned, `IGNORE_INDEX` elsewhere), as
                 `vlm_vit_llm.chat.tokenize_conversation` gives for multi-turn conversations.
             padding_side: "right" for training, "left" for generation.
+            pack: instead of one prompt per row, the packing plan: per row, the indices of
+                the prompts laid end to end there (`vlm_vit_llm.packing.pack_rows`).
+                Positions restart at every prompt, each prompt's first token has no label,
+                and `run` confines attention to each prompt (`packed_attention`).
 
         Raises:
             ValueError: naming the argument and the shape it needs: for no prompts, a
@@ -229,7 +240,7 @@ class MultimodalLM(nn.Module):
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         token_ids = [self._prompt_ids(text, prompt) for prompt, text in enumerate(texts)]
-        pixels, counts = [], []
+        pixels, counts, owners = [], [], []
         for prompt, per_prompt in enumerate(images):
             placeholders = token_ids[prompt].count(self.image_token_id)
             if placeholders != len(per_prompt):
@@ -239,7 +250,8 @@ class MultimodalLM(nn.Module):
             for image in per_prompt:
                 pixels.append(self._pixels(image, prompt))
                 counts.append(self.tower.num_image_tokens(tuple(pixels[-1].shape[1:])))
-        features = self.image_features(pixels) if pixels else []
+                owners.append(prompt)
+        features = self.image_features(pixels) if pixels else []  # one tower call
 
         sequences, label_rows, image_counts = [], [], iter(counts)
         for prompt, ids in enumerate(token_ids):
@@ -274,6 +286,10 @@ class MultimodalLM(nn.Module):
             raise ValueError(f"a sequence of {longest} tokens (image tokens included) is longer "
                              f"than the LLM's context of {limit}")
 
+        width = self.llm.get_input_embeddings().embedding_dim
+        if pack is not None:
+            return self._packed(sequences, label_rows, pack, features, owners,
+                                with_labels=targets is not None or token_labels is not None)
         batch, length = len(sequences), longest
         input_ids = torch.full((batch, length), self.pad_token_id, dtype=torch.long)
         labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
@@ -286,15 +302,73 @@ class MultimodalLM(nn.Module):
             attention_mask[row, span] = 1
         image_mask = (input_ids == self.image_token_id) & attention_mask.bool()
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        record_index = torch.where(attention_mask.bool(), torch.arange(batch)[:, None], -1)
         device = self.device
-        width = self.llm.get_input_embeddings().embedding_dim
         image_features = torch.cat(features) if features else torch.zeros(0, width)
         return MultimodalBatch(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
             position_ids=position_ids.to(device), image_mask=image_mask.to(device),
             image_features=image_features.to(device),
             labels=labels.to(device) if targets is not None or token_labels is not None
-            else None)
+            else None, record_index=record_index.to(device))
+
+    def _packed(self, sequences: list[list[int]], label_rows: list[list[int]],
+                pack: Sequence[Sequence[int]], features: list[torch.Tensor],
+                owners: list[int], with_labels: bool) -> MultimodalBatch:
+        """`prepare`'s packed rows: the prompts laid out as `pack` says, their image tokens
+        reordered to match (still from the one tower call)."""
+        from vlm_vit_llm.packing import layout_rows
+
+        path = self.packed_attention()
+        layout = layout_rows(sequences, label_rows, pack, self.pad_token_id,
+                             one_row=path == "flash_attention_2")
+        order = [index for row in pack for index in row]
+        per_prompt: list[list[torch.Tensor]] = [[] for _ in sequences]
+        for owner, tokens in zip(owners, features, strict=True):
+            per_prompt[owner].append(tokens)
+        in_order = [tokens for index in order for tokens in per_prompt[index]]
+        width = self.llm.get_input_embeddings().embedding_dim
+        image_features = torch.cat(in_order) if in_order else torch.zeros(0, width)
+        attention_mask = layout["attention_mask"]
+        device = self.device
+        return MultimodalBatch(
+            input_ids=layout["input_ids"].to(device), attention_mask=attention_mask.to(device),
+            position_ids=layout["position_ids"].to(device),
+            image_mask=((layout["input_ids"] == self.image_token_id)
+                        & attention_mask.bool()).to(device),
+            image_features=image_features.to(device),
+            labels=layout["labels"].to(device) if with_labels else None,
+            record_index=layout["record_index"].to(device), packing=path)
+
+    def packed_attention(self) -> str:
+        """How packed rows confine attention to each record on this LLM
+        (`vlm_vit_llm.packing`): chosen once, checked once against records run alone, and
+        logged.
+
+        Raises:
+            ValueError: for an LLM with multimodal (3-D) positions, naming it.
+            vlm_vit_llm.packing.PackingLeakError: when the chosen path lets records attend
+                to each other, naming the LLM's class.
+        """
+        if self._packed_attention is None:
+            self.set_packed_attention(None)
+        return self._packed_attention
+
+    def set_packed_attention(self, path: str | None) -> str:
+        """Chooses the packed attention path (None: the best available,
+        `packing.choose_packed_attention`), checks it against records alone and keeps it.
+
+        Raises:
+            ValueError, PackingLeakError: as `packed_attention`.
+        """
+        from vlm_vit_llm.packing import PATHS, check_packed_attention, choose_packed_attention
+
+        if path is not None and path not in PATHS:
+            raise ValueError(f"unknown packed attention path {path!r}; known: {PATHS}")
+        chosen = path or choose_packed_attention(self.llm)
+        check_packed_attention(self.llm, chosen)
+        self._packed_attention = chosen
+        return chosen
 
     def _prompt_ids(self, text: str | Sequence[int], prompt: int) -> list[int]:
         if not isinstance(text, str):
@@ -347,8 +421,18 @@ class MultimodalLM(nn.Module):
         Arguments as in `prepare`; `llm_kwargs` go to the LLM.
         """
         batch = self.prepare(texts, images, targets, token_labels=token_labels)
-        return self.llm(inputs_embeds=self.embed(batch), attention_mask=batch.attention_mask,
-                        position_ids=batch.position_ids, labels=batch.labels, **llm_kwargs)
+        return self.run(batch, **llm_kwargs)
+
+    def run(self, batch: MultimodalBatch, **llm_kwargs: Any):
+        """The LLM's output on a prepared batch, padded or packed (`.loss` with labels: the
+        mean over the batch's supervised tokens); `llm_kwargs` go to the LLM."""
+        if batch.packing is None:
+            return self.llm(inputs_embeds=self.embed(batch), attention_mask=batch.attention_mask,
+                            position_ids=batch.position_ids, labels=batch.labels, **llm_kwargs)
+        from vlm_vit_llm.packing import run_packed
+
+        return run_packed(self.llm, self.embed(batch), batch.position_ids, batch.record_index,
+                          batch.packing, labels=batch.labels, **llm_kwargs)
 
     @torch.inference_mode()
     def generate(self, texts: Sequence[str], images: Sequence[Sequence[Any]] | None = None,
@@ -402,6 +486,7 @@ class MultimodalLM(nn.Module):
                                  target_modules=list(llm_targets), task_type="CAUSAL_LM")
         with _quiet_peft():
             self.llm = peft.get_peft_model(self.llm, config)
+        self._packed_attention = None  # checked again, on the wrapped LLM
         if encoder_targets is not None:
             self.tower.encoder = apply_lora(self.tower.encoder, r=r, alpha=alpha,
                                             dropout=dropout, targets=encoder_targets)

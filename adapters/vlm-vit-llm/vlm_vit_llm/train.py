@@ -22,7 +22,7 @@ Tar shards (`vlm-vit shards --captions` / `--llava`) stream through `ShardStream
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -36,6 +36,7 @@ from vlm_vit.train.data import ImageBatch, UndecodableImage, read_caption_lines
 from vlm_vit_llm.chat import bounded_turns, chat_template, tokenize_conversation
 from vlm_vit_llm.model import IGNORE_INDEX, MultimodalLM, target_ids
 from vlm_vit_llm.objective import BridgeObjective
+from vlm_vit_llm.packing import LOSS_REDUCTIONS, loss_terms, loss_units, pack_rows
 from vlm_vit_llm.records import BadRecord, ConversationRecords, Turn, parse_record
 
 
@@ -99,18 +100,31 @@ class CaptionCollate:
     caption and end of sequence. Holds only the tokenizer, so it pickles cheaply into
     DataLoader workers.
 
+    With `packing`, the batch is instead a `ConversationBatch` (prompt and caption as one
+    record each) packed into rows of at most `max_length` tokens (`vlm_vit_llm.packing`); a
+    record longer than that is dropped and named.
+
     Args:
         mm: the model whose tokenizer and image token to use.
         prompt: the prompt of items without their own.
+        packing: pack records into rows instead of one padded row each.
+        max_length: with `packing`, the longest row, image tokens included (default: the
+            LLM's context).
 
     Raises:
         ValueError: for a prompt without exactly one image token (at collation for an item's
             own prompt, naming it).
     """
 
-    def __init__(self, mm: MultimodalLM, prompt: str = "<image>\n"):
+    def __init__(self, mm: MultimodalLM, prompt: str = "<image>\n", *, packing: bool = False,
+                 max_length: int | None = None):
         self.tokenizer, self.image_token = mm.tokenizer, mm.image_token
         self.prompt = self._checked(prompt)
+        self.packing = packing
+        if packing:
+            self.image_token_id = mm.image_token_id
+            self.image_tokens = mm.tower.num_image_tokens(mm.processor.size)
+            self.max_length = _max_length(mm, max_length)
 
     def _checked(self, prompt: str) -> str:
         if prompt.count(self.image_token) != 1:
@@ -119,8 +133,11 @@ class CaptionCollate:
         return prompt
 
     def __call__(self, items: Sequence[tuple[Any, str, str | None]]) -> ImageBatch:
+        items = _flattened(items)
         good = [item for item in items if isinstance(item[0], torch.Tensor)]
         bad = [item[0] for item in items if isinstance(item[0], UndecodableImage)]
+        if self.packing:
+            return self._packed(good, bad)
         if not good:
             return ImageBatch(torch.zeros(0, 3, 1, 1), bad,
                               torch.zeros(0, 2, 1, dtype=torch.long))
@@ -133,6 +150,54 @@ class CaptionCollate:
                 labels[index, part, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         return ImageBatch(torch.stack([item[0] for item in good]), bad, labels)
 
+    def _packed(self, good: list, bad: list[UndecodableImage]) -> ImageBatch:
+        rows = []
+        for pixels, caption, prompt in good:
+            prompt_ids = list(self.tokenizer(self._checked(prompt or self.prompt))["input_ids"])
+            target = target_ids(self.tokenizer, caption)
+            ids, labels = prompt_ids + target, [IGNORE_INDEX] * len(prompt_ids) + target
+            length = _expanded_length(ids, self.image_token_id, self.image_tokens)
+            if length > self.max_length:
+                bad.append(UndecodableImage(f"caption {caption[:40]!r}", f"its {length} tokens "
+                                            f"are more than max_length {self.max_length}"))
+                continue
+            rows.append((ids, labels, [pixels]))
+        return ImageBatch(_packed_batch(rows, self.image_token_id, self.image_tokens,
+                                        self.max_length), bad)
+
+
+def _max_length(mm: MultimodalLM, max_length: int | None) -> int:
+    """`max_length`, or the LLM's context; never longer than the context."""
+    context = getattr(getattr(mm.llm, "config", None), "max_position_embeddings", None)
+    max_length = max_length or context
+    if max_length is None:
+        raise ValueError("give max_length: the LLM's config has no max_position_embeddings")
+    if context is not None and max_length > context:
+        raise ValueError(f"max_length {max_length} is longer than the LLM's context of "
+                         f"{context}")
+    return max_length
+
+
+def _expanded_length(ids: Sequence[int], image_token_id: int, image_tokens: int) -> int:
+    """A record's length in the LLM: its text tokens plus `image_tokens` per image."""
+    return len(ids) + ids.count(image_token_id) * (image_tokens - 1)
+
+
+def _flattened(items: Sequence[Any]) -> list[Any]:
+    """Items, with the lists `TokenBudgetPacks` gives (one pack of items each) opened."""
+    return [inner for item in items
+            for inner in (item if isinstance(item, list) else [item])]
+
+
+def _packed_batch(rows: list[tuple[list[int], list[int], list[torch.Tensor]]],
+                  image_token_id: int, image_tokens: int, max_length: int) -> ConversationBatch:
+    """Encoded records as a `ConversationBatch` with its packing plan: first-fit
+    decreasing on each record's known length (text tokens plus its images' tokens)."""
+    lengths = [_expanded_length(ids, image_token_id, image_tokens) for ids, _, _ in rows]
+    plan = pack_rows(lengths, max_length) if rows else []
+    return ConversationBatch([row[0] for row in rows], [row[1] for row in rows],
+                             [row[2] for row in rows], rows=plan)
+
 
 class CaptionObjective(BridgeObjective):
     """Caption loss for the trainer, on batches from `CaptionCollate`: each image's prompt,
@@ -140,10 +205,19 @@ class CaptionObjective(BridgeObjective):
 
     Set up the stage on `mm` first (`train_projector_only()` or `add_lora(...)`); frozen parts
     get no gradients, and a frozen encoder runs without an autograd graph. Checkpoints hold
-    what trains (`BridgeObjective`).
+    what trains (`BridgeObjective`). Packed batches (`CaptionCollate(packing=True)`) train
+    as `ConversationObjective` trains them, with `loss_reduction`; padded ones take the mean
+    over each micro-batch's caption tokens, as before.
     """
 
-    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> ObjectiveOutput:
+    def __init__(self, mm: MultimodalLM, loss_reduction: str = "token"):
+        super().__init__(mm)
+        self.loss_reduction = _checked_reduction(loss_reduction)
+
+    def forward(self, pixel_values: torch.Tensor | ConversationBatch,
+                labels: torch.Tensor | None = None) -> ObjectiveOutput:
+        if isinstance(pixel_values, ConversationBatch):
+            return conversation_loss(self.mm, pixel_values, self.loss_reduction)
         prompts, targets = ([row[row != IGNORE_INDEX].tolist() for row in labels[:, part]]
                             for part in (0, 1))
         images = [[image] for image in pixel_values]
@@ -216,12 +290,26 @@ class ConversationBatch:
     token per image), labels aligned with them, and each record's pixels.
 
     It splits into micro-batches and moves to a device like a tensor, so the trainer handles
-    it as it handles a pixel batch.
+    it as it handles a pixel batch. Its length is its number of records.
+
+    Attributes:
+        rows: None for one padded row per record; else the packing plan, per row the
+            indices of the records laid end to end there (`vlm_vit_llm.packing`).
+        whole: (records, supervised tokens, records with a supervised token) of the whole
+            batch a micro-batch was split from, so each part's loss can be its exact share
+            of the whole batch's (`conversation_loss`).
     """
 
     input_ids: list[list[int]]
     labels: list[list[int]]
     images: list[list[torch.Tensor]]
+    rows: list[list[int]] | None = None
+    whole: tuple[int, int, int] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.whole is None:
+            self.whole = (len(self.input_ids), loss_units(self.labels, "token"),
+                          loss_units(self.labels, "record"))
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -229,18 +317,58 @@ class ConversationBatch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> ConversationBatch:
         images = [[image.to(device, non_blocking=non_blocking) for image in row]
                   for row in self.images]
-        return ConversationBatch(self.input_ids, self.labels, images)
+        return replace(self, images=images)
 
     def tensor_split(self, sections: int) -> list[ConversationBatch]:
-        """`sections` near-equal parts in order, as `torch.tensor_split` does."""
-        size, extra = divmod(len(self), sections)
+        """`sections` near-equal parts in order, as `torch.tensor_split` does: of the
+        records, or of the packed rows (whole rows; fewer parts when there are fewer rows)."""
+        units = self.rows if self.rows is not None else [[index] for index in range(len(self))]
+        size, extra = divmod(len(units), sections)
         parts, start = [], 0
         for part in range(sections):
             end = start + size + (part < extra)
-            parts.append(ConversationBatch(self.input_ids[start:end], self.labels[start:end],
-                                           self.images[start:end]))
+            chosen = units[start:end]
             start = end
+            if not chosen and self.rows is not None:
+                continue
+            records = [index for unit in chosen for index in unit]
+            renumbered, rows = iter(range(len(records))), None
+            if self.rows is not None:
+                rows = [[next(renumbered) for _ in unit] for unit in chosen]
+            parts.append(ConversationBatch([self.input_ids[i] for i in records],
+                                           [self.labels[i] for i in records],
+                                           [self.images[i] for i in records],
+                                           rows=rows, whole=self.whole))
         return parts
+
+
+def conversation_loss(mm: MultimodalLM, batch: ConversationBatch,
+                      reduction: str = "token") -> ObjectiveOutput:
+    """The loss of a (part of a) `ConversationBatch`, padded or packed, under `reduction`
+    (`vlm_vit_llm.packing.loss_terms`): "token", the mean over all supervised tokens of the
+    whole batch; "record", the mean over its records of each record's mean.
+
+    vlm-vit's trainer weighs a micro-batch's loss by its share of the records
+    (`len(part) / len(whole)`); the loss returned here is the part's exact share of the whole
+    batch's loss divided by that weight, so the accumulated gradient is exactly the whole
+    batch's under either reduction, however the rows split (one process: under data
+    parallelism every rank's mean is averaged).
+    """
+    prepared = mm.prepare(batch.input_ids, batch.images, token_labels=batch.labels,
+                          pack=batch.rows)
+    logits = mm.run(replace(prepared, labels=None)).logits
+    total, _ = loss_terms(logits, prepared.labels, prepared.record_index, reduction)
+    records, tokens, learned = batch.whole
+    units = tokens if reduction == "token" else learned
+    loss = total / max(units, 1) * (records / len(batch))
+    return ObjectiveOutput(loss, {"target_tokens": float(tokens),
+                                  "rows": float(logits.shape[0])})
+
+
+def _checked_reduction(reduction: str) -> str:
+    if reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {reduction!r}")
+    return reduction
 
 
 def truncate(ids: list[int], image_token_id: int, image_tokens: int, max_length: int) -> int:
@@ -272,23 +400,22 @@ class ConversationCollate:
         mm: the model whose tokenizer, image token and tower to use.
         template: "auto" (the tokenizer's own chat template, else `vicuna_v1`) or a preset
             name from `vlm_vit_llm.chat.PRESETS`.
-        max_length: the longest sequence, image tokens included (default: the LLM's context).
+        max_length: the longest sequence, image tokens included (default: the LLM's context);
+            with `packing`, the longest packed row as well.
         image_size: the preprocessed image size (default: the processor's).
+        packing: pack the batch's records into rows of at most `max_length` tokens
+            (first-fit decreasing on each record's length after truncation: text tokens plus
+            its images' tokens), positions restarting per record (`vlm_vit_llm.packing`).
     """
 
     def __init__(self, mm: MultimodalLM, template: str = "auto", max_length: int | None = None,
-                 image_size: tuple[int, int] | None = None):
+                 image_size: tuple[int, int] | None = None, *, packing: bool = False):
+        self.packing = packing
         self.tokenizer, self.image_token_id = mm.tokenizer, mm.image_token_id
         self.image_token = mm.image_token
         self.template = chat_template(mm.tokenizer, template)
         self.image_tokens = mm.tower.num_image_tokens(image_size or mm.processor.size)
-        context = getattr(getattr(mm.llm, "config", None), "max_position_embeddings", None)
-        self.max_length = max_length or context
-        if self.max_length is None:
-            raise ValueError("give max_length: the LLM's config has no max_position_embeddings")
-        if context is not None and self.max_length > context:
-            raise ValueError(f"max_length {self.max_length} is longer than the LLM's context "
-                             f"of {context}")
+        self.max_length = _max_length(mm, max_length)
 
     def encode(self, item: ConversationItem) -> tuple[list[int], list[int], list[torch.Tensor]]:
         """Ids, labels and pixels of one record after truncation.
@@ -316,6 +443,7 @@ class ConversationCollate:
         return ids, labels, item.pixels[:ids.count(self.image_token_id)]
 
     def __call__(self, items: Sequence[ConversationItem | UndecodableImage]) -> ImageBatch:
+        items = _flattened(items)
         dropped = [item for item in items if isinstance(item, UndecodableImage)]
         rows = []
         for item in items:
@@ -325,6 +453,9 @@ class ConversationCollate:
                 rows.append(self.encode(item))
             except ValueError as error:
                 dropped.append(UndecodableImage(item.where, str(error)))
+        if self.packing:
+            return ImageBatch(_packed_batch(rows, self.image_token_id, self.image_tokens,
+                                            self.max_length), dropped)
         batch = ConversationBatch([row[0] for row in rows], [row[1] for row in rows],
                                   [row[2] for row in rows])
         return ImageBatch(batch, dropped)
@@ -459,9 +590,17 @@ class ConversationObjective(BridgeObjective):
 
     Set up the stage on `mm` first (`train_projector_only()` or `add_lora(...)`); checkpoints
     hold what trains (`BridgeObjective`).
+
+    Args:
+        mm: the model.
+        loss_reduction: "token" (the default, as padded training always did): the mean over
+            all supervised tokens of the batch; "record": each record's mean, then the mean
+            over records. Exact under gradient accumulation either way (`conversation_loss`).
     """
 
+    def __init__(self, mm: MultimodalLM, loss_reduction: str = "token"):
+        super().__init__(mm)
+        self.loss_reduction = _checked_reduction(loss_reduction)
+
     def forward(self, batch: ConversationBatch) -> ObjectiveOutput:
-        out = self.mm(batch.input_ids, batch.images, token_labels=batch.labels)
-        learned = sum(label != IGNORE_INDEX for row in batch.labels for label in row)
-        return ObjectiveOutput(out.loss, {"target_tokens": float(learned)})
+        return conversation_loss(self.mm, batch, self.loss_reduction)
