@@ -142,3 +142,33 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(chatml_tokenizer):
                  "{% if add_generation_prompt %}assistant: {% endif %}")
     with pytest.raises(ValueError, match="growing prefix"):
         render_conversation(chatml_tokenizer, TURNS, rewriting)
+
+
+@pytest.mark.parametrize("name", ["plain", "vicuna_v1", "chatml", "own"])
+def test_structured_template_renders_strings_as_before_and_parts_as_llavas_layout(
+        name, chat_tokenizer, chatml_tokenizer):
+    """Issue 27, 3: the exported template takes transformers' structured content; a string
+    content renders exactly as the template itself renders it."""
+    from vlm_vit_llm.chat import structured_chat_template
+
+    tokenizer = chatml_tokenizer if name in ("chatml", "own") else chat_tokenizer
+    template = chat_template(tokenizer, "auto" if name == "own" else name)
+    structured = structured_chat_template(template, "<image>")
+    plain = [{"role": t.role, "content": t.text} for t in TURNS]
+    parts = [{"role": "user", "content": [{"type": "image"},
+                                          {"type": "text", "text": "What is in the picture?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "two blue dogs"}]},
+             {"role": "user", "content": [{"type": "text", "text": "And here?"},
+                                          {"type": "image"}]},
+             *plain[3:]]
+    as_strings = [*plain[:2], {"role": "user", "content": "And here?\n<image>"}, *plain[3:]]
+
+    def render(messages, with_template, prompt=False):
+        return tokenizer.apply_chat_template(messages, chat_template=with_template,
+                                             tokenize=False, add_generation_prompt=prompt)
+
+    for prompt in (False, True):
+        assert render(plain, structured, prompt) == render(plain, template, prompt)
+        assert render(parts, structured, prompt) == render(as_strings, template, prompt)
+    with pytest.raises(Exception, match="text and image parts, not video"):
+        render([{"role": "user", "content": [{"type": "video"}]}], structured)

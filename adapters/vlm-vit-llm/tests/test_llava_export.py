@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_export_matches, perturb_lora, photos
+from conftest import assert_export_matches, perturb_lora, photos, tiny_llm, tiny_tower
 from transformers import AutoProcessor
 
 from vlm_vit import build_pooler
@@ -57,3 +57,73 @@ def test_what_llava_cannot_hold_is_refused_and_nothing_is_written(mm, tmp_path):
     with pytest.raises(ValueError, match="'linear'; LLaVA holds 'mlp2x_gelu'"):
         export_llava(mm, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_export_is_prompted_and_generates_as_transformers_documents(tokenizer, tmp_path):
+    """Issue 27, 3: transformers' LLaVA usage, line by line (structured content, the
+    processor's chat template, `processor(images=, text=)`, `generate`, `decode`) gives the
+    prompt and the greedy ids of our `llm generate --chat` path."""
+    from PIL import Image
+    from transformers import LlavaForConditionalGeneration
+
+    from vlm_vit_llm import MultimodalLM
+    from vlm_vit_llm.chat import chat_prompt, chat_template
+    from vlm_vit_llm.records import Turn
+
+    mm = MultimodalLM(tiny_tower(), tiny_llm(), tokenizer)
+    _perturb(mm)
+    mm.eval()
+    export_llava(mm, tmp_path / "llava")
+    image = Image.fromarray(photos(1)[0])
+
+    # As transformers' LLaVA documentation writes it, with default arguments throughout.
+    processor = AutoProcessor.from_pretrained(tmp_path / "llava")
+    model = LlavaForConditionalGeneration.from_pretrained(tmp_path / "llava").eval()
+    conversation = [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "What is shown in this image?"}]}]
+    prompt = processor.apply_chat_template(conversation, add_generation_prompt=True)
+    inputs = processor(images=image, text=prompt, return_tensors="pt")
+    output = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    generated = output[0, inputs["input_ids"].shape[1]:]
+    answer = processor.decode(generated, skip_special_tokens=True)
+
+    # Ours: `vlm-vit llm generate --chat --prompt $'<image>\nWhat is shown in this image?'`.
+    ids = chat_prompt(mm.tokenizer, [Turn("user", "<image>\nWhat is shown in this image?")],
+                      chat_template(mm.tokenizer))
+    assert ids.count(mm.tokenizer.bos_token_id) == 1
+    expanded = mm.prepare([ids], [[image]]).input_ids[0]
+    assert inputs["input_ids"][0].tolist() == expanded.tolist()
+    outputs = []
+    llm_generate = mm.llm.generate
+
+    def recording(*args, **kwargs):
+        outputs.append(llm_generate(*args, **kwargs))
+        return outputs[-1]
+
+    mm.llm.generate = recording
+    text = mm.generate([ids], [[image]], max_new_tokens=8, do_sample=False)[0]
+    assert len(generated) > 1
+    assert outputs[0][0].tolist() == generated.tolist()
+    assert answer.strip() == text
+    # Plain string content renders as before, structured content as its LLaVA layout.
+    assert prompt == processor.apply_chat_template(
+        [{"role": "user", "content": "<image>\nWhat is shown in this image?"}],
+        add_generation_prompt=True)
+
+
+def test_a_tokenizer_that_adds_its_own_bos_is_prompted_with_one(tokenizer, tmp_path):
+    """With a tokenizer that adds its BOS (Llama-2's), the exported template writes none
+    (as transformers' LLaVA templates), so the documented usage gives one BOS, not two."""
+    from vlm_vit_llm import MultimodalLM
+
+    tokenizer.add_bos_token = True
+    assert tokenizer("a")["input_ids"][0] == tokenizer.bos_token_id
+    mm = MultimodalLM(tiny_tower(), tiny_llm(), tokenizer)
+    export_llava(mm, tmp_path / "llava")
+    processor = AutoProcessor.from_pretrained(tmp_path / "llava")
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
+        add_generation_prompt=True)
+    assert not prompt.startswith(tokenizer.bos_token)
+    ids = processor(images=photos(1), text=prompt, return_tensors="pt")["input_ids"][0]
+    assert ids.tolist().count(tokenizer.bos_token_id) == 1 and ids[0] == tokenizer.bos_token_id

@@ -22,6 +22,7 @@ Presets for tokenizers without a template (LLaVA-1.5's conversation styles):
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -297,3 +298,56 @@ def chat_prompt(tokenizer: Any, turns: Sequence[Turn], template: str) -> list[in
     messages = [{"role": turn.role, "content": turn.text} for turn in turns]
     text = _render(tokenizer, messages, template, generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def structured_chat_template(template: str, image_token: str, drop_bos: bool = False) -> str:
+    """`template`, taking transformers' structured content as well as plain strings (for an
+    exported processor's `apply_chat_template`).
+
+    A message whose content is a list of parts (`{"type": "image"}`, `{"type": "text",
+    "text": ...}`, as transformers' multimodal chat documentation writes them) is rendered as
+    the plain string of its parts joined by newlines, each image part its placeholder:
+    `[image, text]` becomes `"<image>\\nWhat is this?"`, LLaVA's own layout. A string content
+    renders exactly as `template` renders it. Another part type is refused by name.
+
+    Args:
+        template: a Jinja chat template that renders string contents.
+        image_token: the placeholder an image part becomes.
+        drop_bos: drop the beginning-of-sequence token the rendering starts with, for a
+            tokenizer that adds its own: the text `processor(text=prompt)` tokenises then
+            holds one, not two (transformers' LLaVA templates write none either).
+    """
+    token = json.dumps(image_token)  # a valid Jinja string literal
+    prelude = (
+        "{%- set structured = namespace(messages=[]) -%}"
+        "{%- for message in messages -%}"
+        "{%- if message['content'] is string or message['content'] is none -%}"
+        "{%- set structured.messages = structured.messages + [message] -%}"
+        "{%- else -%}"
+        "{%- set parts = namespace(texts=[]) -%}"
+        "{%- for part in message['content'] -%}"
+        "{%- if part['type'] == 'image' -%}"
+        "{%- set parts.texts = parts.texts + [" + token + "] -%}"
+        "{%- elif part['type'] == 'text' -%}"
+        "{%- set parts.texts = parts.texts + [part['text']] -%}"
+        "{%- else -%}"
+        "{{- raise_exception('this model takes text and image parts, not ' ~ part['type']) -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- set structured.messages = structured.messages"
+        " + [dict(message, content=parts.texts | join('\\n'))] -%}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- set messages = structured.messages %}")
+    if not drop_bos:
+        return prelude + template
+    return (prelude + "{% set rendered %}" + template + "{% endset %}"
+            "{%- if bos_token and rendered.startswith(bos_token) -%}"
+            "{{- rendered[bos_token | length:] -}}"
+            "{%- else -%}{{- rendered -}}{%- endif -%}")
+
+
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether the tokenizer puts its beginning-of-sequence token before a text by itself."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return bos is not None and list(tokenizer("a")["input_ids"][:1]) == [bos]

@@ -2,15 +2,17 @@
 
 The weights move by declarative prefix maps; LoRA adapters are merged into the written
 tensors one weight at a time, leaving the model as it was. The folder also gets the tokenizer
-and a `LlavaProcessor` (a `CLIPImageProcessor` with our preprocessing), so `AutoProcessor` and
+and a `LlavaProcessor` (an image processor that reproduces our pixels, and a chat template
+that takes transformers' structured content), so `AutoProcessor` and
 `LlavaForConditionalGeneration.from_pretrained` read it as they read the published LLaVA-1.5
-checkpoints.
+checkpoints, and transformers' LLaVA documentation prompts it as written.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,6 +43,13 @@ PROJECTOR_NAME = "mlp2x_gelu"  # LLaVA-1.5's projector: Linear, GELU, Linear (wi
 # An earlier export's files, which an export over it replaces even where it writes no file of
 # that name (a chat template or a SentencePiece model the new tokenizer lacks).
 EXPORT_FILES = (*MODEL_FILES, "*.jinja", "*.model", "*.tiktoken", "merges.txt", "vocab.txt")
+# transformers' names for an image processor doing CLIP's steps, in the order tried: the first
+# that `AutoImageProcessor.from_pretrained` loads, with default arguments, as one giving our
+# pixels is written. transformers 5 loads "CLIPImageProcessor" as its torchvision backend,
+# whose bicubic resize rounds otherwise than PIL's (one uint8 level in about 0.4% of values);
+# the PIL backend, under its own name, gives ours exactly (tests/test_llava_processor.py).
+IMAGE_PROCESSOR_CLASSES = ("CLIPImageProcessor", "PilBackend")
+PIXEL_TOLERANCE = 1e-5  # what the README promises of the export's pixels
 
 
 def check_exportable(mm: MultimodalLM) -> None:
@@ -125,6 +134,52 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return same_memory or torch.equal(a, b)
 
 
+def _probe_image():
+    """A fixed 47 x 61 noise image: resized to any size, hundreds of its values fall where
+    two resize implementations round differently."""
+    from PIL import Image
+
+    noise = torch.randint(0, 256, (61, 47, 3), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(0))
+    return Image.fromarray(noise.numpy())
+
+
+def image_processor_for(processor, settings: dict):
+    """The transformers image processor to export: the first of `IMAGE_PROCESSOR_CLASSES`
+    that, saved and loaded back by `AutoImageProcessor.from_pretrained` with its defaults,
+    gives `processor`'s pixels on `_probe_image` (within `PIXEL_TOLERANCE`). When none does,
+    the first is returned and the difference is logged as a warning.
+
+    Args:
+        processor: our `ImageProcessor`.
+        settings: its transformers settings (`preprocessor_config`, less the class name).
+    """
+    import transformers
+    from transformers import AutoImageProcessor
+
+    probe = _probe_image()
+    expected = processor.preprocess_one(probe)
+    candidates, measured = [], []
+    with tempfile.TemporaryDirectory(prefix="vlm-vit-export-") as folder:
+        for name in IMAGE_PROCESSOR_CLASSES:
+            if not hasattr(transformers, name):  # PilBackend is transformers 5's
+                continue
+            candidate = getattr(transformers, name)(**settings)
+            candidates.append(candidate)
+            candidate.save_pretrained(Path(folder) / name)
+            loaded = AutoImageProcessor.from_pretrained(Path(folder) / name)
+            pixels = loaded(images=probe, return_tensors="pt")["pixel_values"][0]
+            difference = (torch.as_tensor(pixels) - expected).abs().max().item()
+            if difference <= PIXEL_TOLERANCE:
+                logger.debug("exporting the image processor as %s (loads as %s)", name,
+                             type(loaded).__name__)
+                return candidate
+            measured.append(f"{name} loads as {type(loaded).__name__}, {difference:.2g} off")
+    logger.warning("no transformers image processor reproduces our pixels within %g (%s); "
+                   "exporting the first", PIXEL_TOLERANCE, "; ".join(measured))
+    return candidates[0]
+
+
 def llava_config(mm: MultimodalLM):
     """The `LlavaConfig`: CLIP vision config, the LLM's config, the image token and layers."""
     from transformers import CLIPVisionConfig, LlavaConfig
@@ -152,7 +207,9 @@ def export_llava(mm: MultimodalLM, directory: str | Path) -> Path:
             `mlp2x_gelu`, the final-norm tokens, an encoder CLIP cannot express); nothing is
             written then.
     """
-    from transformers import CLIPImageProcessor, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers import LlavaForConditionalGeneration, LlavaProcessor
+
+    from vlm_vit_llm.chat import adds_bos, chat_template, structured_chat_template
 
     check_exportable(mm)
     config = llava_config(mm)
@@ -173,12 +230,17 @@ def export_llava(mm: MultimodalLM, directory: str | Path) -> Path:
     if tokenizer.pad_token is None:  # batched processing needs one; LLaVA-1.5 pads with unk
         tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
         logger.info("the exported tokenizer pads with %r", tokenizer.pad_token)
+    # Its own template, else vicuna_v1 (as `vlm-vit llm generate --chat`), taking structured
+    # content too; the processor and the tokenizer share the folder's chat_template.jinja.
+    tokenizer.chat_template = structured_chat_template(
+        chat_template(tokenizer), mm.image_token, drop_bos=adds_bos(tokenizer))
     processor = LlavaProcessor(
-        image_processor=CLIPImageProcessor(**settings), tokenizer=tokenizer,
+        image_processor=image_processor_for(mm.processor, settings), tokenizer=tokenizer,
         patch_size=encoder_config.patch_size,
         vision_feature_select_strategy=config.vision_feature_select_strategy,
         image_token=mm.image_token,
-        num_additional_image_tokens=int(encoder_config.class_token))
+        num_additional_image_tokens=int(encoder_config.class_token),
+        chat_template=tokenizer.chat_template)
     with atomic_directory(directory, replaces=EXPORT_FILES) as temp:
         model.save_pretrained(temp)
         processor.save_pretrained(temp)
