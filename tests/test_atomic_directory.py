@@ -24,11 +24,11 @@ REPO = Path(__file__).resolve().parents[1]
 KILLED_SAVE = '''
 import os, signal, sys, torch
 import vlm_vit.files as files
-import vlm_vit.shards as shards
+import vlm_vit.weights as weights
 from vlm_vit import VisionEncoder, EncoderConfig
 from tests.conftest import tiny_config
 where, directory = sys.argv[1], sys.argv[2]
-real_weights, real_replace = shards.write_weights, os.replace
+real_weights, real_replace = weights.write_weights, os.replace
 def write_weights(*args, **kwargs):  # config.json is written by now
     if where == "after-config":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -39,7 +39,7 @@ def replace(src, dst):
     calls.append(str(dst))
     if where == "between-renames" and str(dst).endswith(".old"):
         os.kill(os.getpid(), signal.SIGKILL)  # the old folder moved aside, the new not in
-shards.write_weights = write_weights
+weights.write_weights = write_weights
 import vlm_vit.model as model
 model.write_weights = write_weights
 os.replace = replace

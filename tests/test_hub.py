@@ -16,8 +16,8 @@ from vlm_vit.cli import main
 from vlm_vit.config import EncoderConfig
 from vlm_vit.files import write_safetensors
 from vlm_vit.model import VisionEncoder
-from vlm_vit.shards import SHARD_INDEX, parse_size, read_sharded
 from vlm_vit.testing import offline_hub_cache, perturbed, put_in_hub_cache
+from vlm_vit.weights import SHARD_INDEX, parse_size, read_sharded
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
 transformers = pytest.importorskip("transformers")

@@ -220,7 +220,7 @@ def check_snapshot(snapshot: Path) -> None:
         ValueError: naming the file and where it leads.
     """
     from vlm_vit.files import resolves_inside
-    from vlm_vit.shards import allowed_roots
+    from vlm_vit.weights import allowed_roots
 
     roots = allowed_roots(snapshot)
     for path in snapshot.rglob("*"):

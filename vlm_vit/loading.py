@@ -26,7 +26,7 @@ from vlm_vit.files import read_json, read_npz, read_safetensors
 from vlm_vit.integrity import MANIFEST_NAME, verify_files
 from vlm_vit.model import CONFIG_NAME, VisionEncoder, check_state_dict
 from vlm_vit.processor import ImageProcessor
-from vlm_vit.shards import SHARD_INDEX, read_sharded
+from vlm_vit.weights import SHARD_INDEX, read_sharded
 
 logger = logging.getLogger(__name__)
 

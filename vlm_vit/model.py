@@ -28,8 +28,8 @@ from vlm_vit.layers import Attention, Mlp, PatchEmbed, Segments, resample_pos_em
 from vlm_vit.layers.pos_embed import is_symbolic
 from vlm_vit.outputs import BlocksOutput, EncoderOutput, PackedOutput
 from vlm_vit.packing import encode_packed
-from vlm_vit.shards import WEIGHTS_NAME as WEIGHTS_NAME
-from vlm_vit.shards import read_weights, write_weights
+from vlm_vit.weights import WEIGHTS_NAME as WEIGHTS_NAME
+from vlm_vit.weights import read_weights, write_weights
 
 CONFIG_NAME = "config.json"
 MODEL_TYPE = "vlm_vit.encoder"  # marks a native checkpoint in config.json
@@ -363,7 +363,7 @@ class VisionEncoder(nn.Module):
             extra_config: further top-level sections for `config.json` (a tower's, say);
                 loading the encoder ignores them.
             max_shard_size: larger weights are written as shards with an index
-                (`vlm_vit.shards`), as transformers does; "5GB", "500MB", or bytes.
+                (`vlm_vit.weights`), as transformers does; "5GB", "500MB", or bytes.
             model_card: write a `README.md` model card for the Hub, unless one exists.
 
         Returns:
