@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vlm_vit import EncoderConfig, ImageProcessor, VisionEncoder
-from vlm_vit.evaluate import (
+from vlm_vit.eval import (
     BIAS_CONSTANT,
     evaluate_features,
     extract_features,
@@ -199,7 +199,7 @@ def test_extract_features_without_class_token_refuses_cls(caplog):
     encoder = VisionEncoder(EncoderConfig(**TINY, class_token=False, num_register_tokens=2))
     with pytest.raises(ValueError, match="has none.*use pooling='mean'"):
         extract_features(encoder, torch.rand(2, 3, 32, 32), pooling="cls", progress=False)
-    with caplog.at_level(logging.INFO, logger="vlm_vit.evaluate"):
+    with caplog.at_level(logging.INFO, logger="vlm_vit.eval"):
         features, _ = extract_features(encoder, torch.rand(2, 3, 32, 32), pooling="mean",
                                        progress=False)
     assert features.shape == (2, 32)

@@ -114,7 +114,7 @@ def shot_rows(labels: np.ndarray, pool: np.ndarray, shots: int | None, seed: int
     big_vision's few-shot sampling); None: every row of the pool."""
     if shots is None:
         return np.sort(pool)
-    from vlm_vit.evaluate import sample_shots
+    from vlm_vit.eval import sample_shots
 
     return np.sort(pool[sample_shots(labels[pool], shots, seed=seed)])
 

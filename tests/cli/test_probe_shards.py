@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from vlm_vit.cli import main
-from vlm_vit.evaluate import evaluate_folder, evaluate_shards
+from vlm_vit.eval import evaluate_folder, evaluate_shards
 from vlm_vit.files import class_folders
 from vlm_vit.loading import load_with_processor
 from vlm_vit.model import VisionEncoder
@@ -119,7 +119,7 @@ def test_shuffled_shards_split_by_image_path_and_probe_exactly_as_the_folder(
     for key in (*SAME, "classes"):
         assert results["shards"][key] == results["folder"][key], key
     # The held-out images are the same named ones: the split is a function of the paths.
-    from vlm_vit.evaluate import key_order, stratified_split
+    from vlm_vit.eval import key_order, stratified_split
 
     files, labels, _ = class_folders(digits)
     keys = [path.relative_to(digits).as_posix() for path in files]
@@ -134,7 +134,7 @@ def test_shuffled_shards_split_by_image_path_and_probe_exactly_as_the_folder(
 def test_json_labels_skip_bad_samples_and_name_classes_by_index(json_shards, checkpoint,
                                                                  folder_result, caplog):
     encoder, processor = load_with_processor(checkpoint)
-    with caplog.at_level(logging.WARNING, logger="vlm_vit.evaluate"):
+    with caplog.at_level(logging.WARNING, logger="vlm_vit.eval"):
         result = evaluate_shards(encoder, str(json_shards / "part-*.tar"), processor=processor,
                                  label_field="digit", shots=[1, 5], batch_size=8,
                                  progress=False)
@@ -188,7 +188,7 @@ def test_labels_without_a_name_in_the_dataset_index_are_skipped(class_shards, ch
     index["classes"] = index["classes"][:2]
     (tmp_path / "shards" / "dataset.json").write_text(json.dumps(index))
     encoder, processor = load_with_processor(checkpoint)
-    with caplog.at_level(logging.WARNING, logger="vlm_vit.evaluate"):
+    with caplog.at_level(logging.WARNING, logger="vlm_vit.eval"):
         result = evaluate_shards(encoder, tmp_path / "shards", processor=processor,
                                  shots=[1], progress=False)
     assert result["skipped"]["undecodable"] == PER_CLASS

@@ -98,7 +98,7 @@ def write_digits(root: Path, per_class: int | None) -> int:
 def frozen_accuracy(encoder, images, labels, train, test, shots, seed) -> dict:
     """Few-shot and linear-probe accuracy of mean-pooled frozen features on held-out images
     (`images`: every digit's pixels, `[N, 3, 32, 32]`, preprocessed once for all uses)."""
-    from vlm_vit.evaluate import extract_features, few_shot_accuracy, linear_probe_accuracy
+    from vlm_vit.eval import extract_features, few_shot_accuracy, linear_probe_accuracy
 
     # A generator of preprocessed batches, which extract_features takes as they are.
     features, _ = extract_features(encoder, iter(images.split(128)), pooling="mean",
@@ -178,7 +178,7 @@ def demo_splits(labels, seed: int):
     """Row indices (train, pool, validation, test): the training half (pretrained on,
     unlabelled), inside it the labelled pool and a validation split, and the held-out half.
     Settings are chosen on validation; test is scored once."""
-    from vlm_vit.evaluate import stratified_split
+    from vlm_vit.eval import stratified_split
 
     train, test = stratified_split(labels, test_fraction=0.5, seed=seed)
     pool_part, validation_part = stratified_split(labels[train], VALIDATION_FRACTION, seed=seed)
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from vlm_vit.cli.pretrain import build_objective
-    from vlm_vit.evaluate import read_class_folder
+    from vlm_vit.eval import read_class_folder
     from vlm_vit.label_efficiency import (
         FinetuneJob,
         FinetuneRecipe,

@@ -103,7 +103,7 @@ def build_model(settings: dict):
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from vlm_vit.evaluate import read_class_folder
+    from vlm_vit.eval import read_class_folder
     from vlm_vit.processor import ImageProcessor
     from vlm_vit.train import TrainConfig, Trainer
     from vlm_vit.train.data import collate_labelled
@@ -231,7 +231,7 @@ def _folder_parts(args: argparse.Namespace, processor, classes: list[str]):
     import numpy as np
     import torch
 
-    from vlm_vit.evaluate import stratified_split
+    from vlm_vit.eval import stratified_split
     from vlm_vit.train.data import LabelledImageFolder
 
     data = LabelledImageFolder(args.data, processor.size, mean=processor.mean,
