@@ -6,7 +6,7 @@ import torch
 
 from vlm_vit import EncoderConfig, VisionEncoder
 from vlm_vit.finetune import ImageClassifier
-from vlm_vit.label_efficiency import (
+from vlm_vit.recipes.label_efficiency import (
     FinetuneRecipe,
     ShiftedImages,
     finetune_accuracy,

@@ -8,8 +8,8 @@ from PIL import Image
 
 from vlm_vit import load_encoder
 from vlm_vit.cli import main
-from vlm_vit.cli.demo import demo_splits
-from vlm_vit.label_efficiency import fingerprint
+from vlm_vit.recipes.demo import demo_splits
+from vlm_vit.recipes.label_efficiency import fingerprint
 
 pytest.importorskip("sklearn")
 pytest.importorskip("skimage")

@@ -1,0 +1,329 @@
+"""The demo recipe (`vlm-vit demo`): the whole path on a fresh machine, with no downloads.
+
+Pretrains a small ViT (masked patch prediction or MAE) on the unlabelled half of
+scikit-learn's handwritten digits, then fine-tunes it whole with k labels per class against
+the same fine-tuning from the same random initialisation (the paper's protocol), and reports
+held-out accuracy against k, with the frozen-feature probes beside it; encodes scikit-image's
+photos through two poolers, and writes a report, a label-efficiency figure and a loss plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from vlm_vit.config import EncoderConfig
+from vlm_vit.files import atomic_write
+from vlm_vit.optional import require
+from vlm_vit.processor import NORMALIZATION, ImageProcessor
+
+logger = logging.getLogger(__name__)
+
+# Chosen on the validation split of the training half (see the README's demo section).
+DEFAULTS = {"objective": "mae", "steps": 800, "finetune_steps": 250, "finetune_lr": 1e-3,
+            "layer_decay": 1.0, "seeds": 3}
+QUICK = {"steps": 400, "finetune_steps": 150, "finetune_lr": 2e-3, "seeds": 1}
+VALIDATION_FRACTION = 0.2  # of the training half; the labelled pool is the rest
+MAE_SETTINGS = {"mask_ratio": 0.75, "decoder_width": 64, "decoder_depth": 2}  # sized to the demo
+
+
+def write_digits(root: Path, per_class: int | None) -> int:
+    """scikit-learn's 8 x 8 digits as 32 x 32 PNGs, one sub-folder per class."""
+    import numpy as np
+    from PIL import Image
+
+    datasets = require("sklearn.datasets", "train", "the demo's digits")
+    digits = datasets.load_digits()
+    counts: dict[int, int] = {}
+    for index, (image, label) in enumerate(zip(digits.images, digits.target, strict=True)):
+        if per_class is not None and counts.get(int(label), 0) >= per_class:
+            continue
+        counts[int(label)] = counts.get(int(label), 0) + 1
+        folder = root / str(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = (image / 16.0 * 255).astype(np.uint8)  # 17 grey levels, 0..16
+        Image.fromarray(pixels).resize((32, 32), Image.Resampling.BICUBIC).save(
+            folder / f"{index:04d}.png")
+    return sum(counts.values())
+
+
+def frozen_accuracy(encoder, images, labels, train, test, shots, seed) -> dict:
+    """Few-shot and linear-probe accuracy of mean-pooled frozen features on held-out images
+    (`images`: every digit's pixels, `[N, 3, 32, 32]`, preprocessed once for all uses)."""
+    from vlm_vit.eval import extract_features, few_shot_accuracy, linear_probe_accuracy
+
+    # A generator of preprocessed batches, which extract_features takes as they are.
+    features, _ = extract_features(encoder, iter(images.split(128)), pooling="mean",
+                                   progress=False)
+    features = features.numpy()
+    return {
+        "few_shot_accuracy": few_shot_accuracy(features[train], labels[train], features[test],
+                                               labels[test], shots=shots, seed=seed),
+        "linear_probe_accuracy": linear_probe_accuracy(features[train], labels[train],
+                                                       features[test], labels[test]),
+    }
+
+
+def _pyplot(what: str):
+    """matplotlib's pyplot on the Agg backend, or None (with a warning) when it is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is missing: no %s (pip install 'vlm-vit[train]')", what)
+        return None
+    return plt
+
+
+def plot_losses(losses: list[float], path: Path, objective: str = "mpp") -> bool:
+    """A PNG of the pretraining loss; False when matplotlib is missing."""
+    plt = _pyplot("loss plot")
+    if plt is None:
+        return False
+    figure, axes = plt.subplots(figsize=(5, 3), dpi=100)
+    axes.plot(range(1, len(losses) + 1), losses, linewidth=1)
+    axes.set_xlabel("step")
+    axes.set_ylabel(f"{OBJECTIVE_NAMES[objective]} loss")
+    axes.set_title("pretraining on digits")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return True
+
+
+def plot_label_efficiency(report: dict, path: Path) -> bool:
+    """Held-out accuracy against labels per class, pretrained and random init, each with the
+    seeds' range; False when matplotlib is missing."""
+    plt = _pyplot("label-efficiency figure")
+    if plt is None:
+        return False
+    keys = list(report["random_init"]["finetune_accuracy"])
+    counts = [report["labelled_per_class"][key] for key in keys]
+    figure, axes = plt.subplots(figsize=(5, 3.5), dpi=100)
+    for arm, label in (("random_init", "random init"),
+                       ("pretrained", f"pretrained ({report['pretraining']['objective']})")):
+        results = [report[arm]["finetune_accuracy"][key] for key in keys]
+        median = [r["median"] for r in results]
+        axes.plot(counts, median, marker="o", label=label)
+        axes.fill_between(counts, [r["min"] for r in results], [r["max"] for r in results],
+                          alpha=0.25)
+    axes.set_xscale("log")
+    axes.set_xticks(counts, [f"{c}" if k != "all" else f"all ({c})"
+                             for c, k in zip(counts, keys, strict=True)])
+    axes.set_xlabel("labelled examples per class")
+    axes.set_ylabel("held-out accuracy" if report["evaluated_on"] == "test"
+                    else "validation accuracy")
+    axes.set_title(f"fine-tuning, median and range over {report['finetune']['seeds']} seeds")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return True
+
+
+OBJECTIVE_NAMES = {"mpp": "masked patch prediction", "mae": "MAE reconstruction"}
+
+
+def demo_splits(labels, seed: int):
+    """Row indices (train, pool, validation, test): the training half (pretrained on,
+    unlabelled), inside it the labelled pool and a validation split, and the held-out half.
+    Settings are chosen on validation; test is scored once."""
+    from vlm_vit.eval import stratified_split
+
+    train, test = stratified_split(labels, test_fraction=0.5, seed=seed)
+    pool_part, validation_part = stratified_split(labels[train], VALIDATION_FRACTION, seed=seed)
+    return train, train[pool_part], train[validation_part], test
+
+
+def label_counts(values: list[str]) -> list[int | None]:
+    """`--labels` as ints per class, None for 'all'; errors name the bad value."""
+    counts = []
+    for value in values:
+        if value == "all":
+            counts.append(None)
+        elif value.isdigit() and int(value) > 0:
+            counts.append(int(value))
+        else:
+            raise ValueError(f"--labels takes positive numbers or 'all', got {value!r}")
+    if len(set(counts)) != len(counts):
+        raise ValueError(f"--labels lists a count twice: {' '.join(values)}")
+    return counts
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from vlm_vit.cli.pretrain import build_objective
+    from vlm_vit.eval import read_class_folder
+    from vlm_vit.model import VisionEncoder
+    from vlm_vit.poolers import build_pooler
+    from vlm_vit.recipes.label_efficiency import (
+        FinetuneJob,
+        FinetuneRecipe,
+        finetune_many,
+        fingerprint,
+        shot_rows,
+    )
+    from vlm_vit.train import TrainConfig, Trainer
+    from vlm_vit.train.data import ImageFolder
+
+    preset = QUICK if args.quick else DEFAULTS
+    steps = preset["steps"] if args.steps is None else args.steps
+    finetune_steps = preset["finetune_steps"] if args.finetune_steps is None \
+        else args.finetune_steps
+    seeds = preset["seeds"] if args.seeds is None else args.seeds
+    finetune_lr = preset["finetune_lr"] if args.finetune_lr is None else args.finetune_lr
+    counts = label_counts(args.labels)
+    for name, value in (("--steps", steps), ("--finetune-steps", finetune_steps),
+                        ("--seeds", seeds), ("--workers", args.workers)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    started = time.perf_counter()
+    out = args.out
+    data = out / "data" / "digits"
+    if not data.is_dir():
+        print(f"writing scikit-learn's digits to {data}")
+        write_digits(data, args.images_per_class)
+    files, labels, classes = read_class_folder(data)
+    train, pool, validation, test = demo_splits(labels, args.seed)
+    scored = test if args.eval_on == "test" else validation
+    fewest = int(np.bincount(labels[pool]).min())
+    if max((count for count in counts if count is not None), default=0) > fewest:
+        raise ValueError(f"--labels {' '.join(args.labels)}: the labelled pool has only "
+                         f"{fewest} images of its smallest class")
+    pretrain_dir = out / "pretrain_images"  # the unlabelled training half only
+    if not pretrain_dir.is_dir():
+        pretrain_dir.mkdir(parents=True)
+        for index in train:
+            (pretrain_dir / f"{index:05d}.png").write_bytes(files[index].read_bytes())
+
+    mean, std = NORMALIZATION["inception"]
+    config = EncoderConfig(image_size=32, patch_size=args.patch_size, width=args.width,
+                           depth=args.depth, heads=4, mlp_width=4 * args.width)
+    processor = ImageProcessor(size=32, mean=mean, std=std)
+    torch.manual_seed(args.seed)
+    random_init = VisionEncoder(config)
+    encoder = VisionEncoder(config)
+    encoder.load_state_dict(random_init.state_dict())  # the same starting point
+    start_fingerprint = fingerprint(encoder)
+    print(f"{len(files)} digits in {len(classes)} classes: {len(train)} to pretrain on "
+          f"(labels from {len(pool)} of them, {len(validation)} for validation), "
+          f"{len(test)} held out; scoring on the {args.eval_on} images")
+
+    objective = build_objective(args.objective, encoder, mean=mean, std=std,
+                                **MAE_SETTINGS if args.objective == "mae" else {})
+    dataset = ImageFolder(pretrain_dir, 32, mean=mean, std=std, scale=(0.6, 1.0), flip=False,
+                          seed=args.seed)
+    train_config = TrainConfig(steps=steps, batch_size=args.batch_size, lr=2e-3,
+                               warmup_steps=max(1, steps // 10), weight_decay=0.05,
+                               checkpoint_every=0, seed=args.seed, num_workers=0,
+                               log_every=max(1, steps // 10), device="cpu")
+    if args.quiet:
+        logging.getLogger("vlm_vit.train").setLevel(logging.WARNING)
+    print(f"pretraining with {OBJECTIVE_NAMES[args.objective]} for {steps} steps")
+    if (out / "run").is_dir():  # this demo's own earlier run: start afresh
+        shutil.rmtree(out / "run")
+    result = Trainer(objective, dataset, train_config, out / "run",
+                     command=f"vlm-vit demo --out {out}", progress_bar=not args.quiet).fit()
+    encoder = objective.encoder.eval()
+    encoder.save_pretrained(out / "encoder")
+    processor.save_pretrained(out / "encoder")
+    pretrain_seconds = time.perf_counter() - started
+
+    images = processor([str(f) for f in files])
+    recipe = FinetuneRecipe(steps=finetune_steps, lr=finetune_lr,
+                            layer_decay=args.layer_decay)
+    keys = ["all" if count is None else str(count) for count in counts]
+    report = {"classes": len(classes), "train_images": len(train), "test_images": len(test),
+              "labelled_pool": len(pool), "validation_images": len(validation),
+              "evaluated_on": args.eval_on, "scored_images": len(scored),
+              "shots": args.shots, "pooling": "mean",
+              "labelled_per_class": {key: count or fewest
+                                     for key, count in zip(keys, counts, strict=True)},
+              "pretraining": {"objective": args.objective, "steps": result.step,
+                              "first_loss": result.losses[0], "last_loss": result.losses[-1],
+                              "final_loss_mean_of_last_10": float(np.mean(result.losses[-10:])),
+                              "seconds": round(pretrain_seconds, 1),
+                              "start_fingerprint": start_fingerprint,
+                              "encoder": config.to_dict()},
+              "finetune": {"recipe": recipe.to_dict(), "seeds": seeds, "labels": keys}}
+    arms = (("random_init", random_init.eval()), ("pretrained", encoder))
+    for name, model in arms:
+        report[name] = frozen_accuracy(model, images, labels, pool, scored,
+                                       args.shots, args.seed)
+        report[name]["finetune_start_fingerprint"] = fingerprint(model)
+        report[name]["finetune_accuracy"] = {}
+    jobs = [(key, name, FinetuneJob(model, shot_rows(labels, pool, count, seed), seed))
+            for key, count in zip(keys, counts, strict=True) for name, model in arms
+            for seed in range(args.seed, args.seed + seeds)]
+    workers = max(1, min(args.workers, len(jobs)))
+    print(f"fine-tuning {len(jobs)} runs ({len(keys)} label counts x {seeds} seeds x 2 "
+          f"starts, {recipe.steps} steps each) in {workers} process(es)")
+    with tqdm(total=len(jobs), desc="fine-tuning", unit="run", disable=args.quiet) as progress:
+        accuracies = finetune_many([job for *_, job in jobs], images, labels, scored, recipe,
+                                   workers=workers, progress=progress.update)
+    for key in keys:
+        for name, _ in arms:
+            values = [accuracy for (k, n, _), accuracy in zip(jobs, accuracies, strict=True)
+                      if k == key and n == name]
+            report[name]["finetune_accuracy"][key] = {
+                "median": float(np.median(values)), "min": min(values), "max": max(values),
+                "per_seed": values}
+
+    from skimage import data as photos
+
+    pixels = processor([photos.astronaut(), photos.coffee(), photos.chelsea()])
+    report["photos"] = {}
+    with torch.inference_mode():
+        tokens = encoder(pixels)
+        for name in ("mean", "pixel_shuffle"):
+            pooler = build_pooler(name, in_dim=config.width).eval()
+            pooled = pooler(tokens.tokens, num_prefix_tokens=tokens.num_prefix_tokens,
+                            grid=tokens.grid)
+            report["photos"][name] = list(pooled.shape)
+    report["loss_plot"] = "loss.png" if plot_losses(result.losses, out / "loss.png",
+                                                    args.objective) else None
+    report["label_efficiency_plot"] = ("label_efficiency.png" if plot_label_efficiency(
+        report, out / "label_efficiency.png") else None)
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    with atomic_write(out / "report.json", "w") as handle:
+        json.dump(report, handle, indent=2)
+    print_report(report, classes)
+    print(f"report: {out / 'report.json'}, figure: {out / 'label_efficiency.png'}, encoder: "
+          f"{out / 'encoder'} ({report['seconds']:.0f} s)")
+    return 0
+
+
+def print_report(report: dict, classes: list[str]) -> None:
+    """The terminal table: the numbers of report.json."""
+    chance = 1 / len(classes)
+    where = "held-out" if report["evaluated_on"] == "test" else "validation"
+    print(f"\n{where + ' accuracy':<30}{'random init':>12}{'pretrained':>12}{'gain':>8}   "
+          f"(chance {chance:.2f})")
+    seeds = report["finetune"]["seeds"]
+    for key in report["finetune"]["labels"]:
+        a, b = (report[arm]["finetune_accuracy"][key] for arm in ("random_init", "pretrained"))
+        label = f"fine-tune, {key} per class"
+        print(f"{label:<30}{a['median']:>12.3f}{b['median']:>12.3f}"
+              f"{b['median'] - a['median']:>+8.3f}   range {a['min']:.3f}-{a['max']:.3f} / "
+              f"{b['min']:.3f}-{b['max']:.3f}")
+    for metric, label in (("few_shot_accuracy", f"frozen {report['shots']}-shot linear (LS)"),
+                          ("linear_probe_accuracy", "frozen linear probe (logistic)")):
+        a, b = report["random_init"][metric], report["pretrained"][metric]
+        print(f"{label:<30}{a:>12.3f}{b:>12.3f}{b - a:>+8.3f}")
+    pretraining = report["pretraining"]
+    print(f"\nfine-tuning: median (range) over {seeds} seeds; pretraining "
+          f"({pretraining['objective']}) loss {pretraining['first_loss']:.3f} -> "
+          f"{pretraining['final_loss_mean_of_last_10']:.3f} (mean of the last 10 of "
+          f"{pretraining['steps']} steps)")
+    for name, shape in report["photos"].items():
+        print(f"3 photos through '{name}': {shape}")
