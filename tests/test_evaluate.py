@@ -284,3 +284,14 @@ def test_a_keyed_split_and_its_shots_depend_on_the_names_not_their_order():
                                        shots=[1, 3], keys=shuffled)
     with pytest.raises(ValueError, match="got 2 keys for 30 labels"):
         stratified_split(labels, 0.3, keys=keys[:2])
+
+
+def test_the_old_module_name_still_works_with_a_deprecation_warning():
+    import vlm_vit.eval
+    import vlm_vit.evaluate
+
+    for name in vlm_vit.eval.__all__:
+        with pytest.warns(DeprecationWarning, match=f"import {name} from there"):
+            assert getattr(vlm_vit.evaluate, name) is getattr(vlm_vit.eval, name)
+    with pytest.raises(ImportError):
+        from vlm_vit.evaluate import _features  # noqa: F401

@@ -111,3 +111,13 @@ def test_layer_decay_gives_each_layer_its_learning_rate():
 def test_without_layer_decay_every_group_runs_at_the_one_lr():
     groups = optimizer_groups(ImageClassifier(encoder(), 3), TrainConfig(lr=2e-3))
     assert {group["lr"] for group in groups} == {2e-3}
+
+
+def test_the_old_module_name_still_works_with_a_deprecation_warning():
+    import vlm_vit.label_efficiency
+    from vlm_vit.recipes import label_efficiency
+
+    for name in dir(vlm_vit.label_efficiency):
+        with pytest.warns(DeprecationWarning, match="vlm_vit.recipes.label_efficiency"):
+            assert getattr(vlm_vit.label_efficiency, name) is getattr(label_efficiency, name)
+    assert "FinetuneRecipe" in dir(vlm_vit.label_efficiency)

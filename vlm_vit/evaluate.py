@@ -1,27 +1,27 @@
-"""The old home of frozen-feature evaluation, now `vlm_vit.eval`; its public names, kept here
-for one release."""
+"""Deprecated: moved to the `vlm_vit.eval` package; this name goes in the next release.
 
-from vlm_vit.eval import (  # noqa: F401
-    BIAS_CONSTANT,
-    DEFAULT_L2,
-    POOLINGS,
-    STD_EPS,
-    Array,
-    LeastSquaresClassifier,
-    evaluate_features,
-    evaluate_folder,
-    evaluate_shards,
-    extract_features,
-    few_shot_accuracy,
-    fit_least_squares,
-    key_order,
-    knn_accuracy,
-    linear_probe_accuracy,
-    plus_minus_one_targets,
-    read_class_folder,
-    sample_key,
-    sample_shots,
-    split_for_shots,
-    standardize,
-    stratified_split,
-)
+Every public name of `vlm_vit.eval` reads from here with a DeprecationWarning that points at
+the importing line.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    from vlm_vit import eval as _eval
+
+    if name.startswith("__") or name not in _eval.__all__:
+        raise AttributeError(f"module 'vlm_vit.evaluate' has no attribute {name!r}")
+    warnings.warn(f"vlm_vit.evaluate moved to vlm_vit.eval; import {name} from there "
+                  f"(vlm_vit.evaluate goes in the next release)", DeprecationWarning,
+                  stacklevel=2)
+    return getattr(_eval, name)
+
+
+def __dir__() -> list[str]:
+    from vlm_vit import eval as _eval
+
+    return list(_eval.__all__)

@@ -14,7 +14,7 @@ from vlm_vit.integrity import MANIFEST_NAME, read_manifest
 from vlm_vit.loading import build_native_pooler, convert_checkpoint
 from vlm_vit.model import CONFIG_NAME, VisionEncoder
 from vlm_vit.processor import PROCESSOR_CONFIG_NAME
-from vlm_vit.shards import SHARD_INDEX, parse_size
+from vlm_vit.weights import SHARD_INDEX, parse_size
 
 SHARDABLE = ("native", "hf_clip")  # the others' libraries read one weight file
 # What a native save writes besides the weight files its manifest lists: over an earlier
