@@ -40,8 +40,8 @@ def replace(src, dst):
     if where == "between-renames" and str(dst).endswith(".old"):
         os.kill(os.getpid(), signal.SIGKILL)  # the old folder moved aside, the new not in
 weights.write_weights = write_weights
-import vlm_vit.model as model
-model.write_weights = write_weights
+import vlm_vit.native as native
+native.write_weights = write_weights
 os.replace = replace
 if where == "between-renames":
     files._exchange = lambda a, b: False  # the two-rename path some file systems need

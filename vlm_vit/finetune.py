@@ -20,7 +20,8 @@ from vlm_vit.files import (
     write_safetensors,
 )
 from vlm_vit.integrity import verify_files, write_manifest
-from vlm_vit.model import VisionEncoder, check_state_dict
+from vlm_vit.model import VisionEncoder
+from vlm_vit.native import check_state_dict
 from vlm_vit.pretrain.base import ObjectiveOutput
 from vlm_vit.processor import ImageProcessor
 from vlm_vit.tower import VisionTower, no_graph_if_frozen

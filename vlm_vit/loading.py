@@ -24,7 +24,8 @@ from vlm_vit import hub
 from vlm_vit.convert import FORMATS, Checkpoint, Converted, NativePooler, detect_format
 from vlm_vit.files import read_json, read_npz, read_safetensors
 from vlm_vit.integrity import MANIFEST_NAME, verify_files
-from vlm_vit.model import CONFIG_NAME, VisionEncoder, check_state_dict
+from vlm_vit.model import VisionEncoder
+from vlm_vit.native import CONFIG_NAME, check_state_dict
 from vlm_vit.processor import ImageProcessor
 from vlm_vit.weights import SHARD_INDEX, read_sharded
 

@@ -12,7 +12,6 @@ Shapes: B images, N patches on a (rows, cols) grid, D the width, T = prefix + N 
 
 from __future__ import annotations
 
-import json
 import operator
 from pathlib import Path
 from typing import Any, overload
@@ -22,17 +21,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from vlm_vit.config import EncoderConfig
-from vlm_vit.files import atomic_directory, atomic_write, read_json
-from vlm_vit.integrity import write_manifest
 from vlm_vit.layers import Attention, Mlp, PatchEmbed, Segments, resample_pos_embed
 from vlm_vit.layers.pos_embed import is_symbolic
+from vlm_vit.native import CONFIG_NAME as CONFIG_NAME  # re-exported: importers use these names
+from vlm_vit.native import MODEL_TYPE as MODEL_TYPE
+from vlm_vit.native import WEIGHTS_NAME as WEIGHTS_NAME
+from vlm_vit.native import check_state_dict, read_native, save_native
 from vlm_vit.outputs import BlocksOutput, EncoderOutput, PackedOutput
 from vlm_vit.packing import encode_packed
-from vlm_vit.weights import WEIGHTS_NAME as WEIGHTS_NAME
-from vlm_vit.weights import read_weights, write_weights
-
-CONFIG_NAME = "config.json"
-MODEL_TYPE = "vlm_vit.encoder"  # marks a native checkpoint in config.json
 
 
 class Block(nn.Module):
@@ -356,7 +352,8 @@ class VisionEncoder(nn.Module):
     def save_pretrained(self, directory: str | Path, *, extra_config: dict | None = None,
                         max_shard_size: int | str = "5GB", model_card: bool = True) -> Path:
         """Writes `config.json`, `model.safetensors` and `manifest.json` (the weights' sha256,
-        checked on load: `vlm_vit.integrity`) into `directory`, each atomically.
+        checked on load: `vlm_vit.integrity`) into `directory`, each atomically
+        (`vlm_vit.native.save_native`).
 
         Args:
             directory: created if needed.
@@ -369,20 +366,8 @@ class VisionEncoder(nn.Module):
         Returns:
             The directory.
         """
-        directory = Path(directory)
-        config = {"model_type": MODEL_TYPE, "format_version": 1, "encoder": self.config.to_dict(),
-                  **(extra_config or {})}
-        # The whole folder appears at once (a reader never sees this config with the weights
-        # it replaces); files besides the model's are carried over (`atomic_directory`).
-        with atomic_directory(directory) as temp:
-            with atomic_write(temp / CONFIG_NAME, "w") as handle:
-                json.dump(config, handle, indent=2)
-            write_manifest(temp, write_weights(self.state_dict(), temp, max_shard_size))
-            if model_card:
-                from vlm_vit.card import write_model_card
-
-                write_model_card(temp, self.config, extra_config)
-        return directory
+        return save_native(directory, self.config, self.state_dict(), extra_config=extra_config,
+                           max_shard_size=max_shard_size, model_card=model_card)
 
     @classmethod
     def from_pretrained(
@@ -404,19 +389,7 @@ class VisionEncoder(nn.Module):
                 `vlm_vit.integrity.IntegrityError` (a ValueError) for weights that do not
                 match their manifest hash.
         """
-        directory = Path(directory)
-        config_path = directory / CONFIG_NAME
-        raw = read_json(config_path)
-        if raw.get("model_type") != MODEL_TYPE or "encoder" not in raw:
-            raise ValueError(
-                f"{config_path} is not a vlm-vit encoder config (model_type is "
-                f"{raw.get('model_type')!r}, expected {MODEL_TYPE!r})"
-            )
-        try:
-            config = EncoderConfig.from_dict(raw["encoder"])
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"{config_path}: {error}") from error
-        state = read_weights(directory, verify)
+        config, state = read_native(directory, verify)
         return cls.from_state_dict(state, config, dtype=dtype, source=directory, **overrides)
 
     @classmethod
@@ -473,32 +446,3 @@ def _check_indices(index: torch.Tensor, shape: tuple[int, int], limit: int, name
     if index.device.type == "cpu" and index.numel() and (index.min() < 0 or index.max() >= limit):
         raise ValueError(f"{name} values must lie in [0, {limit}), got "
                          f"[{index.min().item()}, {index.max().item()}]")
-
-
-def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: object) -> None:
-    """Raises one ValueError listing every missing, unexpected, mis-shaped and mis-typed key
-    (integer or boolean weights where the model has floating-point ones: a cast would load
-    them silently as whole numbers)."""
-    own = model.state_dict()
-    expected = {name: tuple(t.shape) for name, t in own.items()}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    misshaped = sorted(
-        f"{name} (checkpoint {list(state[name].shape)}, model {list(expected[name])})"
-        for name in set(expected) & set(state)
-        if tuple(state[name].shape) != expected[name]
-    )
-    mistyped = sorted(
-        f"{name} (checkpoint {str(state[name].dtype).removeprefix('torch.')}, model "
-        f"{str(own[name].dtype).removeprefix('torch.')})"
-        for name in set(expected) & set(state)
-        if own[name].is_floating_point() and not state[name].is_floating_point()
-    )
-    problems = [
-        f"{label}: {', '.join(names)}"
-        for label, names in (("missing", missing), ("unexpected", unexpected),
-                             ("wrong shape", misshaped), ("not floating point", mistyped))
-        if names
-    ]
-    if problems:
-        raise ValueError(f"weights in {source} do not fit the model; " + "; ".join(problems))

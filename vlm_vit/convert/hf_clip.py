@@ -50,7 +50,8 @@ from vlm_vit.convert.hf_common import (
 )
 from vlm_vit.convert.keymap import fuse_qkv, invert, rename, split_qkv
 from vlm_vit.files import atomic_directory, atomic_write
-from vlm_vit.model import CONFIG_NAME, VisionEncoder
+from vlm_vit.model import VisionEncoder
+from vlm_vit.native import CONFIG_NAME
 from vlm_vit.processor import ImageProcessor
 from vlm_vit.weights import DEFAULT_MAX_SHARD_SIZE, write_weights
 

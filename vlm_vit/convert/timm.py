@@ -35,7 +35,7 @@ from vlm_vit.convert.base import (
 )
 from vlm_vit.convert.keymap import count_blocks
 from vlm_vit.files import atomic_directory, atomic_write, write_safetensors
-from vlm_vit.model import MODEL_TYPE
+from vlm_vit.native import MODEL_TYPE
 from vlm_vit.optional import require
 from vlm_vit.processor import ImageProcessor
 
