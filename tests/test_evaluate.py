@@ -7,6 +7,7 @@ import torch
 from vlm_vit import EncoderConfig, ImageProcessor, VisionEncoder
 from vlm_vit.eval import (
     BIAS_CONSTANT,
+    EvalSettings,
     evaluate_features,
     extract_features,
     few_shot_accuracy,
@@ -285,6 +286,23 @@ def test_a_keyed_split_and_its_shots_depend_on_the_names_not_their_order():
     with pytest.raises(ValueError, match="got 2 keys for 30 labels"):
         stratified_split(labels, 0.3, keys=keys[:2])
 
+
+
+def test_one_settings_object_or_its_keywords_give_the_same_result():
+    features, labels = blobs(10, classes=3, spread=0.6)
+    settings = EvalSettings(shots=(1, 3), seed=2, k=5, C=0.5)
+    result = evaluate_features(features, labels, ["a", "b", "c"], settings)
+    assert result == evaluate_features(features, labels, ["a", "b", "c"], shots=[1, 3],
+                                       seed=2, k=5, C=0.5)
+    assert result["knn_k"] == 5 and result["linear_probe_C"] == 0.5 and result["seed"] == 2
+    # keywords override the settings object
+    assert evaluate_features(features, labels, ["a", "b", "c"], settings, seed=0) == \
+        evaluate_features(features, labels, ["a", "b", "c"], shots=[1, 3], k=5, C=0.5)
+    # a keyword that is no setting, or one that means nothing to features, is refused
+    for bad in ({"pooling": "mean"}, {"shot": [1]}):
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
+            evaluate_features(features, labels, ["a", "b", "c"], **bad)
+    assert EvalSettings().pooling is None  # the protocol's default: cls with a class token
 
 def test_the_old_module_name_still_works_with_a_deprecation_warning():
     import vlm_vit.eval

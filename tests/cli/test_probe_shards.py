@@ -98,6 +98,20 @@ def test_class_shards_score_exactly_as_the_folder(class_shards, checkpoint, fold
     assert result["classes"] == folder_result["classes"] == ["digit_0", "digit_1", "digit_2"]
     assert result["linear_probe"] > 0.5  # a real measurement, not a degenerate one
     assert result["shards"] == 3
+
+
+def test_one_settings_object_scores_as_its_keywords(class_shards, digits, checkpoint,
+                                                    folder_result):
+    from vlm_vit.eval import EvalSettings
+
+    encoder, processor = load_with_processor(checkpoint)
+    settings = EvalSettings(shots=(1, 5), batch_size=8, progress=False)
+    assert evaluate_folder(encoder, digits, settings, processor=processor) == folder_result
+    result = evaluate_shards(encoder, class_shards, settings, processor=processor)
+    for key in SAME:
+        assert result[key] == folder_result[key], key
+    with pytest.raises(TypeError, match="unexpected keyword argument 'label_fields'"):
+        evaluate_shards(encoder, class_shards, settings, label_fields="digit")
     assert result["skipped"] == {"no_image": 0, "undecodable": 0, "truncated_shards": 0}
 
 

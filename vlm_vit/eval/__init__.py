@@ -6,7 +6,7 @@
 - `features`: one pooled vector per image from a frozen encoder (`extract_features`), and the
   readers of a class-labelled folder and of labelled shards.
 - `protocol`: split, encode once, run every classifier (`evaluate_features`,
-  `evaluate_folder`, `evaluate_shards`).
+  `evaluate_folder`, `evaluate_shards`), with one `EvalSettings`.
 """
 
 from vlm_vit.eval.classifiers import (
@@ -27,6 +27,7 @@ from vlm_vit.eval.classifiers import (
 )
 from vlm_vit.eval.features import POOLINGS, extract_features, read_class_folder, sample_key
 from vlm_vit.eval.protocol import (
+    EvalSettings,
     evaluate_features,
     evaluate_folder,
     evaluate_shards,
@@ -39,6 +40,7 @@ __all__ = [
     "POOLINGS",
     "STD_EPS",
     "Array",
+    "EvalSettings",
     "LeastSquaresClassifier",
     "evaluate_features",
     "evaluate_folder",

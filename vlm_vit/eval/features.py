@@ -102,16 +102,7 @@ def extract_features(
         ValueError: for an unknown pooling, "cls" on a model without a class token, a batch
             size below 1, no images, or a loader batch of an unknown shape.
     """
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
-    if pooling == "cls" and not encoder.config.class_token:
-        raise ValueError("pooling 'cls' needs a class token, and this encoder has none "
-                         "(class_token=False); use pooling='mean'")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    if isinstance(images_or_loader, (str, os.PathLike)):
-        raise ValueError(f"got the single path {str(images_or_loader)!r}; pass a list of "
-                         "images (or use evaluate_folder for a class-labelled folder)")
+    _check_extraction(encoder, images_or_loader, pooling, batch_size)
     from vlm_vit.poolers import build_pooler
 
     pooler = build_pooler(pooling, in_dim=encoder.config.width)
@@ -137,6 +128,28 @@ def extract_features(
                     labels.append(torch.as_tensor(batch_labels).reshape(-1).cpu())
     finally:
         encoder.train(was_training)
+    return _joined(features, labels, unlabelled)
+
+
+def _check_extraction(encoder: VisionEncoder, images_or_loader: Any, pooling: str,
+                      batch_size: int) -> None:
+    """`extract_features`'s argument checks, before anything is encoded."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+    if pooling == "cls" and not encoder.config.class_token:
+        raise ValueError("pooling 'cls' needs a class token, and this encoder has none "
+                         "(class_token=False); use pooling='mean'")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    if isinstance(images_or_loader, (str, os.PathLike)):
+        raise ValueError(f"got the single path {str(images_or_loader)!r}; pass a list of "
+                         "images (or use evaluate_folder for a class-labelled folder)")
+
+
+def _joined(features: list[torch.Tensor], labels: list[torch.Tensor], unlabelled: int
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The batches' `[B, D]` features and `[B]` labels as `[N, D]` and `[N]` (None when no
+    batch had labels); errors for no batches, or labels on some batches only."""
     if not features:
         raise ValueError("the loader gave no batches")
     if labels and unlabelled:

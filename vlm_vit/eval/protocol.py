@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,19 +90,81 @@ def split_for_shots(labels: np.ndarray, class_names: Sequence[str], shots: Seque
     return train, test
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """The protocol's settings, one set for `evaluate_features`, `evaluate_folder` and
+    `evaluate_shards` (each also takes them as keywords of the same names).
+
+    Attributes:
+        shots: examples per class for few-shot accuracy, one score per entry; each must fit
+            the smallest class's training part.
+        test_fraction: each class's share held out for testing.
+        seed: the split and shot-sampling seed.
+        pooling: "cls" or "mean"; None picks "cls" when the encoder has a class token and
+            "mean" otherwise (logged, and recorded in the result). `extract_features` on its
+            own defaults to "cls".
+        batch_size: images per forward pass.
+        device: where the encoder runs; None: where it is.
+        l2: few-shot ridge strength (big_vision's fixed 2^10).
+        C: the linear probe's inverse L2 strength.
+        k: the k-NN's neighbours (capped at the training images).
+        temperature: the k-NN's vote temperature (DINO: 0.07).
+        progress: show a progress bar while encoding.
+    """
+
+    shots: Sequence[int] = (1, 5, 10)
+    test_fraction: float = 0.5
+    seed: int = 0
+    pooling: str | None = None
+    batch_size: int = 32
+    device: str | torch.device | None = None
+    l2: float = DEFAULT_L2
+    C: float = 1.0
+    k: int = 20
+    temperature: float = 0.07
+    progress: bool = True
+
+
+# What evaluate_features uses of the settings: the encoding ones mean nothing to it.
+_FEATURE_SETTINGS = ("shots", "test_fraction", "seed", "l2", "C", "k", "temperature")
+
+
+def _settings(settings: EvalSettings | None, overrides: dict[str, Any], function: str,
+              allowed: Sequence[str] | None = None) -> EvalSettings:
+    """`settings` (default `EvalSettings()`) with the keyword `overrides` a caller gave;
+    a keyword that is no setting (of `allowed`) is a TypeError, as for any function."""
+    names = allowed if allowed is not None else [item.name for item in fields(EvalSettings)]
+    unknown = [name for name in overrides if name not in names]
+    if unknown:
+        raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}")
+    return replace(settings or EvalSettings(), **overrides)
+
+
+def _in_key_order(features: np.ndarray, labels: np.ndarray, keys: Sequence[str]
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows put in their keys' sorted order, so that however they were read they come in
+    one order; repeated keys are logged (their split depends on the reading order)."""
+    keys = np.asarray([str(key) for key in keys])
+    if len(keys) != len(labels):
+        raise ValueError(f"got {len(keys)} keys for {len(labels)} images")
+    order = np.argsort(keys, kind="stable")  # the rows in one order, however read
+    features, labels, keys = features[order], labels[order], keys[order]
+    repeated = len(keys) - len(np.unique(keys))
+    if repeated:
+        logger.warning("%d images share a key with another (e.g. %r); their split depends "
+                       "on the order they are read in", repeated,
+                       str(keys[np.flatnonzero(keys[1:] == keys[:-1])[0]]))
+    return features, labels, keys
+
+
 def evaluate_features(
     features: np.ndarray,
     labels: np.ndarray,
     class_names: Sequence[str],
+    settings: EvalSettings | None = None,
     *,
-    shots: Sequence[int] = (1, 5, 10),
-    test_fraction: float = 0.5,
-    seed: int = 0,
-    l2: float = DEFAULT_L2,
-    C: float = 1.0,
-    k: int = 20,
-    temperature: float = 0.07,
     keys: Sequence[str] | None = None,
+    **overrides: Any,
 ) -> dict[str, Any]:
     """Every metric on encoded images: a stratified split (`split_for_shots`), few-shot once
     per entry of `shots` (seeded by `seed`), and the linear probe and k-NN on the whole
@@ -116,13 +179,11 @@ def evaluate_features(
         labels: `[N]` class indices into `class_names`.
         class_names: the name of each class index; only the classes that have images are
             reported (and count towards chance).
-        shots: examples per class for few-shot accuracy; each must fit the smallest class's
-            training part.
-        test_fraction: each class's share held out for testing.
-        seed: the split and shot-sampling seed.
-        l2: few-shot ridge strength. C: the linear probe's. k, temperature: the k-NN's.
+        settings: `EvalSettings`; of them, shots, test_fraction, seed, l2, C, k and
+            temperature apply here.
         keys: `[N]` a name per image (see `key_order`); None: a seeded permutation of the
             rows splits them.
+        **overrides: any of those settings by name (`shots=[1, 5]`), over `settings`.
 
     Returns:
         A JSON-able dict: `classes`, `num_train`, `num_test`, `feature_dim`, `seed`,
@@ -130,27 +191,17 @@ def evaluate_features(
         string), `l2`, `linear_probe`, `linear_probe_C`, `knn`, `knn_k` (after capping),
         `knn_temperature`. Accuracies are fractions in [0, 1].
     """
-    shots = _checked_shots(shots)
+    settings = _settings(settings, overrides, "evaluate_features", _FEATURE_SETTINGS)
+    shots, seed = _checked_shots(settings.shots), settings.seed
     features, labels = np.asarray(features), np.asarray(labels)
-    train_keys = None
     if keys is not None:
-        keys = np.asarray([str(key) for key in keys])
-        if len(keys) != len(labels):
-            raise ValueError(f"got {len(keys)} keys for {len(labels)} images")
-        order = np.argsort(keys, kind="stable")  # the rows in one order, however read
-        features, labels, keys = features[order], labels[order], keys[order]
-        repeated = len(keys) - len(np.unique(keys))
-        if repeated:
-            logger.warning("%d images share a key with another (e.g. %r); their split depends "
-                           "on the order they are read in", repeated,
-                           str(keys[np.flatnonzero(keys[1:] == keys[:-1])[0]]))
-    train, test = split_for_shots(labels, class_names, shots, test_fraction, seed,
+        features, labels, keys = _in_key_order(features, labels, keys)
+    train, test = split_for_shots(labels, class_names, shots, settings.test_fraction, seed,
                                   None if keys is None else keys.tolist())
-    if keys is not None:
-        train_keys = keys[train].tolist()
+    train_keys = None if keys is None else keys[train].tolist()
     present = np.unique(labels)
     split = (features[train], labels[train], features[test], labels[test])
-    few_shot = {str(count): few_shot_accuracy(*split, shots=count, l2=l2, seed=seed,
+    few_shot = {str(count): few_shot_accuracy(*split, shots=count, l2=settings.l2, seed=seed,
                                               train_keys=train_keys)
                 for count in shots}
     return {
@@ -159,34 +210,25 @@ def evaluate_features(
         "num_test": len(test),
         "feature_dim": int(features.shape[1]),
         "seed": seed,
-        "test_fraction": test_fraction,
+        "test_fraction": settings.test_fraction,
         "chance": 1 / len(present),
         "few_shot": few_shot,
-        "l2": l2,
-        "linear_probe": linear_probe_accuracy(*split, C=C),
-        "linear_probe_C": C,
-        "knn": knn_accuracy(*split, k=k, temperature=temperature),
-        "knn_k": min(k, len(train)),
-        "knn_temperature": temperature,
+        "l2": settings.l2,
+        "linear_probe": linear_probe_accuracy(*split, C=settings.C),
+        "linear_probe_C": settings.C,
+        "knn": knn_accuracy(*split, k=settings.k, temperature=settings.temperature),
+        "knn_k": min(settings.k, len(train)),
+        "knn_temperature": settings.temperature,
     }
 
 
 def evaluate_folder(
     encoder: VisionEncoder,
     root: str | Path,
+    settings: EvalSettings | None = None,
     *,
     processor: ImageProcessor | None = None,
-    shots: Sequence[int] = (1, 5, 10),
-    test_fraction: float = 0.5,
-    seed: int = 0,
-    pooling: str | None = None,
-    batch_size: int = 32,
-    device: str | torch.device | None = None,
-    l2: float = DEFAULT_L2,
-    C: float = 1.0,
-    k: int = 20,
-    temperature: float = 0.07,
-    progress: bool = True,
+    **overrides: Any,
 ) -> dict[str, Any]:
     """Every metric on a class-labelled folder, split into train and test.
 
@@ -197,25 +239,25 @@ def evaluate_folder(
     Args:
         encoder: the frozen encoder.
         root: one sub-folder per class.
+        settings: `EvalSettings` (pooling None: "cls" with a class token, else "mean").
         processor: as in `extract_features`.
-        shots, test_fraction, seed, l2, C, k, temperature: as in `evaluate_features`.
-        pooling: "cls" or "mean"; None picks "cls" when the encoder has a class token and
-            "mean" otherwise (logged, and recorded in the result).
-        batch_size, device, progress: as in `extract_features`.
+        **overrides: any setting by name (`shots=[1, 5]`, `progress=False`), over `settings`.
 
     Returns:
         `data` and `pooling`, then what `evaluate_features` returns.
     """
-    pooling = _resolve_pooling(encoder, pooling)
-    shots = _checked_shots(shots)
+    settings = _settings(settings, overrides, "evaluate_folder")
+    pooling = _resolve_pooling(encoder, settings.pooling)
+    shots = _checked_shots(settings.shots)
     files, labels, classes = read_class_folder(root)
     keys = [path.relative_to(root).as_posix() for path in files]
-    split_for_shots(labels, classes, shots, test_fraction, seed, keys)  # fails before encoding
-    features, _ = extract_features(encoder, files, pooling=pooling, batch_size=batch_size,
-                                   processor=processor, device=device, progress=progress)
+    # fails before encoding
+    split_for_shots(labels, classes, shots, settings.test_fraction, settings.seed, keys)
+    features, _ = extract_features(encoder, files, pooling=pooling,
+                                   batch_size=settings.batch_size, processor=processor,
+                                   device=settings.device, progress=settings.progress)
     return {"data": str(root), "pooling": pooling, **evaluate_features(
-        features.numpy(), labels, classes, shots=shots, test_fraction=test_fraction,
-        seed=seed, l2=l2, C=C, k=k, temperature=temperature, keys=keys)}
+        features.numpy(), labels, classes, replace(settings, shots=shots), keys=keys)}
 
 
 # -- labelled tar shards --------------------------------------------------------------------
@@ -224,20 +266,11 @@ def evaluate_folder(
 def evaluate_shards(
     encoder: VisionEncoder,
     shards: str | Path | Sequence[str | Path],
+    settings: EvalSettings | None = None,
     *,
     processor: ImageProcessor | None = None,
     label_field: str | None = None,
-    shots: Sequence[int] = (1, 5, 10),
-    test_fraction: float = 0.5,
-    seed: int = 0,
-    pooling: str | None = None,
-    batch_size: int = 32,
-    device: str | torch.device | None = None,
-    l2: float = DEFAULT_L2,
-    C: float = 1.0,
-    k: int = 20,
-    temperature: float = 0.07,
-    progress: bool = True,
+    **overrides: Any,
 ) -> dict[str, Any]:
     """Every metric on labelled WebDataset tar shards, read once in order.
 
@@ -254,10 +287,10 @@ def evaluate_shards(
     Args:
         encoder: the frozen encoder.
         shards: a shard spec (see `vlm_vit.train.tar_shards.expand_shards`).
+        settings: as in `evaluate_folder`.
         processor: as in `extract_features`.
         label_field: None for the `cls` field, else a field of each sample's `json`.
-        shots, test_fraction, seed, l2, C, k, temperature: as in `evaluate_features`.
-        pooling, batch_size, device, progress: as in `evaluate_folder`.
+        **overrides: any setting by name, over `settings`.
 
     Returns:
         `data` and `pooling`, what `evaluate_features` returns, then `shards` (how many) and
@@ -267,6 +300,25 @@ def evaluate_shards(
         FileNotFoundError, ValueError: from `expand_shards`; when no sample has a decodable
             image and label (naming the first problem); or as `evaluate_features`.
     """
+    settings = _settings(settings, overrides, "evaluate_shards")
+    pooling = _resolve_pooling(encoder, settings.pooling)
+    shots = _checked_shots(settings.shots)
+    if settings.batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {settings.batch_size}")
+    features, labels, names, keys, urls, skipped = _shard_features(
+        encoder, shards, processor, label_field, replace(settings, pooling=pooling))
+    data = (str(shards) if isinstance(shards, (str, os.PathLike))
+            else [str(shard) for shard in shards])
+    return {"data": data, "pooling": pooling, **evaluate_features(
+        features, labels, names, replace(settings, shots=shots), keys=keys),
+        "shards": len(urls), "skipped": skipped}
+
+
+def _shard_features(encoder: VisionEncoder, shards: str | Path | Sequence[str | Path],
+                    processor: ImageProcessor | None, label_field: str | None,
+                    settings: EvalSettings):
+    """The shards' samples encoded in order: `[N, D]` features, `[N]` labels, the class names,
+    the `[N]` keys, the shard URLs and the skipped counts."""
     from vlm_vit.train.tar_shards import (
         LabelledBatches,
         LabelledDecode,
@@ -274,16 +326,12 @@ def evaluate_shards(
         read_dataset_index,
     )
 
-    pooling = _resolve_pooling(encoder, pooling)
-    shots = _checked_shots(shots)
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     urls = expand_shards(shards)
     index = read_dataset_index(urls)
     names = index.get("classes") if index else None
     decode = _KeyedDecode(LabelledDecode(processor or _default_processor(encoder), label_field,
                                          num_classes=len(names) if names else None))
-    stream = LabelledBatches(urls, decode, batch_size)
+    stream = LabelledBatches(urls, decode, settings.batch_size)
     batches = iter(stream)
     first = next(batches, None)  # a clear error for shards without one usable sample
     if first is None:
@@ -292,14 +340,11 @@ def evaluate_shards(
                          f"image and label ({len(stream.no_image)} without an image, "
                          f"{len(stream.undecodable)} undecodable{first_problem})")
     features, labels = extract_features(encoder, itertools.chain([first], batches),
-                                        pooling=pooling, device=device, progress=progress)
+                                        pooling=settings.pooling, device=settings.device,
+                                        progress=settings.progress)
     skipped = stream.skipped()
     labels = labels.numpy()
     if not names:
         names = [str(label) for label in range(int(labels.max()) + 1)]
-    data = (str(shards) if isinstance(shards, (str, os.PathLike))
-            else [str(shard) for shard in shards])
-    return {"data": data, "pooling": pooling, **evaluate_features(
-        features.numpy(), labels, [str(name) for name in names], shots=shots,
-        test_fraction=test_fraction, seed=seed, l2=l2, C=C, k=k, temperature=temperature,
-        keys=decode.keys), "shards": len(urls), "skipped": skipped}
+    return (features.numpy(), labels, [str(name) for name in names], decode.keys, urls,
+            skipped)
