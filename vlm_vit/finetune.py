@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import vlm_vit.hub as hub
 from vlm_vit.files import (
     atomic_directory,
     atomic_write,
@@ -103,25 +104,36 @@ class ImageClassifier(nn.Module):
         return directory
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path) -> ImageClassifier:
+    def from_pretrained(cls, name: str | Path, *, dtype: torch.dtype | None = None,
+                        verify: bool | None = None) -> ImageClassifier:
         """Reads a directory written by `save_pretrained` (class names in `.classes`).
 
+        Args:
+            name: the classifier's directory, or a Hub name of one.
+            dtype: cast the weights, the head's too (default: as stored).
+            verify: check the weights against `manifest.json`, as in
+                `VisionEncoder.from_pretrained`; False skips it.
+
         Raises:
-            FileNotFoundError, ValueError: naming the missing or malformed file.
+            FileNotFoundError, ValueError: naming the missing or malformed file;
+                `vlm_vit.integrity.IntegrityError` for weights that do not match their hash.
         """
-        directory = Path(directory)
+        directory = hub.resolve(name)
         config = read_json(directory / CLASSIFIER_CONFIG_NAME)
         try:
             num_classes, pooling = int(config["num_classes"]), str(config["pooling"])
             kind, classes = config.get("backbone", "encoder"), config.get("classes")
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{directory / CLASSIFIER_CONFIG_NAME}: {error!r}") from error
-        backbone = (VisionTower if kind == "tower" else VisionEncoder).from_pretrained(directory)
+        backbone = (VisionTower if kind == "tower" else VisionEncoder).from_pretrained(
+            directory, dtype=dtype, verify=verify)
         classifier = cls(backbone, num_classes, pooling=pooling)
-        verify_files(directory, [directory / HEAD_WEIGHTS_NAME])
+        verify_files(directory, [directory / HEAD_WEIGHTS_NAME], verify)
         state = read_safetensors(directory / HEAD_WEIGHTS_NAME)
         check_state_dict(classifier.head, state, directory / HEAD_WEIGHTS_NAME)
         classifier.head.load_state_dict(state)
+        if dtype is not None:
+            classifier.head.to(dtype)
         classifier.classes = classes
         return classifier.eval()
 

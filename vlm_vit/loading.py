@@ -292,8 +292,7 @@ def load_tower(path: str | Path, pooler: str | None = None, *, out_dim: int | No
     directory = location.directory
     if pooler is None and (directory / CONFIG_NAME).is_file() and \
             "tower" in read_json(directory / CONFIG_NAME):
-        tower = VisionTower.from_pretrained(directory, verify=verify, **overrides)
-        return tower.to(dtype) if dtype is not None else tower
+        return VisionTower.from_pretrained(directory, dtype=dtype, verify=verify, **overrides)
     converted = convert_checkpoint(location, format, verify)
     encoder = VisionEncoder.from_state_dict(converted.state, converted.config, source=path,
                                             **overrides)

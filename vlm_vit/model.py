@@ -371,13 +371,14 @@ class VisionEncoder(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | Path, *, dtype: torch.dtype | None = None,
+        cls, name: str | Path, *, dtype: torch.dtype | None = None,
         verify: bool | None = None, **overrides
     ) -> VisionEncoder:
         """Reads a directory written by `save_pretrained`, bit-exactly.
 
         Args:
-            directory: holds `config.json` and `model.safetensors`.
+            name: a directory holding `config.json` and `model.safetensors`, or a Hub name
+                (`org/name[@revision]`, `hf-hub:org/name`) of one, as `load_encoder` takes.
             dtype: cast the weights to this dtype (default: as stored).
             verify: check the weights against `manifest.json` where there is one (default:
                 on, unless the environment sets `VLM_VIT_VERIFY=0`); False skips it.
@@ -385,11 +386,12 @@ class VisionEncoder(nn.Module):
                 position table.
 
         Raises:
-            FileNotFoundError, ValueError: naming the file that is missing or malformed;
+            FileNotFoundError, ValueError: naming the file that is missing or malformed
+                (`vlm_vit.hub.NotCachedError` for a name neither cached nor reachable);
                 `vlm_vit.integrity.IntegrityError` (a ValueError) for weights that do not
                 match their manifest hash.
         """
-        config, state = read_native(directory, verify)
+        config, state, directory = read_native(name, verify)
         return cls.from_state_dict(state, config, dtype=dtype, source=directory, **overrides)
 
     @classmethod

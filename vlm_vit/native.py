@@ -1,8 +1,8 @@
 """The native encoder directory: `config.json` (`model_type` "vlm_vit.encoder", the
 `EncoderConfig`, any extra sections such as a tower's), `model.safetensors` (or shards with an
 index, `vlm_vit.weights`), `manifest.json` (sha256 of the weights, `vlm_vit.integrity`) and a
-model card; and `check_state_dict`, the strict fit check every loader runs before it assigns
-weights to a module.
+model card, read by path or Hub name; and `check_state_dict`, the strict fit check every
+loader runs before it assigns weights to a module.
 
 `VisionEncoder.save_pretrained` / `from_pretrained` are these functions on the model.
 """
@@ -17,6 +17,7 @@ from torch import nn
 
 from vlm_vit.config import EncoderConfig
 from vlm_vit.files import atomic_directory, atomic_write, read_json
+from vlm_vit.hub import resolve
 from vlm_vit.integrity import write_manifest
 from vlm_vit.weights import WEIGHTS_NAME as WEIGHTS_NAME
 from vlm_vit.weights import read_weights, write_weights
@@ -45,11 +46,11 @@ def save_native(directory: str | Path, config: EncoderConfig, state: dict[str, t
     return directory
 
 
-def read_native(directory: str | Path,
-                verify: bool | None = None) -> tuple[EncoderConfig, dict[str, torch.Tensor]]:
-    """The config and weights of a directory `save_native` wrote (see
-    `VisionEncoder.from_pretrained`)."""
-    directory = Path(directory)
+def read_native(name: str | Path, verify: bool | None = None
+                ) -> tuple[EncoderConfig, dict[str, torch.Tensor], Path]:
+    """The config, weights and local directory of what `save_native` wrote, found by path or
+    Hub name (`vlm_vit.hub.resolve`; see `VisionEncoder.from_pretrained`)."""
+    directory = resolve(name)
     config_path = directory / CONFIG_NAME
     raw = read_json(config_path)
     if raw.get("model_type") != MODEL_TYPE or "encoder" not in raw:
@@ -61,7 +62,7 @@ def read_native(directory: str | Path,
         config = EncoderConfig.from_dict(raw["encoder"])
     except (TypeError, ValueError) as error:
         raise ValueError(f"{config_path}: {error}") from error
-    return config, read_weights(directory, verify)
+    return config, read_weights(directory, verify), directory
 
 
 def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: object) -> None:

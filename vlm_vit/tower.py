@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import vlm_vit.hub as hub
 from vlm_vit.config import is_int
 from vlm_vit.files import atomic_directory, read_json, read_safetensors, write_safetensors
 from vlm_vit.integrity import verify_files, write_manifest
@@ -172,14 +173,22 @@ class VisionTower(nn.Module):
         return directory
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, **encoder_overrides) -> VisionTower:
+    def from_pretrained(cls, name: str | Path, *, dtype: torch.dtype | None = None,
+                        verify: bool | None = None, **encoder_overrides) -> VisionTower:
         """Reads a tower written by `save_pretrained`, bit-exactly.
+
+        Args:
+            name: the tower's directory, or a Hub name of one, as `load_tower` takes.
+            dtype: cast the weights, the pooler's too (default: as stored).
+            verify: check the weights against `manifest.json`, as in
+                `VisionEncoder.from_pretrained`; False skips it.
+            **encoder_overrides: `EncoderConfig` fields, as in `VisionEncoder.from_pretrained`.
 
         Raises:
             FileNotFoundError, ValueError: naming the missing or malformed file; the tower
                 section is checked (`read_tower_config`) before anything is built.
         """
-        directory = Path(directory)
+        directory = hub.resolve(name)
         config_path = directory / CONFIG_NAME
         tower = read_tower_config(read_json(config_path), config_path)
         spec = tower["pooler"]
@@ -188,12 +197,15 @@ class VisionTower(nn.Module):
                                   **spec["options"])
         except (ValueError, UnknownNameError) as error:
             raise ValueError(f"{config_path}: tower.pooler: {error}") from None
-        encoder = VisionEncoder.from_pretrained(directory, **encoder_overrides)
+        encoder = VisionEncoder.from_pretrained(directory, dtype=dtype, verify=verify,
+                                                **encoder_overrides)
         weights = directory / POOLER_WEIGHTS_NAME
-        verify_files(directory, [weights], encoder_overrides.get("verify"))
+        verify_files(directory, [weights], verify)
         state = read_safetensors(weights)
         check_state_dict(pooler, state, weights)
         pooler.load_state_dict(state)
+        if dtype is not None:
+            pooler.to(dtype)
         processor = ImageProcessor.from_pretrained(directory) \
             if (directory / PROCESSOR_CONFIG_NAME).is_file() else None
         try:
