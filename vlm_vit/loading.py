@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from vlm_vit import hub
+import vlm_vit.hub as hub
 from vlm_vit.convert import FORMATS, Checkpoint, Converted, NativePooler, detect_format
 from vlm_vit.files import read_json, read_npz, read_safetensors
 from vlm_vit.integrity import MANIFEST_NAME, verify_files

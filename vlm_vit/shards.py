@@ -10,7 +10,7 @@ import sys
 import warnings
 from typing import Any
 
-from vlm_vit import weights as _weights
+import vlm_vit.weights as _weights
 
 
 def __getattr__(name: str) -> Any:

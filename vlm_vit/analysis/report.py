@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from vlm_vit.analysis import figures
+import vlm_vit.analysis.figures as figures
 from vlm_vit.analysis.attention import IDENTITY_WEIGHT, patch_distances
 from vlm_vit.analysis.collect import ImageAttention, iter_image_attention
 from vlm_vit.analysis.filters import embedding_filters
