@@ -16,6 +16,7 @@ import json
 import logging
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,47 @@ def analyze(
         logger.info("no processor given: imagenet normalisation at %s", config.image_size)
         processor = ImageProcessor.for_family("imagenet", size=config.image_size)
 
+    attention = _attention_over_images(encoder, images, processor, out_dir, draw=draw,
+                                       progress=progress)
+    uniform = float(patch_distances(attention.grid, config.patch_size).double().mean())
+    with torch.no_grad():
+        positions = patch_position_embeddings(encoder.pos_embed, config.grid, config.class_token)
+        similarity = position_similarity(positions.float().cpu())
+        components, explained = embedding_filters(encoder.patch_embed.proj.weight.float().cpu(),
+                                                  filter_count)
+    written = attention.figures
+    if draw:
+        figures.plot_mean_attention_distance(attention.distance.numpy(),
+                                             out_dir / DISTANCE_FIGURE, uniform=uniform)
+        figures.plot_position_similarity(similarity.numpy(), config.grid,
+                                         out_dir / POSITION_FIGURE)
+        figures.plot_embedding_filters(components.numpy(), out_dir / FILTERS_FIGURE)
+        written = [DISTANCE_FIGURE, POSITION_FIGURE, FILTERS_FIGURE, *written]
+
+    result = _result(encoder, attention, uniform, similarity, components, explained, written)
+    with atomic_write(out_dir / JSON_NAME, "w") as handle:
+        json.dump(result, handle)
+    logger.info("analysed %d images: %d figures and %s in %s", len(attention.names),
+                len(written), JSON_NAME, out_dir)
+    return result
+
+
+@dataclass
+class _Attention:
+    """What the images' attention comes to: per layer and head, means over images."""
+
+    names: list[str]
+    distance: torch.Tensor  # (depth, heads), pixels
+    share: torch.Tensor  # (depth, heads), weight on prefix tokens
+    grid: tuple[int, int]
+    rollouts: list[dict[str, Any]]
+    figures: list[str]  # each image's rollout figure, when drawn
+
+
+def _attention_over_images(encoder: VisionEncoder, images: list[Any],
+                           processor: ImageProcessor, out_dir: Path, *, draw: bool,
+                           progress: bool) -> _Attention:
+    """Runs the images one at a time, keeping running sums and each small rollout map."""
     distance_sum = share_sum = None  # (depth, heads) running sums over images, float64
     names, rollouts, written = [], [], []
     grid = None
@@ -136,44 +178,31 @@ def analyze(
             written.append(entry["figure"])
         rollouts.append(entry)
     count = len(names)
-    distance, share = distance_sum / count, share_sum / count
-    uniform = float(patch_distances(grid, config.patch_size).double().mean())
+    return _Attention(names, distance_sum / count, share_sum / count, grid, rollouts, written)
 
-    with torch.no_grad():
-        positions = patch_position_embeddings(encoder.pos_embed, config.grid, config.class_token)
-        similarity = position_similarity(positions.float().cpu())
-        components, explained = embedding_filters(encoder.patch_embed.proj.weight.float().cpu(),
-                                                  filter_count)
-    if draw:
-        figures.plot_mean_attention_distance(distance.numpy(), out_dir / DISTANCE_FIGURE,
-                                             uniform=uniform)
-        figures.plot_position_similarity(similarity.numpy(), config.grid,
-                                         out_dir / POSITION_FIGURE)
-        figures.plot_embedding_filters(components.numpy(), out_dir / FILTERS_FIGURE)
-        written = [DISTANCE_FIGURE, POSITION_FIGURE, FILTERS_FIGURE, *written]
 
-    result = {
-        "images": names,
+def _result(encoder: VisionEncoder, attention: _Attention, uniform: float,
+            similarity: torch.Tensor, components: torch.Tensor, explained: torch.Tensor,
+            written: list[str]) -> dict[str, Any]:
+    """What `analysis.json` holds (see `analyze`)."""
+    config = encoder.config
+    return {
+        "images": attention.names,
         "encoder": {"image_size": list(config.image_size), "patch_size": config.patch_size,
-                    "grid": list(grid), "depth": config.depth, "heads": config.heads,
+                    "grid": list(attention.grid), "depth": config.depth, "heads": config.heads,
                     "num_prefix_tokens": encoder.num_prefix_tokens,
                     "class_token": config.class_token},
         "prefix_handling": PREFIX_HANDLING,
-        "mean_attention_distance": _numbers(distance),
-        "prefix_attention": _numbers(share),
+        "mean_attention_distance": _numbers(attention.distance),
+        "prefix_attention": _numbers(attention.share),
         "uniform_attention_distance": round(uniform, DECIMALS),
         "attention_rollout": {
             "source": "class_token" if config.class_token else "mean_of_patch_rows",
             "identity_weight": IDENTITY_WEIGHT,
-            "maps": rollouts,
+            "maps": attention.rollouts,
         },
         "position_similarity": {"grid": list(config.grid), "matrix": _numbers(similarity)},
         "embedding_filters": {"components": _numbers(components),
                               "explained_variance_ratio": _numbers(explained)},
         "figures": written,
     }
-    with atomic_write(out_dir / JSON_NAME, "w") as handle:
-        json.dump(result, handle)
-    logger.info("analysed %d images: %d figures and %s in %s", count, len(written), JSON_NAME,
-                out_dir)
-    return result
