@@ -1,0 +1,123 @@
+"""2D rotary position embedding for vision (axial RoPE; Su et al. 2021, as Qwen2-VL's vision
+tower applies it): q and k are rotated by angles that grow with each token's row and column,
+so their dot product, the attention logit, depends only on the offset between two patches.
+
+The head dimension is split in two halves that `rotate_half` pairs up (channel i with
+i + head_dim/2); within each half the first quarter of the channels turns with the row and the
+second quarter with the column, at head_dim/4 frequencies theta^(-4j/head_dim) shared by both
+axes. This is Qwen2-VL's layout (`VisionRotaryEmbedding(head_dim // 2)` and `rot_pos_emb`),
+not EVA-02's interleaved one, so Qwen2-VL and Qwen2.5-VL weights need no permutation.
+
+Token order: a tower with a 2x2 patch merger (Qwen2-VL's `spatial_merge_size`) lists its
+patches window by window (the four patches of each 2x2 window together, windows row-major),
+so the merger can take four neighbouring tokens at a time. `merge_window_order` gives that
+order; `grid_positions(grid, merge_size)` gives each token's (row, col) in it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def merge_window_order(grid: tuple[int, int], merge_size: int) -> torch.Tensor:
+    """Where each token of the merge-window order lies in the row-major order.
+
+    Args:
+        grid: (rows, cols) of patches.
+        merge_size: the merger's window side (1: row-major, the plain ViT order).
+
+    Returns:
+        `[rows * cols]` int64: `tokens_row_major[:, order]` are the tokens in merge-window order.
+
+    Raises:
+        ValueError: when a side of the grid is not a multiple of `merge_size`.
+    """
+    rows, cols = grid
+    if merge_size < 1 or rows % merge_size or cols % merge_size:
+        raise ValueError(
+            f"patch grid {rows}x{cols} is not divisible into {merge_size}x{merge_size} merge "
+            "windows: each side must be a multiple of the merge size"
+        )
+    m = merge_size
+    index = torch.arange(rows * cols).reshape(rows // m, m, cols // m, m)
+    # (window row, row in window, window col, col in window) -> windows first, then inside
+    return index.permute(0, 2, 1, 3).flatten()
+
+
+def grid_positions(grid: tuple[int, int], merge_size: int = 1) -> torch.Tensor:
+    """(row, col) of every patch, in row-major order or, with `merge_size` > 1, in the
+    merge-window order; `[rows * cols, 2]` int64."""
+    rows, cols = grid
+    row, col = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    positions = torch.stack([row.flatten(), col.flatten()], dim=-1)  # (N, 2), row-major
+    if merge_size == 1:
+        return positions
+    return positions[merge_window_order(grid, merge_size)]
+
+
+class Rope2D(nn.Module):
+    """The angles of axial 2D RoPE, as cosines and sines per token.
+
+    Holds no parameters (its frequencies are a non-persistent buffer), so adding it to a model
+    changes no checkpoint.
+
+    Args:
+        head_dim: channels per head; a multiple of 4 (a quarter per axis and rotation half).
+        theta: the frequency base (10000 in Qwen2-VL and Qwen2.5-VL).
+
+    Raises:
+        ValueError: when `head_dim` is not a positive multiple of 4.
+    """
+
+    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        if head_dim <= 0 or head_dim % 4:
+            raise ValueError(
+                f"2D RoPE needs a head dimension divisible by 4 (a quarter each for rows and "
+                f"columns in both rotation halves), got head_dim {head_dim}"
+            )
+        self.head_dim = head_dim
+        self.theta = theta
+        exponents = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
+        self.register_buffer("inv_freq", 1.0 / theta**exponents, persistent=False)  # (hd/4,)
+
+    def forward(
+        self, positions: torch.Tensor, num_prefix_tokens: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cosines and sines for tokens at `positions`.
+
+        Args:
+            positions: `[N, 2]` (row, col) per token (`grid_positions`, or several images'
+                concatenated for a packed sequence).
+            num_prefix_tokens: rows of identity rotation (cos 1, sin 0) put first, for a class
+                or register token, which has no place on the grid.
+
+        Returns:
+            cos, sin: float32 `[prefix + N, head_dim]`.
+        """
+        # (N, 2, 1) * (hd/4,) -> (N, 2, hd/4) -> (N, hd/2): row angles, then column angles
+        angles = (positions[..., None].float() * self.inv_freq).flatten(-2)
+        angles = torch.cat([angles, angles], dim=-1)  # (N, hd): the same for both halves
+        cos, sin = angles.cos(), angles.sin()
+        if num_prefix_tokens:
+            cos = torch.cat([cos.new_ones(num_prefix_tokens, self.head_dim), cos])
+            sin = torch.cat([sin.new_zeros(num_prefix_tokens, self.head_dim), sin])
+        return cos, sin
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}"
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates q or k: x * cos + rotate_half(x) * sin, in float32, cast back to x's dtype.
+
+    Args:
+        x: `[..., head_dim]`, e.g. `[B, heads, T, head_dim]` (then cos `[T, head_dim]`
+            broadcasts as it is) or packed `[T, heads, head_dim]` (pass `cos[:, None]`).
+        cos, sin: from `Rope2D`, broadcastable to x.
+    """
+    x32 = x.float()
+    first, second = x32.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)  # channel i pairs with i + head_dim/2
+    return (x32 * cos + rotated * sin).to(x.dtype)
