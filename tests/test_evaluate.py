@@ -313,3 +313,33 @@ def test_the_old_module_name_still_works_with_a_deprecation_warning():
             assert getattr(vlm_vit.evaluate, name) is getattr(vlm_vit.eval, name)
     with pytest.raises(ImportError):
         from vlm_vit.evaluate import _features  # noqa: F401
+
+
+def test_the_classifiers_need_numpy_only():
+    """vlm_vit/eval/classifiers.py loads and scores with torch unimportable."""
+    import subprocess
+    import sys
+
+    import vlm_vit.eval.classifiers as classifiers
+
+    code = (
+        "import importlib.util, sys\n"
+        "import numpy as np\n"
+        "sys.modules['torch'] = None\n"
+        f"spec = importlib.util.spec_from_file_location('classifiers', {classifiers.__file__!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "x = np.array([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])\n"
+        "y = np.array([0, 0, 1, 1])\n"
+        "print(module.knn_accuracy(x, y, x, y, k=1), module.few_shot_accuracy(x, y, x, y))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1.0", "1.0"]
+
+
+def test_knn_takes_the_lower_training_row_among_equally_similar_ones():
+    # rows 0 and 1 are the same point in different classes; k=1 takes row 0
+    train = np.array([[0.0, 1.0], [0.0, 1.0], [1.0, 0.0], [-1.0, 0.0]])
+    query = np.array([[0.6, 0.8]])
+    assert knn_accuracy(train, [0, 1, 0, 1], query, [0], k=1) == 1.0
+    assert knn_accuracy(train, [1, 0, 0, 1], query, [1], k=1) == 1.0

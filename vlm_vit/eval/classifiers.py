@@ -19,12 +19,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +38,9 @@ BIAS_CONSTANT = 100.0
 #: Added to the training standard deviation so constant features do not divide by zero.
 STD_EPS = 1e-5
 
-Array = np.ndarray | torch.Tensor
+# Features and labels come as numpy arrays or torch tensors; this module never imports torch
+# (a tensor is read through its own `.numpy()`).
+Array: TypeAlias = "np.ndarray | torch.Tensor"
 
 
 # -- input checks --------------------------------------------------------------------------
@@ -43,7 +48,7 @@ Array = np.ndarray | torch.Tensor
 
 def _features(x: Any, name: str) -> np.ndarray:
     """A finite `[N, D]` float64 array from a tensor or array, errors naming `name`."""
-    if isinstance(x, torch.Tensor):
+    if _is_tensor(x):
         x = x.detach().cpu().double().numpy()
     x = np.asarray(x)
     if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0:
@@ -57,9 +62,16 @@ def _features(x: Any, name: str) -> np.ndarray:
     return x
 
 
+def _is_tensor(x: Any) -> bool:
+    """Whether `x` is a torch tensor, asked without importing torch (a tensor's module is
+    loaded whenever one exists)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
 def _labels(y: Any, name: str, count: int) -> np.ndarray:
     """A 1D label array of length `count` (ints, strings: any sortable values)."""
-    if isinstance(y, torch.Tensor):
+    if _is_tensor(y):
         y = y.detach().cpu().numpy()
     y = np.asarray(y)
     if y.ndim != 1:
@@ -352,7 +364,9 @@ def knn_accuracy(train_x: Array, train_y: Array, test_x: Array, test_y: Array, *
     """Weighted k-NN accuracy on cosine similarity (the DINO protocol).
 
     Each test image's k most similar training images vote for their class with weight
-    exp(similarity / temperature); the class with the largest total wins.
+    exp(similarity / temperature); the class with the largest total wins. Of training
+    images equally similar at the k-th place, the earlier rows are taken. Computed in float32
+    with numpy, as DINO's in torch.
 
     Args:
         train_x, train_y, test_x, test_y: as in `few_shot_accuracy`.
@@ -379,20 +393,39 @@ def knn_accuracy(train_x: Array, train_y: Array, test_x: Array, test_y: Array, *
         logger.info("k=%d is more than the %d training images; using k=%d", k, len(train_x),
                     len(train_x))
         k = len(train_x)
-    train = torch.nn.functional.normalize(torch.from_numpy(train_x).float(), dim=1)  # (N, D)
-    test = torch.nn.functional.normalize(torch.from_numpy(test_x).float(), dim=1)  # (M, D)
-    train_labels = torch.from_numpy(train_index)
+    train, test = _unit_rows(train_x), _unit_rows(test_x)  # (N, D), (M, D) float32
     correct = 0
     for start in range(0, len(test), chunk_size):
         similarity = test[start:start + chunk_size] @ train.T  # (m, N)
-        top, rows = similarity.topk(k, dim=1)  # (m, k)
+        top, rows = _top_k(similarity, k)  # (m, k), most similar first
         # exp((s - max) / T): the same argmax as exp(s / T) without overflow.
-        weights = ((top - top[:, :1]) / temperature).exp()
-        votes = torch.zeros(len(top), len(classes))  # (m, K)
-        votes.scatter_add_(1, train_labels[rows], weights)
-        predicted = votes.argmax(dim=1).numpy()
+        weights = np.exp((top - top[:, :1]) / np.float32(temperature))
+        votes = np.zeros((len(top), len(classes)), dtype=np.float32)  # (m, K)
+        for column in range(k):  # in rank order, so the sums add up as they always have
+            np.add.at(votes, (np.arange(len(top)), train_index[rows[:, column]]),
+                      weights[:, column])
+        predicted = votes.argmax(axis=1)
         correct += int(np.sum(predicted == test_index[start:start + chunk_size]))
     return correct / len(test)
+
+
+def _unit_rows(x: np.ndarray) -> np.ndarray:
+    """`[N, D]` rows scaled to unit length, in float32 (an all-zero row stays zero)."""
+    x = x.astype(np.float32)
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), np.float32(1e-12))
+
+
+def _top_k(similarity: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest entries of each row of `[m, N]` and their columns, largest first (ties:
+    the lower column first)."""
+    if k < similarity.shape[1]:
+        rows = np.argpartition(-similarity, k - 1, axis=1)[:, :k]
+    else:
+        rows = np.broadcast_to(np.arange(similarity.shape[1]), similarity.shape)
+    top = np.take_along_axis(similarity, rows, axis=1)
+    order = np.lexsort((rows, -top), axis=1)
+    rows = np.take_along_axis(rows, order, axis=1)
+    return np.take_along_axis(similarity, rows, axis=1), rows
 
 
 # -- splits -------------------------------------------------------------------------------
