@@ -159,7 +159,7 @@ def _model(value: str | Path, what: str) -> Path:
 def load_multimodal(value: str | Path, what: str, *, trainable: bool = False):
     """A saved `MultimodalLM` from a path or name; a weight file that would need code to load
     (a pickled `pytorch_model.bin` or adapter) is refused in one line naming it."""
-    from vlm_vit.cli.common import refusing_pickles
+    from vlm_vit.commands import refusing_pickles
     from vlm_vit_llm.model import MultimodalLM
 
     directory = _model(value, what)
@@ -180,7 +180,7 @@ def build_model(args: argparse.Namespace):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vlm_vit import load_processor, load_tower
-    from vlm_vit.cli.common import reading_checkpoint, refusing_pickles
+    from vlm_vit.commands import reading_checkpoint, refusing_pickles
 
     llm_dir = _model(args.llm, "--llm")
     with refusing_pickles(llm_dir, "--llm"):
