@@ -20,7 +20,7 @@ def main() -> None:
     torch.set_num_threads(1)
     Trainer(toy_objective(), ShardStream(spec, decode(), seed=3),
             config(steps=steps, num_workers=2, log_samples=True, checkpoint_every=0),
-            run_dir, progress_bar=False).fit()
+            run_dir, progress=False).fit()
 
 
 if __name__ == "__main__":

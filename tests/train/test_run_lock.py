@@ -65,7 +65,7 @@ def test_two_pretrain_runs_on_one_directory_cannot_mix(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "held"
         trainer = Trainer(toy_objective(), image_folder(tmp_path / "data"), config(steps=2),
-                          tmp_path / "run", progress_bar=False)
+                          tmp_path / "run", progress=False)
         with pytest.raises(RunDirectoryInUse, match=f"pid {holder.pid}"):
             trainer.fit()
         assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock"]
@@ -128,7 +128,7 @@ def test_a_run_into_a_directory_whose_lock_is_a_symlink_writes_nothing(tmp_path)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / ".lock").symlink_to(victim)
     trainer = Trainer(toy_objective(), image_folder(tmp_path / "data"), config(steps=1),
-                      tmp_path / "run", progress_bar=False)
+                      tmp_path / "run", progress=False)
     with pytest.raises(FileExistsError, match="symbolic link"):
         trainer.fit()
     assert victim.read_text() == "precious\n"

@@ -150,12 +150,12 @@ def test_odd_member_and_shard_names_survive_the_sample_log_and_its_resume(tmp_pa
 
     steps = dict(steps=3, batch_size=2, checkpoint_every=1, log_samples=True)
     Trainer(toy_objective(), ShardStream([str(shard)], decode(), seed=0), config(**steps),
-            tmp_path / "whole", progress_bar=False).fit()
+            tmp_path / "whole", progress=False).fit()
     with pytest.raises(Interrupted):
         Trainer(toy_objective(crash_at_call=3), ShardStream([str(shard)], decode(), seed=0),
-                config(**steps), tmp_path / "run", progress_bar=False).fit()
+                config(**steps), tmp_path / "run", progress=False).fit()
     Trainer(toy_objective(), ShardStream([str(shard)], decode(), seed=0), config(**steps),
-            tmp_path / "run", progress_bar=False).fit(resume=True)
+            tmp_path / "run", progress=False).fit(resume=True)
     log = read_sample_log(tmp_path / "run")
     assert log == read_sample_log(tmp_path / "whole") and len(log) == 6
     assert {key for _, _, _, key in log} == set(names)
@@ -167,7 +167,7 @@ def test_the_sample_log_holds_only_the_samples_trained_on(tmp_path):
     stream = ShardStream([good, bad], decode(), shuffle=False)
     result = Trainer(toy_objective(), stream, config(steps=2, checkpoint_every=0,
                                                      log_samples=True),
-                     tmp_path / "run", progress_bar=False).fit()
+                     tmp_path / "run", progress=False).fit()
     assert result.undecodable_paths == [f"{bad}:garbage"]
     keys = [key for _, _, _, key in read_sample_log(tmp_path / "run")]
     assert "garbage" not in keys and "caption-only" not in keys

@@ -127,15 +127,15 @@ def test_shards_train_and_resume_bit_exactly_with_workers(eight, tmp_path):
     steps = dict(steps=7, num_workers=2, log_samples=True, checkpoint_every=3)
     whole = toy_objective(dropout=0.1)
     stream = ShardStream(sorted(written), decode(), seed=0)
-    Trainer(whole, stream, config(**steps), tmp_path / "whole", progress_bar=False).fit()
+    Trainer(whole, stream, config(**steps), tmp_path / "whole", progress=False).fit()
 
     crashed = toy_objective(dropout=0.1, crash_at_call=6)
     with pytest.raises(Interrupted):
         Trainer(crashed, ShardStream(sorted(written), decode(), seed=0), config(**steps),
-                tmp_path / "run", progress_bar=False).fit()
+                tmp_path / "run", progress=False).fit()
     resumed = toy_objective(dropout=0.1)
     result = Trainer(resumed, ShardStream(sorted(written), decode(), seed=0),
-                     config(**steps), tmp_path / "run", progress_bar=False).fit(resume=True)
+                     config(**steps), tmp_path / "run", progress=False).fit(resume=True)
     assert result.step == 7
     for name, value in whole.state_dict().items():
         assert torch.equal(resumed.state_dict()[name], value), name
@@ -181,7 +181,7 @@ def test_bad_images_samples_without_one_and_a_truncated_shard_are_named_and_coun
     stream = ShardStream(shards, decode(), shuffle=False)
     with caplog.at_level(logging.WARNING):
         result = Trainer(objective, stream, config(steps=4, checkpoint_every=0),
-                         tmp_path / "run", progress_bar=False).fit()
+                         tmp_path / "run", progress=False).fit()
     assert result.step == 4 and result.skipped_steps == 0
     assert result.undecodable_paths == [f"{shards[1]}:garbage"]
     assert result.without_image >= 1

@@ -391,7 +391,7 @@ def test_an_objective_with_export_writes_its_own_result(data, tmp_path):
 
     objective.export = export
     run_dir = tmp_path / "run"
-    Trainer(objective, image_folder(data), config(steps=2), run_dir, progress_bar=False).fit()
+    Trainer(objective, image_folder(data), config(steps=2), run_dir, progress=False).fit()
     assert written == [run_dir]
     assert (run_dir / "mine" / "config.json").is_file()
     assert not (run_dir / "encoder").exists() and not (run_dir / "objective.pt").exists()
@@ -539,7 +539,7 @@ def test_a_step_without_images_leaks_no_scheduler_warning_and_logs_beside_the_ba
             warnings.simplefilter("always")
             with pytest.raises(NothingTrainedError, match="no step of the 2 trained"):
                 Trainer(toy_objective(), Undecodable(), config(steps=2), tmp_path / "run",
-                        progress_bar=True).fit()
+                        progress=True).fit()
     finally:
         root.removeHandler(handler)
     assert not [w for w in caught if "lr_scheduler" in str(w.message)]

@@ -1,25 +1,29 @@
-"""What a run reports as it goes: metrics.csv (and TensorBoard when installed)."""
+"""What a run reports as it goes: metrics.csv (and TensorBoard when installed), the progress
+bar, log lines and the per-rank sample log."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from vlm_vit.files import atomic_write
+from vlm_vit.train.tar_shards import SampleLog
 
 METRICS_NAME = "metrics.csv"
 TENSORBOARD_DIR = "tensorboard"
 
 
-class _Silent:
+class Silent:
     """Stands in for the logger on ranks other than 0."""
 
     def __getattr__(self, name: str) -> Callable[..., None]:
         return lambda *args, **kwargs: None
 
 
-class _MetricsLog:
+class MetricsLog:
     """metrics.csv (and TensorBoard when installed), written by rank 0.
 
     On a resume, rows after the checkpoint's step (written before the interruption) are
@@ -74,3 +78,63 @@ class _MetricsLog:
         if self.tensorboard is not None:
             self.tensorboard.close()
 
+
+
+class RunReport:
+    """What a run shows and records as it goes: metrics.csv (rank 0), the progress bar and a
+    log line every `log_every` steps (rank 0), and each rank's sample log when asked for.
+
+    Args:
+        run_dir: the run's directory.
+        config: the training settings (steps, log_every).
+        context: this process.
+        progress: show the progress bar (rank 0 only).
+        step: the step the run starts after (a resume's checkpoint step, else 0).
+        resumed: whether the run resumed (the logs then keep their rows up to `step`).
+        sample_log: write samples/rank_R.tsv (`SampleLog`).
+        log: the logger (silent on ranks other than 0).
+    """
+
+    def __init__(self, run_dir: Path, config: Any, context: Any, *, progress: bool, step: int,
+                 resumed: bool, sample_log: bool, log: Any) -> None:
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        self.config, self.log = config, log
+        resumed_step = step if resumed else None
+        self.metrics = MetricsLog(run_dir, resumed_step) if context.is_main else None
+        self.samples = SampleLog(run_dir, context.rank, resumed_step) if sample_log else None
+        shown = context.is_main and progress
+        self.bar = tqdm(total=config.steps, initial=step, disable=not shown, desc="train",
+                        dynamic_ncols=True)
+        # Log lines go through the bar's writer, so a warning never lands glued to it.
+        self._redirect = contextlib.ExitStack()
+        if shown:
+            self._redirect.enter_context(logging_redirect_tqdm())
+
+    def drawn(self, step: int, samples: list[tuple[int, str, str]] | None) -> None:
+        """Records the samples step `step` is about to train on (where the source names them)."""
+        if self.samples is not None and samples is not None:
+            self.samples.write(step, samples)
+
+    def stepped(self, row: dict[str, float]) -> None:
+        """Records a finished step's metrics row."""
+        if self.metrics is not None:
+            self.metrics.write(row)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{row['loss']:.4g}", lr=f"{row['lr']:.3g}",
+                             img_s=f"{row['images_per_s']:.1f}", refresh=False)
+        if row["step"] % self.config.log_every == 0:
+            self.log.info("step %d/%d  loss %.4f  lr %.3g  grad norm %.3g  %.1f img/s",
+                          row["step"], self.config.steps, row["loss"], row["lr"],
+                          row["grad_norm"], row["images_per_s"])
+
+    def close(self) -> None:
+        """Closes the bar and the logs (again: nothing)."""
+        self.bar.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.samples is not None:
+            self.samples.close()
+        self.metrics = self.samples = None
+        self._redirect.close()

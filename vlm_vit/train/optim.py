@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -81,3 +82,32 @@ def build_scheduler(optimizer: torch.optim.Optimizer,
                              total_steps=config.steps) / config.lr
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@dataclass
+class Optimization:
+    """The optimiser, its LR schedule and the fp16 loss scaler: what a step updates and a
+    checkpoint saves beside the objective."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+
+    @classmethod
+    def build(cls, objective: nn.Module, config: TrainConfig, device_type: str) -> Optimization:
+        """AdamW over `optimizer_groups`, `build_scheduler`'s schedule, and a scaler enabled
+        for fp16 only."""
+        optimizer = torch.optim.AdamW(optimizer_groups(objective, config), lr=config.lr,
+                                      betas=config.betas)
+        return cls(optimizer, build_scheduler(optimizer, config),
+                   torch.amp.GradScaler(device_type, enabled=config.precision == "fp16"))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's "optimizer", "scheduler" and "scaler" entries."""
+        return {"optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])

@@ -1,8 +1,22 @@
-"""The run directory: what a run writes there."""
+"""The run directory: what a run writes there, the checks before it starts (one run per
+directory is `run_lock.py`), run_config.json and the final export."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
 import vlm_vit.train.checkpoint as ckpt
+import vlm_vit.train.distributed as distributed
+from vlm_vit.files import atomic_write, read_json
+from vlm_vit.train.distributed import DistributedContext
 from vlm_vit.train.metrics import METRICS_NAME, TENSORBOARD_DIR
 from vlm_vit.train.tar_shards import SAMPLES_DIR
 
@@ -20,3 +34,135 @@ RUN_OUTPUTS = (ckpt.CHECKPOINT_DIR, METRICS_NAME, RUN_CONFIG_NAME, ENCODER_DIR, 
 def _listing(names: list[str], most: int = 4) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most
                                       else "")
+
+
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool,
+                  changes: Callable[[bool], list[str] | None]) -> None:
+    """Refuses, without writing anything, a `run_dir` that a run with `resume` and
+    `overwrite` must not start in (see `Trainer.check_run_dir`).
+
+    Args:
+        run_dir, resume, overwrite: as in `Trainer.fit`.
+        changes: `changes(whole_run)` says how the run `run_config.json` records differs
+            from this one (see `recorded_changes`).
+    """
+    if run_dir.exists() and not run_dir.is_dir():
+        raise NotADirectoryError(f"{run_dir} is a file, not a run directory; give "
+                                 "--out (run_dir) a folder")
+    if overwrite:
+        return
+    entries = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    found = ckpt.latest_checkpoint(run_dir)
+    if found is not None and not resume:
+        raise FileExistsError(f"{run_dir} already holds checkpoints (newest {found}); "
+                              "pass --resume (resume=True) to continue that run, "
+                              "--overwrite to replace it, or use another run directory")
+    recorded = run_dir / RUN_CONFIG_NAME
+    if found is None and entries:
+        # A requeue of this run killed before its first checkpoint starts it afresh.
+        changed = changes(True) if resume else None
+        if changed == []:
+            return
+        what = (f"holds an earlier run's {_listing(entries)}" if not resume else
+                f"has no checkpoint to resume from, but holds an earlier run's "
+                f"{_listing(entries)}" + (f", of another run ({recorded.name} -> now: "
+                                          f"{'; '.join(changed)})" if changed else ""))
+        raise FileExistsError(f"{run_dir} {what}; pass --overwrite (overwrite=True) "
+                              f"to start afresh there, or use another run directory")
+    changed = changes(False) if found is not None else None
+    if changed:
+        raise ValueError(f"{run_dir} was trained with another model than this run's "
+                         f"({recorded.name} -> now): {'; '.join(changed)}; resume with the "
+                         f"same model and settings, or start afresh with --overwrite")
+
+
+def recorded_changes(run_dir: Path, now: dict[str, Any]) -> list[str] | None:
+    """How the run `run_config.json` records differs from `now` (None without one), part by
+    part; a field only one side has (one library version's) is no difference."""
+    recorded = run_dir / RUN_CONFIG_NAME
+    if not recorded.is_file():
+        return None
+    saved = read_json(recorded)
+    now = json.loads(json.dumps(now, default=str))  # as recorded
+    changed = []
+    for part, settings in now.items():
+        before = saved.get(part)
+        if not (isinstance(before, dict) and isinstance(settings, dict)):
+            continue
+        changed += [f"{part} {key} {before[key]!r} -> {value!r}"
+                    for key, value in settings.items()
+                    if key in before and before[key] != value]
+    return changed
+
+
+def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool,
+                    context: DistributedContext, log: Any) -> tuple[Path | None, list[str]]:
+    """Clears what `check_run_dir` let a fresh start replace (with `overwrite`, or a resume
+    without a checkpoint past this run's own outputs), creates the directory and removes
+    stale temporaries; every rank waits. Returns the newest checkpoint to resume (None for
+    a fresh start) and the names removed."""
+    entries = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    found = ckpt.latest_checkpoint(run_dir)  # `check_run_dir` accepted what is here
+    restart = resume and found is None and bool(entries)
+    removed: list[str] = []
+    if (overwrite or restart) and entries:
+        if context.is_main:
+            if overwrite:
+                log.warning("--overwrite: removing %s from %s", _listing(entries), run_dir)
+            for path in (run_dir / name for name in entries):
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() \
+                    else path.unlink()
+        distributed.barrier(context)
+        found, removed = None, entries
+    if context.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.remove_stale_temporaries(run_dir)
+    distributed.barrier(context)  # the directory exists and no rank sees stale temporaries
+    return found, (removed if restart else [])
+
+
+def described_model(objective: nn.Module) -> dict[str, Any]:
+    """The objective and encoder settings run_config.json records (a resume must match)."""
+    encoder_config = getattr(objective.encoder, "config", None)
+    objective_config = getattr(objective, "config", None)
+    return {
+        "objective": {
+            "type": f"{type(objective).__module__}.{type(objective).__qualname__}",
+            **({"config": dataclasses.asdict(objective_config)}
+               if dataclasses.is_dataclass(objective_config) else {}),
+        },
+        "encoder": encoder_config.to_dict() if hasattr(encoder_config, "to_dict") else None,
+    }
+
+
+def write_run_config(run_dir: Path, run_config: dict[str, Any]) -> None:
+    """run_config.json, with the library's and torch's versions added."""
+    from vlm_vit import __version__
+
+    run_config = {**run_config,
+                  "versions": {"vlm_vit": __version__, "torch": torch.__version__}}
+    with atomic_write(run_dir / RUN_CONFIG_NAME, "w") as handle:
+        json.dump(run_config, handle, indent=2, default=str)
+        handle.write("\n")
+
+
+def export(objective: nn.Module, run_dir: Path, log: Any) -> None:
+    """The final objective state dict and the encoder in the native format, or what the
+    objective's own `export(run_dir)` writes."""
+    own = getattr(objective, "export", None)
+    if callable(own):
+        log.info("saved %s", own(run_dir))
+        return
+    with atomic_write(run_dir / OBJECTIVE_NAME, "wb") as handle:
+        torch.save(objective.state_dict(), handle)
+    if hasattr(objective, "peft_config"):  # LoRA: the adapter, in peft's format
+        objective.save_pretrained(run_dir / ADAPTER_DIR)
+        log.info("saved the adapter to %s (merge with vlm-vit merge)", run_dir / ADAPTER_DIR)
+        return
+    encoder = objective.encoder
+    if hasattr(encoder, "save_pretrained"):
+        encoder.save_pretrained(run_dir / ENCODER_DIR)
+        log.info("saved the encoder to %s", run_dir / ENCODER_DIR)
+    else:
+        log.warning("%s has no save_pretrained; only %s was written",
+                    type(encoder).__name__, run_dir / OBJECTIVE_NAME)

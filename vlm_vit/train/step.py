@@ -1,15 +1,31 @@
-"""One optimiser step: the run's progress, the batch's parts and the loss."""
+"""One optimiser step on one global batch, and the run's progress it advances.
+
+A step whose loss or gradient norm is not finite makes no update but still counts: it
+consumes its batch and advances the LR schedule, so the LR stays a function of the step
+number. `max_bad_steps` such steps in a row abort the run (fp16 loss-scale overflows, which
+the scaler handles, are skipped without counting towards that).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import math
+import time
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 import vlm_vit.train.checkpoint as ckpt
+import vlm_vit.train.distributed as distributed
+from vlm_vit.train.config import NonFiniteLossError, TrainConfig
 from vlm_vit.train.data import ImageBatch, UndecodableImage
+from vlm_vit.train.distributed import DistributedContext
+from vlm_vit.train.optim import Optimization
 from vlm_vit.train.run_dir import _listing
 
 
@@ -25,6 +41,168 @@ class _Progress:
     bad_streak: int = 0  # consecutive non-finite steps, for max_bad_steps
     undecodable_images: int = 0
     undecodable_paths: list[str] = field(default_factory=list)
+
+
+def train_step(model: nn.Module, objective: nn.Module, batch: Any, optimization: Optimization,
+               config: TrainConfig, context: DistributedContext, progress: _Progress,
+               stop_requested: Callable[[], bool], log: Any,
+               run_dir: Path) -> tuple[dict[str, float], bool]:
+    """Forward, backward, clip and update on one global batch.
+
+    Args:
+        model: the objective as called (DDP-wrapped under torchrun).
+        objective: the objective itself, whose gradients are clipped.
+        batch: this rank's share, as the collate function made it.
+        progress: advanced by one step.
+        stop_requested: whether this rank has been asked to stop (a signal), asked after
+            the forward and backward passes, so a signal during them stops after this step.
+        run_dir: named in the error when the run gives up.
+
+    Returns:
+        The metrics row, and whether every rank agreed to stop after this step.
+
+    Raises:
+        NonFiniteLossError: after `config.max_bad_steps` non-finite steps in a row.
+    """
+    started = time.perf_counter()
+    images, undecodable, labels = _unpack(batch)
+    lr = optimization.optimizer.param_groups[0]["lr"]  # the LR this step uses
+    count = len(images)
+    # A rank without a single image cannot join the gradient all-reduce, so such a step
+    # is skipped on every rank.
+    fewest = int(distributed.all_reduce(torch.tensor([count], dtype=torch.float64),
+                                        context, "min").item())
+    rank_loss, objective_metrics = (
+        _forward_backward(model, images, labels, optimization.scaler, config, context)
+        if fewest > 0 else (torch.zeros((), dtype=torch.float64), {}))
+    # (loss summed over ranks, images, undecodable, ranks asked to stop) in one
+    # all-reduce, so every rank agrees on stopping after this step.
+    totals = distributed.all_reduce(torch.tensor(
+        [rank_loss.item(), float(count), float(len(undecodable)), float(stop_requested())],
+        dtype=torch.float64), context)
+    loss_value = totals[0].item() / context.world_size
+    if totals[2] > 0:
+        _record_undecodable(undecodable, context, progress, log)
+    grad_norm, updated = math.nan, False
+    if fewest > 0:
+        grad_norm, updated = _update(objective, optimization, loss_value, config, progress,
+                                     log)
+    else:
+        loss_value = math.nan
+        progress.skipped_steps += 1
+        log.warning("step %d: no decodable image in a batch; skipping the update",
+                    progress.step + 1)
+    _advance(optimization, updated, progress, loss_value)
+    if progress.bad_streak >= config.max_bad_steps:
+        raise NonFiniteLossError(
+            f"{progress.bad_streak} consecutive steps (up to step {progress.step}) had a "
+            f"non-finite loss or gradient norm (last: loss {loss_value}, grad norm "
+            f"{grad_norm}); giving up. {_newest_checkpoint(run_dir)} Lower the lr, add "
+            "warmup, use bf16 instead of fp16, or check the data."
+        )
+    seconds = time.perf_counter() - started
+    row = {"step": progress.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+           "images_per_s": totals[1].item() / max(seconds, 1e-9), "skipped": int(not updated)}
+    for name, value in objective_metrics.items():  # rank 0's; never over the trainer's
+        row.setdefault(name, value)
+    return row, bool(totals[3] > 0)
+
+
+def _forward_backward(model: nn.Module, images: torch.Tensor, labels: torch.Tensor | None,
+                      scaler: torch.amp.GradScaler, config: TrainConfig,
+                      context: DistributedContext) -> tuple[torch.Tensor, dict[str, float]]:
+    """Accumulates the gradient of the batch's mean loss over its micro-batches; returns the
+    loss (a float64 scalar on the CPU) and the objective's metrics, both batch means."""
+    count = len(images)
+    images = images.to(context.device, non_blocking=True)
+    # Micro-batches hold ~equal shares; each loss is weighted by its share, so the
+    # accumulated gradient is that of the mean loss over the whole batch.
+    pieces = images.tensor_split(min(config.grad_accumulation, count))
+    # Labelled batches (fine-tuning) hand each micro-batch its labels.
+    label_pieces = (labels.to(context.device).tensor_split(len(pieces))
+                    if labels is not None else [None] * len(pieces))
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
+    rank_loss = torch.zeros((), dtype=torch.float64)
+    objective_metrics: dict[str, float] = {}
+    for index, piece in enumerate(pieces):
+        last = index == len(pieces) - 1
+        autocast = (torch.autocast(context.device.type, dtype=amp_dtype) if amp_dtype
+                    else contextlib.nullcontext())
+        with contextlib.nullcontext() if last else distributed.no_sync(model):
+            with autocast:
+                output = (model(piece) if label_pieces[index] is None
+                          else model(piece, labels=label_pieces[index]))
+            loss = _scalar_loss(output)
+            weight = len(piece) / count
+            scaler.scale(loss * weight).backward()
+        rank_loss += loss.detach().double().cpu() * weight
+        for name, value in output.metrics.items():
+            objective_metrics[name] = objective_metrics.get(name, 0.0) + float(value) * weight
+    return rank_loss, objective_metrics
+
+
+def _update(objective: nn.Module, optimization: Optimization, loss: float,
+            config: TrainConfig, progress: _Progress, log: Any) -> tuple[float, bool]:
+    """Clips the true (unscaled) gradients and steps the optimiser when the loss and the
+    gradient norm are finite; returns the norm and whether the weights changed."""
+    scaler = optimization.scaler
+    scaler.unscale_(optimization.optimizer)  # clip the true gradients, not the scaled ones
+    parameters = [p for p in objective.parameters() if p.grad is not None]
+    max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm).item()
+    updated = math.isfinite(loss) and math.isfinite(grad_norm)
+    if updated:
+        scaler.step(optimization.optimizer)
+        progress.bad_streak = 0
+    else:
+        _record_bad_step(loss, grad_norm, config, progress, log)
+    scaler.update()
+    return grad_norm, updated
+
+
+def _advance(optimization: Optimization, updated: bool, progress: _Progress,
+             loss: float) -> None:
+    """Advances the schedule and the step count, updated or not."""
+    # The schedule advances on skipped steps too: the LR stays a function of the step
+    # number and the step count still matches the batches drawn. (torch warns when that
+    # happens before the optimizer's first step; here it is meant.)
+    with warnings.catch_warnings():
+        if not updated:
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler")
+        optimization.scheduler.step()
+    optimization.optimizer.zero_grad(set_to_none=True)
+    progress.step += 1
+    progress.losses.append(loss)
+
+
+def _record_bad_step(loss: float, grad_norm: float, config: TrainConfig, progress: _Progress,
+                     log: Any) -> None:
+    progress.skipped_steps += 1
+    if config.precision == "fp16" and math.isfinite(loss):
+        # An overflow in the scaled fp16 gradients is routine: the scaler lowers its
+        # scale and the next step usually succeeds. It does not count towards aborting.
+        log.info("step %d: fp16 gradient overflow; skipping the update and lowering the "
+                 "loss scale", progress.step + 1)
+        return
+    progress.bad_streak += 1
+    log.warning("step %d: loss %s, gradient norm %s is not finite; skipping the update "
+                "(%d in a row, abort at %d)", progress.step + 1, loss, grad_norm,
+                progress.bad_streak, config.max_bad_steps)
+
+
+def _record_undecodable(undecodable: list[UndecodableImage], context: DistributedContext,
+                        progress: _Progress, log: Any) -> None:
+    everyone = [bad for rank in distributed.all_gather_objects(undecodable, context)
+                for bad in rank]
+    progress.undecodable_images += len(everyone)
+    known = set(progress.undecodable_paths)
+    for bad in everyone:
+        if bad.path not in known:
+            known.add(bad.path)
+            progress.undecodable_paths.append(bad.path)
+            log.warning("skipping %s (%s)", bad.path, bad.reason)
+        else:
+            log.debug("skipping %s again", bad.path)
 
 
 

@@ -1,0 +1,108 @@
+"""What a checkpoint carries of a run, written and read back: the objective, the optimiser,
+the progress, every rank's RNG states and every rank's data-source state.
+
+The checkpoint's "data" entry is the list of every rank's `DataSource.state_dict()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+import vlm_vit.train.checkpoint as ckpt
+import vlm_vit.train.distributed as distributed
+from vlm_vit.data.source import DataSource
+from vlm_vit.train.config import _HARMLESS_CHANGES, TrainConfig
+from vlm_vit.train.data import mixed_seed
+from vlm_vit.train.distributed import DistributedContext
+from vlm_vit.train.optim import Optimization
+from vlm_vit.train.step import _Progress
+
+# What a resume reads from a checkpoint; one without them is skipped like a corrupt one.
+_CHECKPOINT_KEYS = ("progress", "objective", "optimizer", "scheduler", "scaler", "rng",
+                    "config")
+
+
+def save(run_dir: Path, objective: nn.Module, optimization: Optimization, progress: _Progress,
+         source: DataSource, config: TrainConfig, context: DistributedContext, log: Any) -> None:
+    """Writes a checkpoint from rank 0, with every rank's RNG and data-source state; all ranks
+    wait."""
+    rng_states = distributed.all_gather_objects(ckpt.rng_state(), context)
+    data_states = distributed.all_gather_objects(source.state_dict(), context)
+    if context.is_main:
+        path = ckpt.save_checkpoint({
+            "step": progress.step,
+            "progress": dataclasses.asdict(progress),
+            "objective": objective.state_dict(),
+            **optimization.state_dict(),
+            "rng": rng_states,
+            "config": config.to_dict(),
+            "world_size": context.world_size,
+            "data": data_states,
+        }, ckpt.checkpoint_path(run_dir, progress.step))
+        removed = ckpt.prune_checkpoints(run_dir, config.keep_checkpoints)
+        log.info("saved %s%s", path, f" (removed {len(removed)} older)" if removed else "")
+    distributed.barrier(context)  # nobody resumes or exits before the file is whole
+
+
+def restore(run_dir: Path, found: Path, objective: nn.Module, optimization: Optimization,
+            source: DataSource, config: TrainConfig, context: DistributedContext,
+            log: Any) -> tuple[Path, _Progress, list | None]:
+    """Loads the newest checkpoint that matches its hash and loads (newer ones that do not are
+    reported, moved aside by rank 0, and skipped) into the objective, the optimiser and the
+    data source. Returns its path, the progress and the RNG states (set last, by
+    `seed_or_restore_rng`)."""
+    loaded = ckpt.load_latest_checkpoint(
+        run_dir, required=_CHECKPOINT_KEYS, move_aside=context.is_main, log=log)
+    if loaded is None:
+        raise FileNotFoundError(f"{found} was removed while the run started")
+    found, state = loaded
+    _check_resumed_config(state["config"], config, log)
+    objective.load_state_dict(state["objective"])
+    optimization.load_state_dict(state)
+    progress = _Progress(**state["progress"])
+    source.load_state_dict(data_states(state))
+    log.info("resuming from %s at step %d", found, progress.step)
+    return found, progress, state["rng"]
+
+
+def data_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """A checkpoint's data-source states, one per rank.
+
+    Fix-up for checkpoints of map-style datasets (folders) written before the data sources
+    owned their state (issue 28): they have no "data" entry, and the position is the
+    progress's (epoch, batch_index), the same on every rank. Shard streams always wrote theirs.
+    """
+    if "data" in state:
+        return state["data"]
+    progress = state["progress"]
+    return [{"epoch": progress["epoch"], "batch_index": progress["batch_index"]}]
+
+
+def seed_or_restore_rng(rng_states: list | None, config: TrainConfig, step: int,
+                        context: DistributedContext, log: Any) -> None:
+    """Each rank's RNGs from the checkpoint, or seeded (by seed and rank, and on a resume with
+    another number of processes by the step too). Called last, so nothing before it (model
+    building, DDP) shifts them."""
+    if rng_states is not None and len(rng_states) == context.world_size:
+        ckpt.set_rng_state(rng_states[context.rank])
+        return
+    if rng_states is not None:
+        log.warning("checkpoint has RNG states for %d processes, this run has %d; "
+                    "reseeding (the run continues, not bit-exactly)",
+                    len(rng_states), context.world_size)
+    ckpt.seed_everything(config.seed + context.rank if rng_states is None
+                         else mixed_seed(config.seed, context.rank, step))
+
+
+def _check_resumed_config(saved: dict[str, Any], config: TrainConfig, log: Any) -> None:
+    current = config.to_dict()
+    changed = {name: (saved.get(name), value) for name, value in current.items()
+               if saved.get(name) != value and name not in _HARMLESS_CHANGES}
+    if changed:
+        log.warning("resuming with a changed config (checkpoint -> now): %s; the run "
+                    "will differ from an uninterrupted one",
+                    ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
