@@ -604,3 +604,53 @@ class ConversationObjective(BridgeObjective):
 
     def forward(self, batch: ConversationBatch) -> ObjectiveOutput:
         return conversation_loss(self.mm, batch, self.loss_reduction)
+
+
+class TokenBudgetPacks(torch.utils.data.Dataset):
+    """A map-style dataset whose items are packs of another's items, each pack holding at
+    most `max_tokens` tokens by the records' `lengths` (`vlm_vit.train.token_budget`'s
+    first-fit decreasing): with the trainer's `batch_size` counting packs, every batch costs
+    about the same. The collates open the packs (`ConversationCollate(packing=True)` then
+    lays each batch into rows of `max_length`).
+
+    The packs are a function of the lengths and the budget, made once here, so a resumed
+    run rebuilds the same ones; the trainer shuffles their order with its seed and epoch.
+
+    Args:
+        dataset: a dataset with `lengths` (per item, its estimated tokens, negative for
+            text-only records, as `ConversationDataset.lengths`).
+        max_tokens: the budget of one pack.
+        max_length: the longest record after truncation: a length is counted as at most
+            this. `max_tokens` must be at least this.
+
+    Raises:
+        ValueError: for a dataset without `lengths`, or `max_tokens` below `max_length`.
+    """
+
+    def __init__(self, dataset: Any, max_tokens: int, max_length: int):
+        from vlm_vit.train.token_budget import first_fit_decreasing
+
+        lengths = getattr(dataset, "lengths", None)
+        if lengths is None:
+            raise ValueError(f"token-budget batches need a dataset with `lengths`; "
+                             f"{type(dataset).__name__} has none")
+        if max_tokens < max_length:
+            raise ValueError(f"max_tokens_per_batch {max_tokens} is less than max_length "
+                             f"{max_length}: the longest record could fit in no batch")
+        self.dataset, self.max_tokens = dataset, max_tokens
+        counts = np.minimum(np.abs(np.asarray(lengths, dtype=np.int64)), max_length)
+        self.packs = first_fit_decreasing(counts, max_tokens)
+        self.root = getattr(dataset, "root", None)
+
+    def __len__(self) -> int:
+        return len(self.packs)
+
+    def __getitem__(self, index: int) -> list[Any]:
+        return [self.dataset[item] for item in self.packs[index]]
+
+    def describe(self) -> dict[str, Any]:
+        """What run_config.json records: the packs, and the dataset they cover."""
+        from vlm_vit.train.data import describe_dataset
+
+        return {"type": type(self).__name__, "length": len(self), "max_tokens": self.max_tokens,
+                "dataset": describe_dataset(self.dataset)}
