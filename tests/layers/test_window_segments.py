@@ -1,0 +1,83 @@
+"""Window attention as varlen segments against transformers' Qwen2.5-VL: its window index
+and its eager windowed attention (with 2D RoPE) on small grids."""
+
+import pytest
+import torch
+
+from vlm_vit.layers.attention import Attention
+from vlm_vit.layers.rope_2d import Rope2D, apply_rope, grid_positions, merge_window_order
+from vlm_vit.layers.varlen import Segments, varlen_attention
+from vlm_vit.layers.window_segments import window_partition
+
+PATCH = 14
+CASES = [((8, 12), 4, 2), ((10, 6), 4, 2), ((12, 8), 8, 2), ((5, 7), 3, 1)]
+
+
+def _qwen_window(grid, window, merge_size):
+    from transformers.vision_utils import get_vision_window_index
+
+    window_index, cu_window_seqlens = get_vision_window_index(
+        torch.tensor([[1, *grid]]), spatial_merge_size=merge_size,
+        window_size=window * PATCH, patch_size=PATCH)
+    # Qwen's tokens arrive in merge-window order and window_index permutes whole merge units
+    merge_order = merge_window_order(grid, merge_size).reshape(-1, merge_size**2)
+    return merge_order[window_index].flatten(), cu_window_seqlens
+
+
+@pytest.mark.parametrize(("grid", "window", "merge_size"), CASES)
+def test_order_and_lengths_equal_qwen2_5_vl_window_index(grid, window, merge_size):
+    partition = window_partition(grid, window, merge_size)
+    their_order, cu_window_seqlens = _qwen_window(grid, window, merge_size)
+    assert torch.equal(partition.order, their_order)
+    assert partition.lengths == tuple(cu_window_seqlens.diff().tolist())
+    assert partition.segments().offsets == tuple(cu_window_seqlens.tolist())
+    assert torch.equal(partition.order[partition.inverse()], torch.arange(grid[0] * grid[1]))
+
+
+@pytest.mark.parametrize(("grid", "window", "merge_size"), CASES)
+def test_windowed_attention_equals_qwen2_5_vl_eager(grid, window, merge_size):
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionAttention
+
+    heads, head_dim = 2, 8
+    vision = Qwen2_5_VLConfig().vision_config
+    vision.hidden_size, vision.num_heads = heads * head_dim, heads
+    vision._attn_implementation = "eager"
+    torch.manual_seed(0)
+    theirs = Qwen2_5_VLVisionAttention(vision).eval()
+    ours = Attention(heads * head_dim, heads)
+    ours.load_state_dict(theirs.state_dict())  # the same names: qkv, proj
+
+    tokens = grid[0] * grid[1]
+    x = torch.randn(tokens, heads * head_dim)  # row-major over the grid
+    rope = Rope2D(head_dim)
+    partition = window_partition(grid, window, merge_size)
+    cos, sin = rope(grid_positions(grid)[partition.order])  # angles follow their tokens
+
+    their_order, cu_window_seqlens = _qwen_window(grid, window, merge_size)
+    expected = theirs(x[their_order], cu_seqlens=cu_window_seqlens,
+                      position_embeddings=(cos, sin))
+
+    packed = x[partition.order]
+    q, k, v = ours.qkv(packed).reshape(tokens, 3, heads, head_dim).unbind(1)
+    q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
+    out, _ = varlen_attention(q, k, v, partition.segments(backend="segments"))
+    out = ours.proj(out.reshape(tokens, -1))
+    # SDPA against eager softmax(QK^T)V: measured up to 1.2e-7 (5 seeds x 4 grids)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    # windows really confine attention: one segment for the whole image differs
+    whole, _ = varlen_attention(q, k, v, Segments((tokens,), "segments"))
+    assert (ours.proj(whole.reshape(tokens, -1)) - expected).abs().max() > 1e-3
+
+
+def test_a_window_larger_than_the_grid_is_refused():
+    with pytest.raises(ValueError, match=r"window 8x8 is larger than the patch grid 4x6"):
+        window_partition((4, 6), 8, merge_size=2)
+    assert window_partition((4, 12), 8, merge_size=2).lengths == (32, 16)  # strips are fine
+
+
+def test_a_window_off_the_merge_size_and_an_odd_grid_are_refused():
+    with pytest.raises(ValueError, match=r"window 3 must be a positive multiple of the merge"):
+        window_partition((8, 8), 3, merge_size=2)
+    with pytest.raises(ValueError, match=r"patch grid 7x8 is not divisible into 2x2"):
+        window_partition((7, 8), 4, merge_size=2)
