@@ -17,7 +17,6 @@ from vlm_vit.files import (
     atomic_directory,
     atomic_write,
     read_json,
-    read_safetensors,
     write_safetensors,
 )
 from vlm_vit.integrity import verify_files, write_manifest
@@ -25,6 +24,7 @@ from vlm_vit.model import VisionEncoder
 from vlm_vit.native import check_state_dict
 from vlm_vit.pretrain.base import ObjectiveOutput
 from vlm_vit.processor import ImageProcessor
+from vlm_vit.tensor_files import read_safetensors
 from vlm_vit.tower import VisionTower, no_graph_if_frozen
 
 POOLINGS = ("cls", "mean")

@@ -22,11 +22,12 @@ from safetensors import SafetensorError
 
 import vlm_vit.hub as hub
 from vlm_vit.convert import FORMATS, Checkpoint, Converted, NativePooler, detect_format
-from vlm_vit.files import read_json, read_npz, read_safetensors
+from vlm_vit.files import read_json
 from vlm_vit.integrity import MANIFEST_NAME, verify_files
 from vlm_vit.model import VisionEncoder
 from vlm_vit.native import CONFIG_NAME, check_state_dict
 from vlm_vit.processor import ImageProcessor
+from vlm_vit.tensor_files import read_npz, read_safetensors
 from vlm_vit.weights import SHARD_INDEX, read_sharded
 
 logger = logging.getLogger(__name__)

@@ -11,13 +11,14 @@ from torch import nn
 
 import vlm_vit.hub as hub
 from vlm_vit.config import is_int
-from vlm_vit.files import atomic_directory, read_json, read_safetensors, write_safetensors
+from vlm_vit.files import atomic_directory, read_json, write_safetensors
 from vlm_vit.integrity import verify_files, write_manifest
 from vlm_vit.model import VisionEncoder
 from vlm_vit.native import CONFIG_NAME, check_state_dict
 from vlm_vit.poolers import build_pooler, pool_packed
 from vlm_vit.processor import PROCESSOR_CONFIG_NAME, ImageProcessor
 from vlm_vit.registry import UnknownNameError
+from vlm_vit.tensor_files import read_safetensors
 
 POOLER_WEIGHTS_NAME = "pooler.safetensors"
 

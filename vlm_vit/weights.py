@@ -22,11 +22,11 @@ import torch
 from vlm_vit.files import (
     atomic_write,
     read_json,
-    read_safetensors,
     resolves_inside,
     write_safetensors,
 )
 from vlm_vit.integrity import verify_files
+from vlm_vit.tensor_files import read_safetensors
 
 WEIGHTS_NAME = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
