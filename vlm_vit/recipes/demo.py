@@ -14,8 +14,10 @@ import json
 import logging
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from vlm_vit.config import EncoderConfig
@@ -158,24 +160,62 @@ def label_counts(values: list[str]) -> list[int | None]:
     return counts
 
 
+@dataclass
+class DemoData:
+    """The digits and their splits (row indices into `files`), as `demo_splits` gives them;
+    `scored` is `test` or `validation` (--eval-on)."""
+
+    files: list[Path]
+    labels: np.ndarray
+    classes: list[str]
+    train: np.ndarray
+    pool: np.ndarray
+    validation: np.ndarray
+    test: np.ndarray
+    scored: np.ndarray
+    fewest: int  # images of the pool's smallest class: what "all" labels per class means
+
+
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
-    import torch
+    """The demo, from `vlm-vit demo`'s arguments: prints its table and writes its outputs
+    under `args.out`; returns the exit status."""
+    from vlm_vit.recipes.label_efficiency import FinetuneRecipe
 
-    from vlm_vit.cli.pretrain import build_objective
-    from vlm_vit.eval import read_class_folder
-    from vlm_vit.model import VisionEncoder
-    from vlm_vit.poolers import build_pooler
-    from vlm_vit.recipes.label_efficiency import (
-        FinetuneJob,
-        FinetuneRecipe,
-        finetune_many,
-        fingerprint,
-        shot_rows,
-    )
-    from vlm_vit.train import TrainConfig, Trainer
-    from vlm_vit.train.data import ImageFolder
+    schedule = _schedule(args)
+    started = time.perf_counter()
+    data = _prepare_digits(args, schedule["counts"])
+    encoder, random_init, start_fingerprint, result, processor = _pretrain(
+        args, data, schedule["steps"])
+    pretrain_seconds = time.perf_counter() - started
 
+    images = processor([str(f) for f in data.files])
+    recipe = FinetuneRecipe(steps=schedule["finetune_steps"], lr=schedule["finetune_lr"],
+                            layer_decay=args.layer_decay)
+    counts, seeds = schedule["counts"], schedule["seeds"]
+    keys = ["all" if count is None else str(count) for count in counts]
+    report = _report_head(args, data, keys, counts, result, pretrain_seconds,
+                          start_fingerprint, encoder.config)
+    report["finetune"] = {"recipe": recipe.to_dict(), "seeds": seeds, "labels": keys}
+    arms = (("random_init", random_init.eval()), ("pretrained", encoder))
+    _score_arms(args, report, arms, images, data, recipe, keys, counts, seeds)
+    report["photos"] = _encode_photos(encoder, processor)
+    out = args.out
+    report["loss_plot"] = "loss.png" if plot_losses(result.losses, out / "loss.png",
+                                                    args.objective) else None
+    report["label_efficiency_plot"] = ("label_efficiency.png" if plot_label_efficiency(
+        report, out / "label_efficiency.png") else None)
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    with atomic_write(out / "report.json", "w") as handle:
+        json.dump(report, handle, indent=2)
+    print_report(report, data.classes)
+    print(f"report: {out / 'report.json'}, figure: {out / 'label_efficiency.png'}, encoder: "
+          f"{out / 'encoder'} ({report['seconds']:.0f} s)")
+    return 0
+
+
+def _schedule(args: argparse.Namespace) -> dict:
+    """Steps, fine-tuning steps, seeds, fine-tuning lr (the preset's unless given) and the
+    label counts, checked."""
     preset = QUICK if args.quick else DEFAULTS
     steps = preset["steps"] if args.steps is None else args.steps
     finetune_steps = preset["finetune_steps"] if args.finetune_steps is None \
@@ -187,7 +227,15 @@ def run(args: argparse.Namespace) -> int:
                         ("--seeds", seeds), ("--workers", args.workers)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
-    started = time.perf_counter()
+    return {"steps": steps, "finetune_steps": finetune_steps, "seeds": seeds,
+            "finetune_lr": finetune_lr, "counts": counts}
+
+
+def _prepare_digits(args: argparse.Namespace, counts: list[int | None]) -> DemoData:
+    """The digits written once under `args.out`, split, and the unlabelled training half
+    copied to the folder pretraining reads."""
+    from vlm_vit.eval import read_class_folder
+
     out = args.out
     data = out / "data" / "digits"
     if not data.is_dir():
@@ -205,7 +253,26 @@ def run(args: argparse.Namespace) -> int:
         pretrain_dir.mkdir(parents=True)
         for index in train:
             (pretrain_dir / f"{index:05d}.png").write_bytes(files[index].read_bytes())
+    return DemoData(files, labels, classes, train, pool, validation, test, scored, fewest)
 
+
+def _pretrain(args: argparse.Namespace, data: DemoData, steps: int):
+    """Pretrains a fresh encoder on the unlabelled training half and saves it with its
+    processor under `args.out/encoder`.
+
+    Returns:
+        (the pretrained encoder, a copy of its random initialisation, that copy's
+        fingerprint, the trainer's result, the processor).
+    """
+    import torch
+
+    from vlm_vit.cli.pretrain import build_objective
+    from vlm_vit.model import VisionEncoder
+    from vlm_vit.recipes.label_efficiency import fingerprint
+    from vlm_vit.train import TrainConfig, Trainer
+    from vlm_vit.train.data import ImageFolder
+
+    out = args.out
     mean, std = NORMALIZATION["inception"]
     config = EncoderConfig(image_size=32, patch_size=args.patch_size, width=args.width,
                            depth=args.depth, heads=4, mlp_width=4 * args.width)
@@ -215,14 +282,14 @@ def run(args: argparse.Namespace) -> int:
     encoder = VisionEncoder(config)
     encoder.load_state_dict(random_init.state_dict())  # the same starting point
     start_fingerprint = fingerprint(encoder)
-    print(f"{len(files)} digits in {len(classes)} classes: {len(train)} to pretrain on "
-          f"(labels from {len(pool)} of them, {len(validation)} for validation), "
-          f"{len(test)} held out; scoring on the {args.eval_on} images")
+    print(f"{len(data.files)} digits in {len(data.classes)} classes: {len(data.train)} to "
+          f"pretrain on (labels from {len(data.pool)} of them, {len(data.validation)} for "
+          f"validation), {len(data.test)} held out; scoring on the {args.eval_on} images")
 
     objective = build_objective(args.objective, encoder, mean=mean, std=std,
                                 **MAE_SETTINGS if args.objective == "mae" else {})
-    dataset = ImageFolder(pretrain_dir, 32, mean=mean, std=std, scale=(0.6, 1.0), flip=False,
-                          seed=args.seed)
+    dataset = ImageFolder(out / "pretrain_images", 32, mean=mean, std=std, scale=(0.6, 1.0),
+                          flip=False, seed=args.seed)
     train_config = TrainConfig(steps=steps, batch_size=args.batch_size, lr=2e-3,
                                warmup_steps=max(1, steps // 10), weight_decay=0.05,
                                checkpoint_every=0, seed=args.seed, num_workers=0,
@@ -237,40 +304,48 @@ def run(args: argparse.Namespace) -> int:
     encoder = objective.encoder.eval()
     encoder.save_pretrained(out / "encoder")
     processor.save_pretrained(out / "encoder")
-    pretrain_seconds = time.perf_counter() - started
+    return encoder, random_init, start_fingerprint, result, processor
 
-    images = processor([str(f) for f in files])
-    recipe = FinetuneRecipe(steps=finetune_steps, lr=finetune_lr,
-                            layer_decay=args.layer_decay)
-    keys = ["all" if count is None else str(count) for count in counts]
-    report = {"classes": len(classes), "train_images": len(train), "test_images": len(test),
-              "labelled_pool": len(pool), "validation_images": len(validation),
-              "evaluated_on": args.eval_on, "scored_images": len(scored),
-              "shots": args.shots, "pooling": "mean",
-              "labelled_per_class": {key: count or fewest
-                                     for key, count in zip(keys, counts, strict=True)},
-              "pretraining": {"objective": args.objective, "steps": result.step,
-                              "first_loss": result.losses[0], "last_loss": result.losses[-1],
-                              "final_loss_mean_of_last_10": float(np.mean(result.losses[-10:])),
-                              "seconds": round(pretrain_seconds, 1),
-                              "start_fingerprint": start_fingerprint,
-                              "encoder": config.to_dict()},
-              "finetune": {"recipe": recipe.to_dict(), "seeds": seeds, "labels": keys}}
-    arms = (("random_init", random_init.eval()), ("pretrained", encoder))
+
+def _report_head(args: argparse.Namespace, data: DemoData, keys: list[str],
+                 counts: list[int | None], result, pretrain_seconds: float,
+                 start_fingerprint: str, config: EncoderConfig) -> dict:
+    """The report's settings, splits and pretraining numbers."""
+    return {"classes": len(data.classes), "train_images": len(data.train),
+            "test_images": len(data.test), "labelled_pool": len(data.pool),
+            "validation_images": len(data.validation), "evaluated_on": args.eval_on,
+            "scored_images": len(data.scored), "shots": args.shots, "pooling": "mean",
+            "labelled_per_class": {key: count or data.fewest
+                                   for key, count in zip(keys, counts, strict=True)},
+            "pretraining": {"objective": args.objective, "steps": result.step,
+                            "first_loss": result.losses[0], "last_loss": result.losses[-1],
+                            "final_loss_mean_of_last_10": float(np.mean(result.losses[-10:])),
+                            "seconds": round(pretrain_seconds, 1),
+                            "start_fingerprint": start_fingerprint,
+                            "encoder": config.to_dict()}}
+
+
+def _score_arms(args: argparse.Namespace, report: dict, arms, images, data: DemoData,
+                recipe, keys: list[str], counts: list[int | None], seeds: int) -> None:
+    """Each arm's frozen probes, then every fine-tuning run (label count x seed x arm) in
+    `args.workers` processes; their numbers go into `report` under the arm's name."""
+    from vlm_vit.recipes.label_efficiency import FinetuneJob, finetune_many, fingerprint, shot_rows
+
+    labels = data.labels
     for name, model in arms:
-        report[name] = frozen_accuracy(model, images, labels, pool, scored,
+        report[name] = frozen_accuracy(model, images, labels, data.pool, data.scored,
                                        args.shots, args.seed)
         report[name]["finetune_start_fingerprint"] = fingerprint(model)
         report[name]["finetune_accuracy"] = {}
-    jobs = [(key, name, FinetuneJob(model, shot_rows(labels, pool, count, seed), seed))
+    jobs = [(key, name, FinetuneJob(model, shot_rows(labels, data.pool, count, seed), seed))
             for key, count in zip(keys, counts, strict=True) for name, model in arms
             for seed in range(args.seed, args.seed + seeds)]
     workers = max(1, min(args.workers, len(jobs)))
     print(f"fine-tuning {len(jobs)} runs ({len(keys)} label counts x {seeds} seeds x 2 "
           f"starts, {recipe.steps} steps each) in {workers} process(es)")
     with tqdm(total=len(jobs), desc="fine-tuning", unit="run", disable=args.quiet) as progress:
-        accuracies = finetune_many([job for *_, job in jobs], images, labels, scored, recipe,
-                                   workers=workers, progress=progress.update)
+        accuracies = finetune_many([job for *_, job in jobs], images, labels, data.scored,
+                                   recipe, workers=workers, progress=progress.update)
     for key in keys:
         for name, _ in arms:
             values = [accuracy for (k, n, _), accuracy in zip(jobs, accuracies, strict=True)
@@ -279,28 +354,25 @@ def run(args: argparse.Namespace) -> int:
                 "median": float(np.median(values)), "min": min(values), "max": max(values),
                 "per_seed": values}
 
+
+def _encode_photos(encoder, processor: ImageProcessor) -> dict:
+    """scikit-image's three photos through the encoder and two poolers: each pooler's output
+    shape."""
+    import torch
     from skimage import data as photos
 
+    from vlm_vit.poolers import build_pooler
+
     pixels = processor([photos.astronaut(), photos.coffee(), photos.chelsea()])
-    report["photos"] = {}
+    shapes = {}
     with torch.inference_mode():
         tokens = encoder(pixels)
         for name in ("mean", "pixel_shuffle"):
-            pooler = build_pooler(name, in_dim=config.width).eval()
+            pooler = build_pooler(name, in_dim=encoder.config.width).eval()
             pooled = pooler(tokens.tokens, num_prefix_tokens=tokens.num_prefix_tokens,
                             grid=tokens.grid)
-            report["photos"][name] = list(pooled.shape)
-    report["loss_plot"] = "loss.png" if plot_losses(result.losses, out / "loss.png",
-                                                    args.objective) else None
-    report["label_efficiency_plot"] = ("label_efficiency.png" if plot_label_efficiency(
-        report, out / "label_efficiency.png") else None)
-    report["seconds"] = round(time.perf_counter() - started, 1)
-    with atomic_write(out / "report.json", "w") as handle:
-        json.dump(report, handle, indent=2)
-    print_report(report, classes)
-    print(f"report: {out / 'report.json'}, figure: {out / 'label_efficiency.png'}, encoder: "
-          f"{out / 'encoder'} ({report['seconds']:.0f} s)")
-    return 0
+            shapes[name] = list(pooled.shape)
+    return shapes
 
 
 def print_report(report: dict, classes: list[str]) -> None:
