@@ -121,3 +121,21 @@ def test_the_old_module_name_still_works_with_a_deprecation_warning():
         with pytest.warns(DeprecationWarning, match="vlm_vit.recipes.label_efficiency"):
             assert getattr(vlm_vit.label_efficiency, name) is getattr(label_efficiency, name)
     assert "FinetuneRecipe" in dir(vlm_vit.label_efficiency)
+
+
+def test_finetune_many_progress_is_a_bar_and_a_callable_still_counts_runs(capsys):
+    from vlm_vit.recipes.label_efficiency import FinetuneJob, finetune_many
+
+    images, labels = stripes()
+    recipe = FinetuneRecipe(steps=2, batch_size=8)
+    jobs = [FinetuneJob(encoder(), np.arange(20), seed) for seed in (0, 1)]
+    quiet = finetune_many(jobs, images, labels, np.arange(20, 40), recipe)
+    assert "fine-tuning" not in capsys.readouterr().err
+    assert finetune_many(jobs, images, labels, np.arange(20, 40), recipe,
+                         progress=True) == quiet
+    assert "fine-tuning: 100%" in capsys.readouterr().err
+    ticks = []
+    with pytest.warns(DeprecationWarning, match="progress=True shows a progress bar"):
+        assert finetune_many(jobs, images, labels, np.arange(20, 40), recipe,
+                             progress=lambda: ticks.append(1)) == quiet
+    assert ticks == [1, 1]

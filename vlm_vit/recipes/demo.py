@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from vlm_vit.config import EncoderConfig
 from vlm_vit.files import atomic_write
@@ -300,7 +299,7 @@ def _pretrain(args: argparse.Namespace, data: DemoData, steps: int):
     if (out / "run").is_dir():  # this demo's own earlier run: start afresh
         shutil.rmtree(out / "run")
     result = Trainer(objective, dataset, train_config, out / "run",
-                     command=f"vlm-vit demo --out {out}", progress_bar=not args.quiet).fit()
+                     command=f"vlm-vit demo --out {out}", progress=not args.quiet).fit()
     encoder = objective.encoder.eval()
     encoder.save_pretrained(out / "encoder")
     processor.save_pretrained(out / "encoder")
@@ -343,9 +342,8 @@ def _score_arms(args: argparse.Namespace, report: dict, arms, images, data: Demo
     workers = max(1, min(args.workers, len(jobs)))
     print(f"fine-tuning {len(jobs)} runs ({len(keys)} label counts x {seeds} seeds x 2 "
           f"starts, {recipe.steps} steps each) in {workers} process(es)")
-    with tqdm(total=len(jobs), desc="fine-tuning", unit="run", disable=args.quiet) as progress:
-        accuracies = finetune_many([job for *_, job in jobs], images, labels, data.scored,
-                                   recipe, workers=workers, progress=progress.update)
+    accuracies = finetune_many([job for *_, job in jobs], images, labels, data.scored, recipe,
+                               workers=workers, progress=not args.quiet)
     for key in keys:
         for name, _ in arms:
             values = [accuracy for (k, n, _), accuracy in zip(jobs, accuracies, strict=True)

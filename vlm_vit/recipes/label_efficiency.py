@@ -17,15 +17,19 @@ import copy
 import hashlib
 import shutil
 import tempfile
+import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
+from vlm_vit.data.samples import mixed_seed
 from vlm_vit.finetune import ImageClassifier
 from vlm_vit.model import VisionEncoder
-from vlm_vit.train.data import mixed_seed
 
 
 @dataclass(frozen=True)
@@ -178,7 +182,7 @@ def finetune_accuracy(
     folder = Path(tempfile.mkdtemp(prefix="vlm-vit-finetune-")) if temporary else Path(run_dir)
     try:
         Trainer(classifier, dataset, config, folder, collate=collate_labelled,
-                progress_bar=False).fit()
+                progress=False).fit()
     finally:
         if temporary:
             shutil.rmtree(folder, ignore_errors=True)
@@ -215,7 +219,7 @@ def _run_job(job: FinetuneJob) -> float:
 
 def finetune_many(jobs: list[FinetuneJob], images: torch.Tensor, labels: np.ndarray,
                   eval_rows: np.ndarray, recipe: FinetuneRecipe, *, workers: int = 1,
-                  progress=None) -> list[float]:
+                  progress: bool = False) -> list[float]:
     """`finetune_accuracy` for each job, in `workers` processes of one thread each.
 
     Small models train no faster on two threads than on one (their matrix products are too
@@ -226,12 +230,24 @@ def finetune_many(jobs: list[FinetuneJob], images: torch.Tensor, labels: np.ndar
         jobs: the runs.
         images, labels, eval_rows, recipe: as in `finetune_accuracy`, shared by the runs.
         workers: processes (1: in this process).
-        progress: called with no arguments after each finished run (a progress bar's update).
+        progress: show a progress bar of the finished runs. (A callable here, the old
+            meaning, is called after each finished run, with a DeprecationWarning.)
 
     Returns:
         The accuracies, in the order of `jobs`.
     """
-    tick = progress or (lambda: None)
+    if callable(progress):
+        warnings.warn("finetune_many(progress=<callable>) is deprecated: progress=True shows "
+                      "a progress bar", DeprecationWarning, stacklevel=2)
+        return _run_jobs(jobs, images, labels, eval_rows, recipe, workers, progress)
+    with tqdm(total=len(jobs), desc="fine-tuning", unit="run", disable=not progress) as bar:
+        return _run_jobs(jobs, images, labels, eval_rows, recipe, workers, bar.update)
+
+
+def _run_jobs(jobs: list[FinetuneJob], images: torch.Tensor, labels: np.ndarray,
+              eval_rows: np.ndarray, recipe: FinetuneRecipe, workers: int,
+              tick: Callable[[], Any]) -> list[float]:
+    """`finetune_many`'s runs, calling `tick` after each."""
     if workers <= 1:
         threads = torch.get_num_threads()
         _start_worker(images, labels, eval_rows, recipe)
