@@ -13,8 +13,8 @@ from PIL import Image
 from sklearn.datasets import load_digits
 
 from vlm_vit.cli import main
-from vlm_vit.train import shard_writer
-from vlm_vit.train.shard_writer import write_shards
+from vlm_vit.data.shards import writer as shard_writer
+from vlm_vit.data.shards.writer import write_shards
 
 PHOTOS = ("astronaut", "camera", "coffee", "chelsea")
 
@@ -231,7 +231,7 @@ def test_a_corrupt_image_is_skipped_and_named(tmp_path, folder, capsys, caplog):
     damaged = bytearray((folder / "digits" / "0.png").read_bytes())
     damaged[damaged.index(b"IDAT") + 6] ^= 0xFF  # opens, but its checksum fails verify()
     (folder / "digits" / "damaged.png").write_bytes(bytes(damaged))
-    with caplog.at_level(logging.WARNING, logger="vlm_vit.train.shard_writer"):
+    with caplog.at_level(logging.WARNING, logger="vlm_vit.data.shards.writer"):
         code, out = shards(tmp_path, folder, "--per-shard", "8")
     assert code == 0
     assert capsys.readouterr().out.strip() == f"wrote 20 samples in 3 shards to {out} (3 skipped)"
@@ -352,7 +352,7 @@ def test_a_record_image_outside_the_folder_is_skipped_and_named(
                 for n, row in enumerate(rows)]
     records = tmp_path / "records.jsonl"
     records.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
-    with caplog.at_level(logging.WARNING, logger="vlm_vit.train.shard_writer"):
+    with caplog.at_level(logging.WARNING, logger="vlm_vit.data.shards.writer"):
         code, out = shards(tmp_path, folder, f"--{source}", str(records), "--no-shuffle")
     assert code == 0
     assert capsys.readouterr().out.strip() == f"wrote 1 samples in 1 shards to {out} (1 skipped)"
@@ -387,7 +387,7 @@ def test_an_image_pil_fails_on_in_any_way_is_skipped_and_named(
         captions.write_text("\n".join(json.dumps({"image": image, "caption": "x"}) for image in
                                       ("coffee.jpg", "photos/hostile.jpg")) + "\n")
         options = ["--captions", str(captions)]
-    with caplog.at_level(logging.WARNING, logger="vlm_vit.train.shard_writer"):
+    with caplog.at_level(logging.WARNING, logger="vlm_vit.data.shards.writer"):
         code, out = shards(tmp_path, folder, *options)
     assert code == 0
     written = 1 if layout == "captions" else 20
@@ -460,7 +460,7 @@ def test_a_file_name_that_is_not_utf8_is_skipped_by_its_escaped_name(tmp_path, f
                                                                      caplog):
     """Its json entry could not be written: one such file ended the whole run, unnamed."""
     (folder / os.fsdecode(b"photos/\xff.png")).write_bytes((folder / "coffee.jpg").read_bytes())
-    with caplog.at_level(logging.WARNING, logger="vlm_vit.train.shard_writer"):
+    with caplog.at_level(logging.WARNING, logger="vlm_vit.data.shards.writer"):
         index = write_shards(folder, tmp_path / "out", progress=False)
     assert index["samples"] == 20
     assert index["skipped"] == [{"path": "photos/\\xff.png", "reason": "file name is not UTF-8"}]
@@ -481,7 +481,7 @@ def test_a_class_folder_that_is_not_utf8_is_refused_before_writing(tmp_path, cla
 def test_a_file_over_the_readers_member_bound_is_skipped_unread(tmp_path, folder, monkeypatch):
     """The readers skip a member over tar_shards.MAX_MEMBER_BYTES: the writer does not read
     such a file into memory to write a sample no reader will take."""
-    from vlm_vit.train import tar_shards
+    from vlm_vit.data.shards import reader as tar_shards
 
     sizes = {p.relative_to(folder).as_posix(): p.stat().st_size for p in folder.rglob("*")
              if p.suffix.lower() in {".png", ".jpg", ".jpeg"}}

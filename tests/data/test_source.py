@@ -86,7 +86,7 @@ def test_a_folder_checkpoint_written_before_sources_owned_their_state_resumes_ex
 def test_a_shard_stream_becomes_a_shard_source(tmp_path):
     from tests.train.test_tar_shards import decode
     from tests.train.toy import write_shards
-    from vlm_vit.train.tar_shards import ShardStream
+    from vlm_vit.data.shards import ShardStream
 
     write_shards(tmp_path, 2, 3)
     stream = ShardStream(tmp_path, decode())
@@ -102,9 +102,30 @@ def test_a_shard_stream_becomes_a_shard_source(tmp_path):
 def test_progress_bar_is_the_deprecated_name_of_progress(data, tmp_path):
     with pytest.warns(DeprecationWarning, match="progress="):
         trainer = Trainer(toy_objective(), image_folder(data), config(), tmp_path / "a",
-                          progress=False)
+                          progress_bar=False)
     assert trainer.progress is False and trainer.progress_bar is False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert Trainer(toy_objective(), image_folder(data), config(), tmp_path / "b",
                        progress=False).progress is False
+
+
+@pytest.mark.parametrize(("old", "name", "home"), [
+    ("vlm_vit.train.tar_shards", "ShardStream", "vlm_vit.data.shards.stream"),
+    ("vlm_vit.train.tar_shards", "is_shard_spec", "vlm_vit.data.shards.spec"),
+    ("vlm_vit.train.tar_shards", "Sample", "vlm_vit.data.shards.reader"),
+    ("vlm_vit.train.tar_shards", "read_sample_log", "vlm_vit.train.metrics"),
+    ("vlm_vit.train.tar_shards", "UndecodableImage", "vlm_vit.data.samples"),
+    ("vlm_vit.train.data", "ImageFolder", "vlm_vit.data.folders"),
+    ("vlm_vit.train.data", "read_caption_lines", "vlm_vit.data.folders"),
+    ("vlm_vit.train.data", "ImageBatch", "vlm_vit.data.samples"),
+    ("vlm_vit.train.shard_writer", "write_shards", "vlm_vit.data.shards.writer"),
+])
+def test_old_import_paths_still_work_and_warn(old, name, home):
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match=rf"{old}\.{name} moved to {home}\.{name}"):
+        value = getattr(importlib.import_module(old), name)
+    assert value is getattr(importlib.import_module(home), name)
+    with pytest.raises(AttributeError):
+        importlib.import_module(old).no_such_name  # noqa: B018

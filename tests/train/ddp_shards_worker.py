@@ -11,8 +11,8 @@ import torch
 
 from tests.train.test_tar_shards import decode
 from tests.train.toy import config, toy_objective
+from vlm_vit.data.shards import ShardStream
 from vlm_vit.train import Trainer
-from vlm_vit.train.tar_shards import ShardStream
 
 
 def main() -> None:

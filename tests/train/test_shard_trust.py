@@ -17,17 +17,12 @@ import pytest
 
 from tests.train.test_tar_shards import _png, decode, write_broken_shards
 from tests.train.toy import Interrupted, config, toy_objective, write_shards
-from vlm_vit.train import Trainer, tar_shards
-from vlm_vit.train.tar_shards import (
-    ShardProblems,
-    ShardStream,
-    escape_name,
-    expand_shards,
-    iter_samples,
-    read_dataset_index,
-    read_sample_log,
-    unescape_name,
-)
+from vlm_vit.data.shards import reader, spec
+from vlm_vit.data.shards.reader import ShardProblems, escape_name, iter_samples, unescape_name
+from vlm_vit.data.shards.spec import expand_shards, read_dataset_index
+from vlm_vit.data.shards.stream import ShardStream
+from vlm_vit.train import Trainer
+from vlm_vit.train.metrics import read_sample_log
 
 pytest.importorskip("webdataset")
 
@@ -45,7 +40,7 @@ def write_tar(path: Path, members: list[tuple[str, bytes]], mode: str = "w") -> 
 @pytest.mark.parametrize("mode", ["w", "w:gz"], ids=["tar", "tar.gz"])
 def test_a_member_declaring_more_than_the_bound_is_skipped_unread_by_name(
         tmp_path, monkeypatch, caplog, mode):
-    monkeypatch.setattr(tar_shards, "MAX_MEMBER_BYTES", 5000)
+    monkeypatch.setattr(reader, "MAX_MEMBER_BYTES", 5000)
     image = _png()
     assert len(image) < 5000
     name = "s.tar" if mode == "w" else "s.tar.gz"
@@ -75,7 +70,7 @@ def test_a_duplicated_member_is_skipped_by_name_and_the_shard_read_on(tmp_path, 
 
 
 def test_a_brace_pattern_beyond_the_bound_is_refused_before_expanding(tmp_path, monkeypatch):
-    monkeypatch.setattr(tar_shards, "MAX_SHARDS", 10)
+    monkeypatch.setattr(spec, "MAX_SHARDS", 10)
     with pytest.raises(ValueError, match=r"shard spec .*\{00\.\.19\}.* up to 20 shards, more "
                                          r"than the 10"):
         expand_shards(f"{tmp_path}/{{00..19}}.tar")

@@ -12,17 +12,12 @@ import pytest
 import torch
 
 from tests.train.toy import Interrupted, config, toy_objective, write_shards
+from vlm_vit.data.folders import Augmentation
+from vlm_vit.data.samples import collate_images
+from vlm_vit.data.shards import ImageDecode, ShardStream, expand_shards, is_shard_spec, iter_samples
 from vlm_vit.processor import NORMALIZATION
 from vlm_vit.train import Trainer
-from vlm_vit.train.data import Augmentation, collate_images
-from vlm_vit.train.tar_shards import (
-    ImageDecode,
-    ShardStream,
-    expand_shards,
-    is_shard_spec,
-    iter_samples,
-    read_sample_log,
-)
+from vlm_vit.train.metrics import read_sample_log
 
 MEAN, STD = NORMALIZATION["imagenet"]
 
@@ -231,9 +226,9 @@ def test_two_gloo_processes_with_two_workers_each_see_every_key_once_per_epoch(
 
 
 def test_labels_come_from_cls_or_a_json_field_and_bad_ones_are_named(tmp_path):
+    from vlm_vit.data.samples import UndecodableImage
+    from vlm_vit.data.shards import KeySplit, LabelledDecode, Sample, held_out
     from vlm_vit.processor import ImageProcessor
-    from vlm_vit.train.data import UndecodableImage
-    from vlm_vit.train.tar_shards import KeySplit, LabelledDecode, Sample, held_out
 
     image = _png()
     processor = ImageProcessor(size=32, mean=MEAN, std=STD)

@@ -17,9 +17,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from vlm_vit.train.data import describe_dataset, mixed_seed
-from vlm_vit.train.distributed import GlobalBatchSampler, batches_per_epoch
-from vlm_vit.train.tar_shards import ShardStream, StreamState
+from vlm_vit.data.folders import describe_dataset
+from vlm_vit.data.sampler import GlobalBatchSampler, batches_per_epoch
+from vlm_vit.data.samples import mixed_seed
+from vlm_vit.data.shards.stream import ShardStream, StreamState
 
 
 @dataclass

@@ -6,16 +6,10 @@ outside the package. Importing it loads no optional dependency (torchvision, tqd
 tensorboard are imported where used).
 """
 
+from vlm_vit.data.folders import ImageFolder, LabelledImageFolder
+from vlm_vit.data.sampler import GlobalBatchSampler
+from vlm_vit.data.samples import ImageBatch, UndecodableImage, collate_images, collate_labelled
 from vlm_vit.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from vlm_vit.train.data import (
-    ImageBatch,
-    ImageFolder,
-    LabelledImageFolder,
-    UndecodableImage,
-    collate_images,
-    collate_labelled,
-)
-from vlm_vit.train.distributed import GlobalBatchSampler
 from vlm_vit.train.token_budget import TokenBudgetBatchSampler, collate_packed
 from vlm_vit.train.trainer import (
     NonFiniteLossError,

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import csv
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from vlm_vit.data.shards.reader import escape_name, unescape_name
 from vlm_vit.files import atomic_write
-from vlm_vit.train.tar_shards import SampleLog
 
 METRICS_NAME = "metrics.csv"
 TENSORBOARD_DIR = "tensorboard"
+SAMPLES_DIR = "samples"  # the trainer's per-rank sample logs (TrainConfig.log_samples)
 
 
 class Silent:
@@ -138,3 +139,51 @@ class RunReport:
             self.samples.close()
         self.metrics = self.samples = None
         self._redirect.close()
+
+
+class SampleLog:
+    """samples/rank_R.tsv: `step, epoch, shard, key` for every sample a step trained on
+    (not the ones it skipped), names escaped by `escape_name`.
+
+    On a resume, lines after the checkpoint's step are dropped, so the file reads as the
+    log of one uninterrupted run.
+    """
+
+    def __init__(self, run_dir: Path, rank: int, resumed_step: int | None) -> None:
+        from vlm_vit.files import atomic_write
+
+        folder = Path(run_dir) / SAMPLES_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"rank_{rank}.tsv"
+        if resumed_step is not None and self.path.is_file():
+            kept = [line + "\n" for line in _log_lines(self.path)
+                    if int(line.split("\t", 1)[0]) <= resumed_step]
+            with atomic_write(self.path, "w") as handle:
+                handle.writelines(kept)
+        elif self.path.exists():
+            self.path.unlink()
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def write(self, step: int, samples: Sequence[tuple[int, str, str]]) -> None:
+        self._file.writelines(f"{step}\t{epoch}\t{escape_name(shard)}\t{escape_name(key)}\n"
+                              for epoch, shard, key in samples)
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _log_lines(path: Path) -> list[str]:
+    """The whole lines of a sample log (a line cut by a kill has no newline: dropped)."""
+    lines = path.read_text(encoding="utf-8").split("\n")
+    return lines[:-1]
+
+
+def read_sample_log(run_dir: str | Path, rank: int = 0) -> list[tuple[int, int, str, str]]:
+    """The (step, epoch, shard, key) lines a run's `SampleLog` wrote for `rank`."""
+    path = Path(run_dir) / SAMPLES_DIR / f"rank_{rank}.tsv"
+    rows = []
+    for line in _log_lines(path):
+        step, epoch, shard, key = line.split("\t")
+        rows.append((int(step), int(epoch), unescape_name(shard), unescape_name(key)))
+    return rows

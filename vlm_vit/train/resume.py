@@ -14,9 +14,9 @@ from torch import nn
 
 import vlm_vit.train.checkpoint as ckpt
 import vlm_vit.train.distributed as distributed
+from vlm_vit.data.samples import mixed_seed
 from vlm_vit.data.source import DataSource
 from vlm_vit.train.config import _HARMLESS_CHANGES, TrainConfig
-from vlm_vit.train.data import mixed_seed
 from vlm_vit.train.distributed import DistributedContext
 from vlm_vit.train.optim import Optimization
 from vlm_vit.train.step import _Progress

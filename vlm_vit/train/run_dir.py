@@ -17,8 +17,7 @@ import vlm_vit.train.checkpoint as ckpt
 import vlm_vit.train.distributed as distributed
 from vlm_vit.files import atomic_write, read_json
 from vlm_vit.train.distributed import DistributedContext
-from vlm_vit.train.metrics import METRICS_NAME, TENSORBOARD_DIR
-from vlm_vit.train.tar_shards import SAMPLES_DIR
+from vlm_vit.train.metrics import METRICS_NAME, SAMPLES_DIR, TENSORBOARD_DIR
 
 RUN_CONFIG_NAME = "run_config.json"
 OBJECTIVE_NAME = "objective.pt"

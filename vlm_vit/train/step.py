@@ -22,8 +22,8 @@ from torch import nn
 
 import vlm_vit.train.checkpoint as ckpt
 import vlm_vit.train.distributed as distributed
+from vlm_vit.data.samples import ImageBatch, UndecodableImage
 from vlm_vit.train.config import NonFiniteLossError, TrainConfig
-from vlm_vit.train.data import ImageBatch, UndecodableImage
 from vlm_vit.train.distributed import DistributedContext
 from vlm_vit.train.optim import Optimization
 from vlm_vit.train.run_dir import _listing

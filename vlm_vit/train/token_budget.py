@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlm_vit.train.data import ImageBatch, mixed_seed
+from vlm_vit.data.samples import ImageBatch, mixed_seed
 
 logger = logging.getLogger(__name__)
 

@@ -46,6 +46,7 @@ import vlm_vit.train.checkpoint as ckpt
 import vlm_vit.train.distributed as distributed
 import vlm_vit.train.resume as run_state
 import vlm_vit.train.run_dir as outputs
+from vlm_vit.data.samples import collate_images
 from vlm_vit.data.source import as_source
 from vlm_vit.train.config import (
     _HARMLESS_CHANGES,
@@ -55,9 +56,8 @@ from vlm_vit.train.config import (
     TrainConfig,
     TrainResult,
 )
-from vlm_vit.train.data import collate_images
 from vlm_vit.train.distributed import DistributedContext
-from vlm_vit.train.metrics import METRICS_NAME, TENSORBOARD_DIR, RunReport, Silent
+from vlm_vit.train.metrics import METRICS_NAME, SAMPLES_DIR, TENSORBOARD_DIR, RunReport, Silent
 from vlm_vit.train.optim import (
     NO_DECAY_NAMES,
     Optimization,
@@ -78,7 +78,6 @@ from vlm_vit.train.run_dir import (
 from vlm_vit.train.run_lock import RunLock
 from vlm_vit.train.signals import StopSignals, _ignore_interrupts
 from vlm_vit.train.step import _nothing_trained, _Progress, train_step
-from vlm_vit.train.tar_shards import SAMPLES_DIR
 
 # Names defined here before the split by idea, still importable from this module.
 __all__ = ["ADAPTER_DIR", "ENCODER_DIR", "METRICS_NAME", "MODEL_DIR", "NO_DECAY_NAMES",
