@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from vlm_vit.cli.common import check_output_apart
 from vlm_vit.cli.encode_model import DTYPES, encode_batch, prepare_encoder
+from vlm_vit.data.shards import is_shard_spec
 from vlm_vit.files import IMAGE_SUFFIXES, image_files, write_safetensors
 from vlm_vit.model import VisionEncoder
 from vlm_vit.processor import (
@@ -27,9 +28,6 @@ from vlm_vit.processor import (
     ImageLoadError,
     ImageProcessor,
     ImageTooLargeError,
-)
-from vlm_vit.train.tar_shards import (
-    is_shard_spec,
 )
 from vlm_vit.train.token_budget import first_fit_decreasing, tokens_for_size
 

@@ -1,7 +1,7 @@
 """`vlm-vit encode` over tar shards: one output file per input shard.
 
 WebDataset tar shards (a brace pattern, a glob, a folder of tars, several of these, or a
-`pipe:` URL; see `vlm_vit.train.tar_shards`) give one file per shard in the folder `-o OUT`:
+`pipe:` URL; see `vlm_vit.data.shards.spec`) give one file per shard in the folder `-o OUT`:
 `OUT/<shard name less .tar, .tar.gz or .tgz>.safetensors` (escaped, as below). Row i of its
 `tokens` (or `layer_K`) is the i-th sample of the shard that was encoded, whose `__key__` is
 `keys[i]`.
@@ -47,16 +47,7 @@ from tqdm import tqdm
 
 from vlm_vit.cli.common import check_output_apart
 from vlm_vit.cli.encode_model import DTYPES, encode_batch, prepare_encoder
-from vlm_vit.files import write_safetensors
-from vlm_vit.integrity import file_sha256
-from vlm_vit.model import VisionEncoder
-from vlm_vit.processor import ImageProcessor
-from vlm_vit.train.run_lock import RunDirectoryInUse, RunLock
-from vlm_vit.train.run_lock import _describe as describe_holder
-from vlm_vit.train.tar_shards import (
-    DATASET_INDEX,
-    SHARD_SUFFIXES,
-    URL_PREFIXES,
+from vlm_vit.data.shards import (
     ShardProblems,
     escape_name,
     expand_shards,
@@ -64,6 +55,13 @@ from vlm_vit.train.tar_shards import (
     read_dataset_index,
     read_shard,
 )
+from vlm_vit.data.shards.spec import DATASET_INDEX, SHARD_SUFFIXES, URL_PREFIXES
+from vlm_vit.files import write_safetensors
+from vlm_vit.integrity import file_sha256
+from vlm_vit.model import VisionEncoder
+from vlm_vit.processor import ImageProcessor
+from vlm_vit.train.run_lock import RunDirectoryInUse, RunLock
+from vlm_vit.train.run_lock import _describe as describe_holder
 
 
 def shard_output_name(url: str) -> str:

@@ -103,15 +103,15 @@ def build_model(settings: dict):
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from vlm_vit.data.samples import collate_labelled
     from vlm_vit.eval import read_class_folder
     from vlm_vit.processor import ImageProcessor
     from vlm_vit.train import TrainConfig, Trainer
-    from vlm_vit.train.data import collate_labelled
     from vlm_vit.train.run_lock import RunLock
 
     if args.qlora and not args.lora:
         raise ValueError("--qlora needs --lora (QLoRA trains LoRA adapters on 4-bit weights)")
-    from vlm_vit.train.tar_shards import is_shard_spec
+    from vlm_vit.data.shards import is_shard_spec
 
     shards = is_shard_spec(args.data)
     classes = _shard_classes(args) if shards else read_class_folder(Path(args.data))[2]
@@ -231,8 +231,8 @@ def _folder_parts(args: argparse.Namespace, processor, classes: list[str]):
     import numpy as np
     import torch
 
+    from vlm_vit.data.folders import LabelledImageFolder
     from vlm_vit.eval import stratified_split
-    from vlm_vit.train.data import LabelledImageFolder
 
     data = LabelledImageFolder(args.data, processor.size, mean=processor.mean,
                                std=processor.std, resample=processor.resample)
@@ -251,7 +251,7 @@ def _folder_parts(args: argparse.Namespace, processor, classes: list[str]):
 
 def _shard_classes(args: argparse.Namespace) -> list[str]:
     """The class names of shards: `vlm-vit shards`' dataset.json, else --num-classes."""
-    from vlm_vit.train.tar_shards import expand_shards, read_dataset_index
+    from vlm_vit.data.shards import expand_shards, read_dataset_index
 
     index = read_dataset_index(expand_shards(args.data))
     if index is not None and index.get("classes"):
@@ -265,7 +265,7 @@ def _shard_classes(args: argparse.Namespace) -> list[str]:
 def _shard_parts(args: argparse.Namespace, processor, classes: list[str]):
     """A training stream of the shards' samples outside the held-out hash split, and the
     held-out samples' batches in one ordered pass."""
-    from vlm_vit.train.tar_shards import KeySplit, LabelledBatches, LabelledDecode, ShardStream
+    from vlm_vit.data.shards import KeySplit, LabelledBatches, LabelledDecode, ShardStream
 
     decode = LabelledDecode(processor, args.label_field, num_classes=len(classes))
     train = ShardStream(args.data, decode, seed=args.seed,

@@ -106,9 +106,9 @@ def describe_objective(name: str, objective) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from vlm_vit.data.folders import Augmentation, ImageFolder
+    from vlm_vit.data.shards import ImageDecode, ShardStream, is_shard_spec
     from vlm_vit.train import TrainConfig, Trainer
-    from vlm_vit.train.data import Augmentation, ImageFolder
-    from vlm_vit.train.tar_shards import ImageDecode, ShardStream, is_shard_spec
 
     shards = is_shard_spec(args.data)
     if not shards and not Path(args.data).is_dir():

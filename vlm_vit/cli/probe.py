@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 from vlm_vit.cli.common import reading_checkpoint
+from vlm_vit.data.shards import expand_shards, is_shard_spec
 from vlm_vit.eval import POOLINGS, evaluate_folder, evaluate_shards
 from vlm_vit.files import atomic_write
 from vlm_vit.loading import load_with_processor
-from vlm_vit.train.tar_shards import expand_shards, is_shard_spec
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

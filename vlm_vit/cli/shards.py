@@ -41,7 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vlm_vit.train.shard_writer import write_shards
+    from vlm_vit.data.shards.writer import write_shards
 
     index = write_shards(args.folder, args.out, per_shard=args.per_shard, classes=args.classes,
                          captions=args.captions, llava=args.llava, shuffle=args.shuffle,

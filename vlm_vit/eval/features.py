@@ -191,7 +191,7 @@ class _KeyedDecode:
         self.keys: list[str] = []
 
     def __call__(self, sample: Any) -> Any:
-        from vlm_vit.train.data import UndecodableImage
+        from vlm_vit.data.samples import UndecodableImage
 
         item = self.decode(sample)
         if item is not None and not isinstance(item, UndecodableImage):

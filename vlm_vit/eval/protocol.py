@@ -286,7 +286,7 @@ def evaluate_shards(
 
     Args:
         encoder: the frozen encoder.
-        shards: a shard spec (see `vlm_vit.train.tar_shards.expand_shards`).
+        shards: a shard spec (see `vlm_vit.data.shards.expand_shards`).
         settings: as in `evaluate_folder`.
         processor: as in `extract_features`.
         label_field: None for the `cls` field, else a field of each sample's `json`.
@@ -319,7 +319,7 @@ def _shard_features(encoder: VisionEncoder, shards: str | Path | Sequence[str | 
                     settings: EvalSettings):
     """The shards' samples encoded in order: `[N, D]` features, `[N]` labels, the class names,
     the `[N]` keys, the shard URLs and the skipped counts."""
-    from vlm_vit.train.tar_shards import (
+    from vlm_vit.data.shards import (
         LabelledBatches,
         LabelledDecode,
         expand_shards,
