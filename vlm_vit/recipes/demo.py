@@ -266,10 +266,10 @@ def _pretrain(args: argparse.Namespace, data: DemoData, steps: int):
     import torch
 
     from vlm_vit.cli.pretrain import build_objective
+    from vlm_vit.data.folders import ImageFolder
     from vlm_vit.model import VisionEncoder
     from vlm_vit.recipes.label_efficiency import fingerprint
     from vlm_vit.train import TrainConfig, Trainer
-    from vlm_vit.train.data import ImageFolder
 
     out = args.out
     mean, std = NORMALIZATION["inception"]
