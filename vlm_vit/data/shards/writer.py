@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import vlm_vit.data.shards.reader as tar_shards
+import vlm_vit.data.shards.reader as reader
 from vlm_vit.data.folders import read_caption_lines
 from vlm_vit.data.shards.reader import escape_name
 from vlm_vit.data.shards.spec import DATASET_FORMAT, DATASET_VERSION, WRITER_LEFTOVER
@@ -109,45 +109,9 @@ def write_shards(
             malformed captions or LLaVA file (naming the file and line or record).
         FileExistsError: for an `out` that holds files, without `overwrite`.
     """
-    if per_shard < 1:
-        raise ValueError(f"per-shard must be at least 1, got {per_shard}")
-    if captions is not None and llava is not None:
-        raise ValueError("give captions or LLaVA records, not both")
-    if classes and (captions is not None or llava is not None):
-        raise ValueError("classes come from sub-folders; they do not combine with captions or "
-                         "LLaVA records")
     root, out = Path(root), Path(out)
-    if not root.exists():
-        raise FileNotFoundError(f"image folder {root} does not exist")
-    if not root.is_dir():
-        raise NotADirectoryError(f"image folder {root} is not a folder")
-    if resolves_inside(out, root.resolve()):  # shards among the images, deleted by --overwrite
-        where = "is" if out.resolve() == root.resolve() else "is inside"
-        raise ValueError(f"output folder {out} {where} the image folder {root}; write the "
-                         f"shards elsewhere")
-
-    class_names = None
-    if classes:
-        kind = "classes"
-        files, labels, class_names = class_folders(root)
-        for name in class_names:  # the index lists them: refused before anything is written
-            if not _is_utf8(name):
-                raise ValueError(f"class folder {escape_name(name)} of {root} is not named in "
-                                 f"UTF-8; rename it")
-        samples = [_Sample(path, path.relative_to(root).as_posix(),
-                           {"cls": str(label).encode("ascii")}, {"class": class_names[label]})
-                   for path, label in zip(files, labels, strict=True)]
-    elif captions is not None:
-        kind, samples = "captions", _read_captions(Path(captions), root)
-    elif llava is not None:
-        kind, samples = "llava", _read_llava(Path(llava), root)
-    else:
-        kind = "images"
-        files = image_files(root)
-        if not files:
-            raise ValueError(f"image folder {root} holds no image files "
-                             f"({', '.join(sorted(IMAGE_SUFFIXES))})")
-        samples = [_Sample(path, path.relative_to(root).as_posix(), {}, {}) for path in files]
+    _check_arguments(root, out, per_shard, classes, captions, llava)
+    kind, samples, class_names = _listed_samples(root, classes, captions, llava)
     if shuffle:
         random.Random(seed).shuffle(samples)
 
@@ -172,6 +136,55 @@ def write_shards(
     with atomic_write(out / INDEX, "wb") as handle:
         handle.write((json.dumps(index, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
     return index
+
+
+def _check_arguments(root: Path, out: Path, per_shard: int, classes: bool,
+                     captions: str | Path | None, llava: str | Path | None) -> None:
+    """Refuses `write_shards`'s conflicting options and folders before anything is read."""
+    if per_shard < 1:
+        raise ValueError(f"per-shard must be at least 1, got {per_shard}")
+    if captions is not None and llava is not None:
+        raise ValueError("give captions or LLaVA records, not both")
+    if classes and (captions is not None or llava is not None):
+        raise ValueError("classes come from sub-folders; they do not combine with captions or "
+                         "LLaVA records")
+    if not root.exists():
+        raise FileNotFoundError(f"image folder {root} does not exist")
+    if not root.is_dir():
+        raise NotADirectoryError(f"image folder {root} is not a folder")
+    if resolves_inside(out, root.resolve()):  # shards among the images, deleted by --overwrite
+        where = "is" if out.resolve() == root.resolve() else "is inside"
+        raise ValueError(f"output folder {out} {where} the image folder {root}; write the "
+                         f"shards elsewhere")
+
+
+def _listed_samples(root: Path, classes: bool, captions: str | Path | None,
+                    llava: str | Path | None) -> tuple[str, list[_Sample], list[str] | None]:
+    """The dataset's kind, its samples in sorted (or the file's) order, and its class names
+    (None unless `classes`)."""
+    class_names = None
+    if classes:
+        kind = "classes"
+        files, labels, class_names = class_folders(root)
+        for name in class_names:  # the index lists them: refused before anything is written
+            if not _is_utf8(name):
+                raise ValueError(f"class folder {escape_name(name)} of {root} is not named in "
+                                 f"UTF-8; rename it")
+        samples = [_Sample(path, path.relative_to(root).as_posix(),
+                           {"cls": str(label).encode("ascii")}, {"class": class_names[label]})
+                   for path, label in zip(files, labels, strict=True)]
+    elif captions is not None:
+        kind, samples = "captions", _read_captions(Path(captions), root)
+    elif llava is not None:
+        kind, samples = "llava", _read_llava(Path(llava), root)
+    else:
+        kind = "images"
+        files = image_files(root)
+        if not files:
+            raise ValueError(f"image folder {root} holds no image files "
+                             f"({', '.join(sorted(IMAGE_SUFFIXES))})")
+        samples = [_Sample(path, path.relative_to(root).as_posix(), {}, {}) for path in files]
+    return kind, samples, class_names
 
 
 def _read_captions(path: Path, root: Path) -> list[_Sample]:
@@ -344,9 +357,9 @@ def _entries(sample: _Sample, skipped: list[dict[str, str]]) -> dict[str, bytes]
         reason = OUTSIDE
     elif not sample.path.is_file():
         reason = "no such file"
-    elif (size := sample.path.stat().st_size) > tar_shards.MAX_MEMBER_BYTES:
+    elif (size := sample.path.stat().st_size) > reader.MAX_MEMBER_BYTES:
         # read at call time, as the readers do; they would skip the member unread
-        reason = f"{size:,} bytes, over the {tar_shards.MAX_MEMBER_BYTES:,} a shard member " \
+        reason = f"{size:,} bytes, over the {reader.MAX_MEMBER_BYTES:,} a shard member " \
                  f"may hold"
     else:
         try:
