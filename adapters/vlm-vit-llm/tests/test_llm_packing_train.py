@@ -26,10 +26,10 @@ from vlm_vit_llm.train import (
 )
 
 LONG = {"id": "long", "image": "0.png",
-        "conversations": [human("<image>\n" + "what is in the image " * 30),
-                          gpt("two blue dogs " * 30)]}
-WIDE = {"id": "wide", "image": ["0.png"] * 9, "conversations": [
-    human("<image>" * 9), gpt("blue")]}
+        "conversations": [human("<image>\nwhat is in the image"),
+                          gpt("two blue dogs " * 90)]}
+WIDE = {"id": "wide", "image": ["0.png"] * 17, "conversations": [
+    human("<image>" * 17), gpt("blue")]}
 
 
 @pytest.fixture
@@ -49,23 +49,23 @@ def dataset_of(tmp_path, mm, records, max_length):
 def test_packed_collate_truncates_and_drops_exactly_as_padded(tmp_path, chat_mm):
     """A record longer than max_length is cut at the same token, one whose images alone do
     not fit is dropped with the same reason; the rest are packed, never past max_length."""
-    dataset = dataset_of(tmp_path, chat_mm, [*GOOD, LONG], max_length=128)
+    dataset = dataset_of(tmp_path, chat_mm, [*GOOD, LONG], max_length=256)
     items = [dataset[i] for i in range(len(dataset))]
-    wide = dataset_of(tmp_path / "w", chat_mm, [GOOD[2], WIDE], max_length=200)[1]
+    wide = dataset_of(tmp_path / "w", chat_mm, [GOOD[2], WIDE], max_length=300)[1]
     items.append(wide)
-    padded = ConversationCollate(chat_mm, max_length=128)(items)
-    packed = ConversationCollate(chat_mm, max_length=128, packing=True)(items)
+    padded = ConversationCollate(chat_mm, max_length=256)(items)
+    packed = ConversationCollate(chat_mm, max_length=256, packing=True)(items)
     assert packed.pixel_values.input_ids == padded.pixel_values.input_ids
     assert packed.pixel_values.labels == padded.pixel_values.labels
     assert [b.reason for b in packed.undecodable] == [b.reason for b in padded.undecodable]
-    assert "more than max_length 128" in packed.undecodable[0].reason
+    assert "more than max_length 256" in packed.undecodable[0].reason
     batch, tokens = packed.pixel_values, chat_mm.tower.num_image_tokens()
     cut = batch.input_ids[-1]
-    assert len(cut) + cut.count(chat_mm.image_token_id) * (tokens - 1) == 128  # LONG, truncated
+    assert len(cut) + cut.count(chat_mm.image_token_id) * (tokens - 1) == 256  # LONG, truncated
     lengths = [len(ids) + ids.count(chat_mm.image_token_id) * (tokens - 1)
                for ids in batch.input_ids]
     assert sorted(i for row in batch.rows for i in row) == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in row) <= 128 for row in batch.rows)
+    assert all(sum(lengths[i] for i in row) <= 256 for row in batch.rows)
     assert len(batch.rows) < len(lengths)
 
 
@@ -86,16 +86,16 @@ def test_packed_captions_train_like_padded_ones(tmp_path, tokenizer):
 
 
 def test_token_budget_packs_cover_every_record_once(tmp_path, chat_mm):
-    dataset = dataset_of(tmp_path, chat_mm, [*GOOD, LONG] * 3, max_length=128)
-    packs = TokenBudgetPacks(dataset, max_tokens=200, max_length=128)
+    dataset = dataset_of(tmp_path, chat_mm, [*GOOD, LONG] * 3, max_length=256)
+    packs = TokenBudgetPacks(dataset, max_tokens=300, max_length=256)
     assert sorted(i for pack in packs.packs for i in pack) == list(range(len(dataset)))
-    counts = [min(abs(int(n)), 128) for n in dataset.lengths]
-    assert all(sum(counts[i] for i in pack) <= 200 for pack in packs.packs)
+    counts = [min(abs(int(n)), 256) for n in dataset.lengths]
+    assert all(sum(counts[i] for i in pack) <= 300 for pack in packs.packs)
     assert len(packs[0]) == len(packs.packs[0])
-    assert packs.describe()["max_tokens"] == 200
+    assert packs.describe()["max_tokens"] == 300
     with pytest.raises(ValueError, match="less than max_length"):
-        TokenBudgetPacks(dataset, max_tokens=50, max_length=128)
-    with pytest.raises(ValueError, match="needs a dataset with `lengths`"):
+        TokenBudgetPacks(dataset, max_tokens=50, max_length=256)
+    with pytest.raises(ValueError, match="need a dataset with `lengths`"):
         TokenBudgetPacks([1, 2], max_tokens=50, max_length=10)
 
 
@@ -121,30 +121,31 @@ def test_packing_flags_translate_and_refuse_what_cannot_go_together():
 
 
 def fit(mm, dataset, collate, run_dir, steps, resume=False, reduction="record"):
-    # A constant LR, so a 3-step run resumed to 6 follows the 6-step schedule.
+    # A constant LR, so a 2-step run resumed to 4 follows the 4-step schedule.
     config = TrainConfig(steps=steps, batch_size=2, lr=3e-3, min_lr=3e-3, weight_decay=0.0,
-                         grad_accumulation=2, num_workers=0, checkpoint_every=3,
+                         grad_accumulation=2, num_workers=0, checkpoint_every=2,
                          keep_checkpoints=0, log_every=100, device="cpu")
     return Trainer(ConversationObjective(mm, loss_reduction=reduction), dataset, config,
                    run_dir, collate=collate, progress_bar=False).fit(resume=resume)
 
 
+@pytest.mark.slow  # four trainer runs (about 30 s alone on two cores)
 def test_a_packed_token_budget_run_resumes_bit_exactly_mid_epoch(tmp_path, chat_tokenizer):
-    """Six steps straight, against three then a resume to six: the same packs, rows, losses
+    """Four steps straight, against two then a resume to four: the same packs, rows, losses
     and weights (the packs are rebuilt from the same lengths; the rows from the batch)."""
     def run(run_dir, steps, resume=False):
         mm = MultimodalLM(tiny_tower(), tiny_llm(vocab_size=512), chat_tokenizer)
         adopt_chat_template(mm.tokenizer, "vicuna_v1")
         mm.train_projector_only()
-        dataset = dataset_of(tmp_path / run_dir.name, mm, [*GOOD, LONG] * 4, max_length=128)
-        packs = TokenBudgetPacks(dataset, max_tokens=256, max_length=128)
-        assert len(packs) >= 12  # more than six steps of two packs: the resume is mid-epoch
-        collate = ConversationCollate(mm, max_length=128, packing=True)
+        dataset = dataset_of(tmp_path / run_dir.name, mm, [*GOOD, LONG] * 6, max_length=256)
+        packs = TokenBudgetPacks(dataset, max_tokens=256, max_length=256)
+        assert len(packs) >= 8  # four steps of two packs or more: the resume is mid-epoch
+        collate = ConversationCollate(mm, max_length=256, packing=True)
         return mm, fit(mm, packs, collate, run_dir, steps, resume)
 
-    straight_mm, straight = run(tmp_path / "straight", 6)
-    run(tmp_path / "resumed", 3)
-    resumed_mm, resumed = run(tmp_path / "resumed", 6, resume=True)
+    straight_mm, straight = run(tmp_path / "straight", 4)
+    run(tmp_path / "resumed", 2)
+    resumed_mm, resumed = run(tmp_path / "resumed", 4, resume=True)
     assert resumed.losses == straight.losses  # bit-exact
     for (name, a), (_, b) in zip(straight_mm.named_parameters(), resumed_mm.named_parameters(),
                                  strict=True):
@@ -152,8 +153,8 @@ def test_a_packed_token_budget_run_resumes_bit_exactly_mid_epoch(tmp_path, chat_
 
 
 def test_undecodable_items_inside_packs_are_dropped_and_named(chat_mm, tmp_path):
-    dataset = dataset_of(tmp_path, chat_mm, GOOD, max_length=128)
+    dataset = dataset_of(tmp_path, chat_mm, GOOD, max_length=256)
     bad = UndecodableImage("x.png", "broken")
-    batch = ConversationCollate(chat_mm, max_length=128, packing=True)(
+    batch = ConversationCollate(chat_mm, max_length=256, packing=True)(
         [[dataset[0], bad], [dataset[2]]])
     assert batch.undecodable == [bad] and len(batch.pixel_values) == 2
