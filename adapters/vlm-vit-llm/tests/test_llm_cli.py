@@ -139,3 +139,37 @@ def test_generate_names_the_prompt_text_of_a_chat_prompt_without_its_placeholder
     assert len(lines) == 1, err
     assert lines[0] == ("vlm-vit llm: error: --prompt has 0 '<image>' placeholder(s) but 1 "
                         "--image(s): 'what is\\nthis'")
+
+
+def test_packed_training_through_the_cli_follows_the_padded_losses(parts, tmp_path, capsys,
+                                                                   chat_tokenizer, caplog):
+    """`llm train --packing` (issue 30): the same records in the same batches give the same
+    losses as the padded run, step by step; bad packing flags are one line."""
+    import csv
+
+    from test_conversation_data import GOOD, write_images, write_records
+
+    tiny_llm(vocab_size=512).save_pretrained(tmp_path / "chat_llm")
+    chat_tokenizer.save_pretrained(tmp_path / "chat_llm")
+    images = write_images(tmp_path / "images")
+    data = write_records(tmp_path / "data.json", GOOD, lines=False)
+    common = ["llm", "train", "--data-format", "llava", "--data", str(data), "--image-folder",
+              str(images), "--steps", "2", "--batch-size", "3", "--num-workers", "0",
+              "--device", "cpu", "--tower", str(parts / "encoder"), "--llm",
+              str(tmp_path / "chat_llm"), "--template", "vicuna_v1", "--quiet"]
+    losses = {}
+    caplog.set_level("INFO", logger="vlm_vit_llm.packing")
+    for name, extra in {"padded": [], "packed": ["--packing"]}.items():
+        assert main([*common, *extra, "--out", str(tmp_path / name)]) == 0, \
+            capsys.readouterr().err
+        with open(tmp_path / name / "metrics.csv") as handle:
+            losses[name] = [float(row["loss"]) for row in csv.DictReader(handle)]
+    assert len(losses["packed"]) == 2
+    assert any("packed attention on" in r.getMessage() for r in caplog.records)  # it packed
+    for packed, padded in zip(losses["packed"], losses["padded"], strict=True):
+        assert abs(packed - padded) < 1e-5, losses
+    capsys.readouterr()
+    assert main([*common, "--packing", "--max-tokens-per-batch", "0", "--out",
+                 str(tmp_path / "bad")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("--max-tokens-per-batch must be positive, got 0")

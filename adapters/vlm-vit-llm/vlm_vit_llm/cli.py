@@ -8,6 +8,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from vlm_vit_llm.packing_args import PackingOptions, add_packing_arguments, packing_from_args
+
 STAGES = (1, 2)
 DATA_FORMATS = ("captions", "llava")
 
@@ -70,6 +72,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     captions.add_argument("--captions", type=Path, metavar="FILE.jsonl")
     captions.add_argument("--prompt", default="<image>\n",
                           help="what precedes each caption, for lines without their own")
+    add_packing_arguments(train)
     train.add_argument("--steps", type=int, default=1000)
     train.add_argument("--batch-size", type=int, default=32)
     train.add_argument("--lr", type=float, default=None, help="default: 1e-3 stage 1, 2e-4 stage 2")
@@ -222,6 +225,7 @@ def _train(args: argparse.Namespace) -> int:
     from vlm_vit_llm.objective import MODEL_DIR
 
     shards = _check_data(args)
+    packing = packing_from_args(args, shards=shards)  # bad flags fail before the LLM loads
     if args.model is not None:
         args.model = _model(args.model, "--model")  # once: the records read its image token
         if args.stage == 2:
@@ -229,14 +233,15 @@ def _train(args: argparse.Namespace) -> int:
     records = None if shards else _records(args)  # bad data fails before the LLM is loaded
     torch.manual_seed(args.seed)  # the same new projector on every process
     mm = build_model(args)
-    dataset, collate, objective_class = _data(args, mm, records, shards)
+    dataset, collate, objective_class = _data(args, mm, records, shards, packing)
     if args.stage == 1:
         mm.train_projector_only()
     else:
         mm.add_lora(r=args.lora_r, alpha=args.lora_alpha,
                     llm_targets=args.lora_targets or DEFAULT_LLM_LORA_TARGETS,
                     encoder_targets=args.lora_encoder)
-    objective = objective_class(mm)  # after the stage: it fingerprints the frozen base
+    # After the stage: it fingerprints the frozen base.
+    objective = objective_class(mm, loss_reduction=packing.loss_reduction)
     cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size,
@@ -248,7 +253,7 @@ def _train(args: argparse.Namespace) -> int:
         device=args.device)
     command = shlex.join(["vlm-vit", *sys.argv[1:]]) if sys.argv[1:2] == ["llm"] else None
     result = Trainer(objective, dataset, config, args.out, collate=collate, command=command,
-                     progress_bar=not args.quiet).fit(resume=args.resume, overwrite=args.overwrite)
+                     progress=not args.quiet).fit(resume=args.resume, overwrite=args.overwrite)
     if shards and result.undecodable_images:
         print(f"skipped {result.undecodable_images} bad sample(s) of the shards "
               f"({len(result.undecodable_paths)} distinct; first: "
@@ -324,9 +329,10 @@ def _records(args: argparse.Namespace):
     return records
 
 
-def _data(args: argparse.Namespace, mm, records, shards: bool):
+def _data(args: argparse.Namespace, mm, records, shards: bool, packing: PackingOptions):
     """(dataset, collate, objective class) for `--data-format`: a folder dataset, or with
-    `shards` a `ShardStream` whose decode gives the same items, for the same collate."""
+    `shards` a `ShardStream` whose decode gives the same items, for the same collate; rows
+    packed and batches token-budgeted as `packing` says."""
     from vlm_vit.train.tar_shards import ShardStream
     from vlm_vit_llm import train
 
@@ -338,12 +344,15 @@ def _data(args: argparse.Namespace, mm, records, shards: bool):
         else:
             dataset = train.CaptionFolder(args.data, _existing(args.captions, "--captions"),
                                           mm.processor)
-        return dataset, train.CaptionCollate(mm, args.prompt), train.CaptionObjective
+        return dataset, train.CaptionCollate(mm, args.prompt, packing=packing.packing,
+                                             max_length=args.max_length), \
+            train.CaptionObjective
     from vlm_vit_llm.chat import adopt_chat_template
 
     # Saved with the model; a template that cannot render a probe conversation fails here.
     adopt_chat_template(mm.tokenizer, args.template, source=str(args.model or args.llm))
-    collate = train.ConversationCollate(mm, max_length=args.max_length)
+    collate = train.ConversationCollate(mm, max_length=args.max_length,
+                                        packing=packing.packing)
     if shards:
         dataset = ShardStream(args.data, train.ConversationShardDecode(mm.processor,
                                                                        mm.image_token),
@@ -359,6 +368,7 @@ def _data(args: argparse.Namespace, mm, records, shards: bool):
                   f"images alone take more than --max-length {collate.max_length}"
                   + (f" (first: {named[0]})" if named else "") + "; --strict stops at the "
                   "first", file=sys.stderr)
+        dataset = packing.batches(dataset, collate.max_length)
     return dataset, collate, train.ConversationObjective
 
 
