@@ -70,7 +70,13 @@ def test_swiglu_matches_qwen2_5_vl_vision_mlp_on_the_same_weights():
     torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=1e-6)
 
 
-def test_swiglu_linear_names():
-    names = sorted(name for name, _ in SwiGLU(8, 16).named_children())
-    assert names == ["fc1_g", "fc1_x", "fc2"]
+def test_swiglu_linear_names_and_injected_activation():
+    linears = sorted(name for name, module in SwiGLU(8, 16).named_children()
+                     if isinstance(module, torch.nn.Linear))
+    assert linears == ["fc1_g", "fc1_x", "fc2"]
     assert SwiGLU(8, 16, bias=False).fc1_g.bias is None
+    torch.manual_seed(0)
+    geglu = SwiGLU(8, 16, act=torch.nn.GELU())
+    x = torch.randn(3, 8)
+    expected = geglu.fc2(torch.nn.functional.gelu(geglu.fc1_g(x)) * geglu.fc1_x(x))
+    assert torch.equal(geglu(x), expected)

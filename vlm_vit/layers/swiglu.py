@@ -1,7 +1,7 @@
 """The SwiGLU MLP (Shazeer 2020, "GLU Variants Improve Transformer"): a SiLU-gated hidden
 layer, the MLP of Qwen2.5-VL's vision blocks, EVA-02 and many recent towers.
 
-    out = fc2(silu(fc1_g(x)) * fc1_x(x))
+    out = fc2(act(fc1_g(x)) * fc1_x(x)),  act = SiLU (GELU makes it GeGLU)
 
 The three Linears carry timm's names (`timm.layers.SwiGLU`): `fc1_g` is the gate
 (transformers' `gate_proj`), `fc1_x` the value branch (`up_proj`), `fc2` the output
@@ -12,7 +12,6 @@ projection (`down_proj`). Keeping `fc2` means the output Linear has the same nam
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -23,14 +22,17 @@ class SwiGLU(nn.Module):
         width: D.
         hidden_width: the gated hidden size (Qwen2.5-VL-7B: 3420 for D = 1280).
         bias: whether the three Linears have biases (Qwen2.5-VL's vision MLP has them).
+        act: the gate's activation module; SiLU when None.
     """
 
-    def __init__(self, width: int, hidden_width: int, bias: bool = True) -> None:
+    def __init__(self, width: int, hidden_width: int, bias: bool = True,
+                 act: nn.Module | None = None) -> None:
         super().__init__()
         self.fc1_g = nn.Linear(width, hidden_width, bias=bias)
         self.fc1_x = nn.Linear(width, hidden_width, bias=bias)
+        self.act = act if act is not None else nn.SiLU()
         self.fc2 = nn.Linear(hidden_width, width, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Maps `x` `[..., D]` to `[..., D]`."""
-        return self.fc2(F.silu(self.fc1_g(x)) * self.fc1_x(x))  # hidden: (..., hidden_width)
+        return self.fc2(self.act(self.fc1_g(x)) * self.fc1_x(x))  # hidden: (..., hidden_width)
