@@ -129,3 +129,45 @@ def test_old_import_paths_still_work_and_warn(old, name, home):
     assert value is getattr(importlib.import_module(home), name)
     with pytest.raises(AttributeError):
         importlib.import_module(old).no_such_name  # noqa: B018
+
+
+def test_open_source_decides_between_a_folder_and_shards_in_one_place(data, tmp_path):
+    from tests.train.test_tar_shards import decode
+    from tests.train.toy import write_shards
+    from vlm_vit.data import open_source, storage
+    from vlm_vit.data.folders import ImageFolder
+
+    write_shards(tmp_path / "shards", 2, 3)
+    assert storage(tmp_path / "shards") == "shards" and storage(data) == "folder"
+    shards = open_source(tmp_path / "shards", decode(seed=4), seed=4)
+    assert isinstance(shards, ShardSource) and shards.stream.seed == 4
+    folder = open_source(data, decode(seed=4))
+    assert isinstance(folder, MapSource) and isinstance(folder.dataset, ImageFolder)
+    # The folder augments as the shard decoder does: the ImageFolder the CLI built before.
+    assert folder.describe() == image_folder_like(data, seed=4).describe()
+    with pytest.raises(FileNotFoundError, match="--data nowhere is neither a folder nor tar"):
+        open_source("nowhere", decode(), name="--data")
+
+
+def image_folder_like(root, seed):
+    from vlm_vit.data.folders import ImageFolder
+    from vlm_vit.processor import NORMALIZATION
+
+    mean, std = NORMALIZATION["imagenet"]
+    return MapSource(ImageFolder(root, 32, mean=mean, std=std, seed=seed))
+
+
+def test_one_reader_of_rank_and_world_size(monkeypatch):
+    from vlm_vit.train.distributed import launched_local_rank, launched_rank_and_world
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert launched_rank_and_world() == (0, 1) and launched_local_rank() is None
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert launched_rank_and_world() == (1, 2) and launched_local_rank() == 1
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match=r"RANK=2 must lie in 0..WORLD_SIZE-1"):
+        launched_rank_and_world()

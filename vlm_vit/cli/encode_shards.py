@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import vlm_vit.train.distributed as distributed
 from vlm_vit.cli.common import check_output_apart
 from vlm_vit.cli.encode_model import DTYPES, encode_batch, prepare_encoder
 from vlm_vit.data.shards import (
@@ -112,22 +112,6 @@ def _check_output_folder(args: argparse.Namespace, shards: list[str]) -> None:
     local = [Path(url) for url in shards if not url.startswith(URL_PREFIXES)]
     check_output_apart(out, args.model, [*args.inputs, *(path.parent for path in local)],
                        inputs_are="the folder of the input shards")
-
-
-def _rank_and_world() -> tuple[int, int]:
-    """This process's RANK and the WORLD_SIZE from the environment (torchrun sets both), or
-    (0, 1) when neither is set."""
-    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-    if rank is None and world is None:
-        return 0, 1
-    try:
-        values = int(rank or ""), int(world or "")
-    except ValueError:
-        raise ValueError(f"RANK={rank!r} and WORLD_SIZE={world!r} must both be set to integers "
-                         "(torchrun sets them)") from None
-    if not 0 <= values[0] < values[1]:
-        raise ValueError(f"RANK={rank} must lie in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
-    return values
 
 
 def _settings(args: argparse.Namespace) -> str:
@@ -338,9 +322,10 @@ def run_shards(args: argparse.Namespace) -> int:
     shards = expand_shards(list(args.inputs))
     _check_output_folder(args, shards)
     outputs = _output_paths(shards, args.out)
-    rank, world = _rank_and_world()
-    if world > 1 and args.device == "cuda" and "LOCAL_RANK" in os.environ:
-        args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    rank, world = distributed.launched_rank_and_world()
+    local_rank = distributed.launched_local_rank()
+    if world > 1 and args.device == "cuda" and local_rank is not None:
+        args.device = f"cuda:{local_rank}"
     lock = _lock_output(args.out, rank)  # before anything in OUT is read or removed
     try:
         return _encode_shards(args, shards, outputs, rank, world)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shutil
 from pathlib import Path
 
 from vlm_vit.cli.common import reading_checkpoint, refusing_pickles
 from vlm_vit.files import atomic_write, read_json
+from vlm_vit.train.distributed import launched_rank
 
 FINETUNE_NAME = "finetune.json"  # what `merge` needs to rebuild the model
 # Where a full fine-tune leaves its classifier (`ImageClassifier.save_pretrained`, what
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         model, processor = build_model(settings)
     from vlm_vit.lora import describe_trainable
 
-    if int(os.environ.get("RANK", "0")) == 0:
+    if launched_rank() == 0:
         print(describe_trainable(model))
     size = processor.size if args.image_size is None else (args.image_size, args.image_size)
     # The inference preprocessing at `size` with the checkpoint's normalisation, for folders
@@ -138,8 +138,8 @@ def run(args: argparse.Namespace) -> int:
                          num_workers=args.num_workers, device=args.device,
                          checkpoint_every=max(args.steps // 5, 1))
     trainer = Trainer(model, train, config, out, collate=collate_labelled,
-                      progress_bar=not args.quiet)
-    main_rank = int(os.environ.get("RANK", "0")) == 0
+                      progress=not args.quiet)
+    main_rank = launched_rank() == 0
     # The run directory is locked from the checks to the end (the trainer takes the same
     # lock again); finetune.json only once the run is accepted: a refused one leaves the
     # earlier run's.

@@ -4,7 +4,6 @@ tar shards."""
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 from vlm_vit.cli.common import variant_or_checkpoint
 from vlm_vit.model import VisionEncoder
 from vlm_vit.processor import NORMALIZATION
+from vlm_vit.train.distributed import launched_rank
 
 OBJECTIVES = ("mpp", "mae")
 
@@ -106,26 +106,20 @@ def describe_objective(name: str, objective) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from vlm_vit.data.folders import Augmentation, ImageFolder
-    from vlm_vit.data.shards import ImageDecode, ShardStream, is_shard_spec
+    from vlm_vit.data.folders import Augmentation
+    from vlm_vit.data.shards import ImageDecode
+    from vlm_vit.data.source import open_source, storage
     from vlm_vit.train import TrainConfig, Trainer
 
-    shards = is_shard_spec(args.data)
-    if not shards and not Path(args.data).is_dir():
-        raise FileNotFoundError(f"--data {args.data} is neither a folder nor tar shards")
+    storage(args.data, "--data")  # refused before the model is built
     torch.manual_seed(args.seed)  # the same initial weights on every process
     encoder = variant_or_checkpoint(args.model, args.image_size)
     mean, std = NORMALIZATION[args.normalize]
     objective = build_objective(args.objective, encoder, mean=mean, std=std,
                                 mask_ratio=args.mask_ratio, decoder_width=args.decoder_width,
                                 decoder_depth=args.decoder_depth)
-    if shards:
-        augmentation = Augmentation(encoder.config.image_size, mean=mean, std=std)
-        dataset = ShardStream(args.data, ImageDecode(augmentation, seed=args.seed),
-                              seed=args.seed)
-    else:
-        dataset = ImageFolder(args.data, encoder.config.image_size, mean=mean, std=std,
-                              seed=args.seed)
+    augmentation = Augmentation(encoder.config.image_size, mean=mean, std=std)
+    source = open_source(args.data, ImageDecode(augmentation, seed=args.seed), seed=args.seed)
     cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, grad_accumulation=args.grad_accumulation,
@@ -136,12 +130,12 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every, seed=args.seed, num_workers=args.num_workers,
         device=args.device, log_samples=args.log_samples)
     command = shlex.join(["vlm-vit", *sys.argv[1:]]) if sys.argv[1:2] == ["pretrain"] else None
-    if int(os.environ.get("RANK", "0")) == 0:
+    if launched_rank() == 0:
         print(describe_objective(args.objective, objective))
-    result = Trainer(objective, dataset, config, args.out, command=command,
-                     progress_bar=not args.quiet).fit(
+    result = Trainer(objective, source, config, args.out, command=command,
+                     progress=not args.quiet).fit(
         resume=args.resume, overwrite=args.overwrite)
-    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
+    if launched_rank() != 0:  # under torchrun, rank 0 reports
         return 0
     print(f"trained {result.step} steps, final loss {result.losses[-1]:.4f}; encoder in "
           f"{args.out / 'encoder'}"

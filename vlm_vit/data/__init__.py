@@ -8,7 +8,7 @@ never files or shards. Importing this package loads no optional dependency.
 - `folders.py`: `ImageFolder`, `LabelledImageFolder`, `Augmentation`, caption files.
 - `sampler.py`: `GlobalBatchSampler`, the resumable order of a map-style dataset.
 - `shards/`: tar shards (spec, reader, decode, split, stream, writer).
-- `source.py`: `DataSource`, `MapSource`, `ShardSource`, `as_source`.
+- `source.py`: `DataSource`, `MapSource`, `ShardSource`, `as_source`, `open_source`.
 """
 
 from vlm_vit.data.folders import Augmentation, ImageFolder, LabelledImageFolder
@@ -20,8 +20,17 @@ from vlm_vit.data.samples import (
     collate_labelled,
     mixed_seed,
 )
-from vlm_vit.data.source import DataSource, MapSource, ShardSource, SourceBatch, as_source
+from vlm_vit.data.source import (
+    DataSource,
+    MapSource,
+    ShardSource,
+    SourceBatch,
+    as_source,
+    open_source,
+    storage,
+)
 
 __all__ = ["Augmentation", "DataSource", "GlobalBatchSampler", "ImageBatch", "ImageFolder",
            "LabelledImageFolder", "MapSource", "ShardSource", "SourceBatch", "UndecodableImage",
-           "as_source", "collate_images", "collate_labelled", "mixed_seed"]
+           "as_source", "collate_images", "collate_labelled", "mixed_seed", "open_source",
+           "storage"]

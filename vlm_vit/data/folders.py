@@ -103,6 +103,7 @@ class Augmentation:
         # The processor only decodes here; its size and resizing are unused.
         self.decoder = ImageProcessor(size=size, mean=tuple(mean), std=tuple(std))
         self.image_size = size
+        self.scale, self.flip = tuple(scale), flip  # for `ImageDecode.folder`
         steps = [transforms.ToImage(),
                  transforms.RandomResizedCrop(size, scale=scale, antialias=True)]
         if flip:

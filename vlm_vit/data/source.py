@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
 from vlm_vit.data.folders import describe_dataset
 from vlm_vit.data.sampler import GlobalBatchSampler, batches_per_epoch
 from vlm_vit.data.samples import mixed_seed
+from vlm_vit.data.shards.spec import is_shard_spec
 from vlm_vit.data.shards.stream import ShardStream, StreamState
 
 
@@ -212,3 +214,48 @@ def as_source(data: Any) -> DataSource:
     if isinstance(data, DataSource):
         return data
     return MapSource(data)
+
+
+def storage(spec: Any, name: str | None = None) -> Literal["shards", "folder"]:
+    """What `spec` names: tar shards (see `is_shard_spec`) or a folder. The one place that
+    decides; `open_source` asks it.
+
+    Args:
+        spec: a shard spec or a folder.
+        name: how the caller's user gave it (`--data`), for the error.
+
+    Raises:
+        FileNotFoundError: when `spec` is neither.
+    """
+    if is_shard_spec(spec):
+        return "shards"
+    if not Path(spec).is_dir():
+        raise FileNotFoundError(f"{f'{name} ' if name else ''}{spec} is neither a folder nor "
+                                "tar shards")
+    return "folder"
+
+
+def open_source(spec: Any, decode: Any, *, seed: int = 0,
+                select: Callable[[Any], bool] | None = None,
+                name: str | None = None) -> DataSource:
+    """The source `spec` names, over the items `decode` makes.
+
+    Args:
+        spec: tar shards (a brace pattern, a glob, a list, a folder of `.tar` files, a URL)
+            or an image folder.
+        decode: turns a shard `Sample` into a dataset item (`ImageDecode`, a plugin's
+            decoder); its `folder(root)` is the map-style dataset of the same items over a
+            folder.
+        seed: the shards' order and block shuffle (a folder's order comes from the trainer).
+        select: keeps a shard sample when true (a `KeySplit`).
+        name: as in `storage`.
+
+    Returns:
+        A `ShardSource` over the shards, or a `MapSource` over `decode.folder(spec)`.
+
+    Raises:
+        FileNotFoundError: when `spec` is neither tar shards nor a folder.
+    """
+    if storage(spec, name) == "shards":
+        return ShardSource(ShardStream(spec, decode, seed=seed, select=select))
+    return MapSource(decode.folder(Path(spec)))

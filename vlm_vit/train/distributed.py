@@ -72,6 +72,34 @@ def launched_rank() -> int:
     return _env_int("RANK", 0)
 
 
+def launched_rank_and_world() -> tuple[int, int]:
+    """This process's RANK and the WORLD_SIZE from the environment (torchrun sets both), or
+    (0, 1) when neither is set: for commands that split work by rank without a process
+    group (`vlm-vit encode` over shards).
+
+    Raises:
+        ValueError: when only one is set, either is not an integer, or RANK is outside
+            0..WORLD_SIZE-1.
+    """
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None and world is None:
+        return 0, 1
+    try:
+        values = int(rank or ""), int(world or "")
+    except ValueError:
+        raise ValueError(f"RANK={rank!r} and WORLD_SIZE={world!r} must both be set to integers "
+                         "(torchrun sets them)") from None
+    if not 0 <= values[0] < values[1]:
+        raise ValueError(f"RANK={rank} must lie in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
+    return values
+
+
+def launched_local_rank() -> int | None:
+    """LOCAL_RANK as torchrun set it (this process's GPU on its node), or None."""
+    value = os.environ.get("LOCAL_RANK")
+    return None if value is None else _env_int("LOCAL_RANK", 0)
+
+
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:
     """A device from a config string; "auto" is CUDA when available, else CPU.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +38,15 @@ class ImageDecode:
             return UndecodableImage(sample.name, str(error))
         return self.augmentation(image, mixed_seed(self.seed, sample.epoch,
                                                    sample.shard_index, sample.index))
+
+    def folder(self, root: Path) -> Any:
+        """The `ImageFolder` of `root` that augments as this does (same settings and seed)."""
+        from vlm_vit.data.folders import ImageFolder
+
+        augmentation = self.augmentation
+        return ImageFolder(root, augmentation.image_size, mean=augmentation.decoder.mean,
+                           std=augmentation.decoder.std, scale=augmentation.scale,
+                           flip=augmentation.flip, seed=self.seed)
 
 
 class LabelledDecode:
