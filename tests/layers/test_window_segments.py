@@ -81,3 +81,15 @@ def test_a_window_off_the_merge_size_and_an_odd_grid_are_refused():
         window_partition((8, 8), 3, merge_size=2)
     with pytest.raises(ValueError, match=r"patch grid 7x8 is not divisible into 2x2"):
         window_partition((7, 8), 4, merge_size=2)
+
+
+@pytest.mark.parametrize(("grid", "window"), [((8, 12), 4), ((10, 6), 4), ((12, 8), 8)])
+def test_the_merge_order_changes_only_the_order_inside_each_window(grid, window):
+    # so an encoder may keep row-major tokens (merge size 1) and attend in the same windows
+    # as Qwen2.5-VL: attention is indifferent to the order inside a segment
+    merged, plain = window_partition(grid, window, 2), window_partition(grid, window, 1)
+    assert merged.lengths == plain.lengths
+    for a, b in zip(merged.order.split(merged.lengths), plain.order.split(plain.lengths),
+                    strict=True):
+        assert sorted(a.tolist()) == sorted(b.tolist())
+    assert not torch.equal(merged.order, plain.order)
