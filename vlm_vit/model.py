@@ -13,7 +13,6 @@ Shapes: B images, N patches on a (rows, cols) grid, D the width, T = prefix + N 
 from __future__ import annotations
 
 import operator
-from pathlib import Path
 from typing import Any, overload
 
 import torch
@@ -26,7 +25,8 @@ from vlm_vit.layers.pos_embed import is_symbolic
 from vlm_vit.native import CONFIG_NAME as CONFIG_NAME  # re-exported: importers use these names
 from vlm_vit.native import MODEL_TYPE as MODEL_TYPE
 from vlm_vit.native import WEIGHTS_NAME as WEIGHTS_NAME
-from vlm_vit.native import check_state_dict, read_native, save_native
+from vlm_vit.native import NativeFormat
+from vlm_vit.native import check_state_dict as check_state_dict
 from vlm_vit.outputs import BlocksOutput, EncoderOutput, PackedOutput
 from vlm_vit.packing import encode_packed
 
@@ -61,11 +61,13 @@ def add_residual(x: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
     return update.add_(x)
 
 
-class VisionEncoder(nn.Module):
+class VisionEncoder(NativeFormat, nn.Module):
     """The ViT encoder: patches in, every token out.
 
     Parameter names follow timm (`patch_embed.proj`, `cls_token`, `pos_embed`, `reg_token`,
     `norm_pre`, `blocks.N.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}`, `norm`).
+    `save_pretrained`, `from_pretrained` and `from_state_dict` come from `NativeFormat`
+    (`vlm_vit.native`).
 
     Args:
         config: the architecture.
@@ -346,84 +348,6 @@ class VisionEncoder(nn.Module):
             features=tuple(kept[i] for i in wanted) if feature_layers else None,
             attentions=tuple(attentions) if attentions is not None else None,
         )
-
-    # -- native format ----------------------------------------------------------------------
-
-    def save_pretrained(self, directory: str | Path, *, extra_config: dict | None = None,
-                        max_shard_size: int | str = "5GB", model_card: bool = True) -> Path:
-        """Writes `config.json`, `model.safetensors` and `manifest.json` (the weights' sha256,
-        checked on load: `vlm_vit.integrity`) into `directory`, each atomically
-        (`vlm_vit.native.save_native`).
-
-        Args:
-            directory: created if needed.
-            extra_config: further top-level sections for `config.json` (a tower's, say);
-                loading the encoder ignores them.
-            max_shard_size: larger weights are written as shards with an index
-                (`vlm_vit.weights`), as transformers does; "5GB", "500MB", or bytes.
-            model_card: write a `README.md` model card for the Hub, unless one exists.
-
-        Returns:
-            The directory.
-        """
-        return save_native(directory, self.config, self.state_dict(), extra_config=extra_config,
-                           max_shard_size=max_shard_size, model_card=model_card)
-
-    @classmethod
-    def from_pretrained(
-        cls, name: str | Path, *, dtype: torch.dtype | None = None,
-        verify: bool | None = None, **overrides
-    ) -> VisionEncoder:
-        """Reads a directory written by `save_pretrained`, bit-exactly.
-
-        Args:
-            name: a directory holding `config.json` and `model.safetensors`, or a Hub name
-                (`org/name[@revision]`, `hf-hub:org/name`) of one, as `load_encoder` takes.
-            dtype: cast the weights to this dtype (default: as stored).
-            verify: check the weights against `manifest.json` where there is one (default:
-                on, unless the environment sets `VLM_VIT_VERIFY=0`); False skips it.
-            **overrides: `EncoderConfig` fields to change; a new `image_size` resizes the
-                position table.
-
-        Raises:
-            FileNotFoundError, ValueError: naming the file that is missing or malformed
-                (`vlm_vit.hub.NotCachedError` for a name neither cached nor reachable);
-                `vlm_vit.integrity.IntegrityError` (a ValueError) for weights that do not
-                match their manifest hash.
-        """
-        config, state, directory = read_native(name, verify)
-        return cls.from_state_dict(state, config, dtype=dtype, source=directory, **overrides)
-
-    @classmethod
-    def from_state_dict(
-        cls,
-        state: dict[str, torch.Tensor],
-        config: EncoderConfig,
-        *,
-        dtype: torch.dtype | None = None,
-        source: str | Path = "state dict",
-        **overrides,
-    ) -> VisionEncoder:
-        """Builds an encoder from native-named weights, strictly.
-
-        Every missing, unexpected or mis-shaped key is listed in one error, and nothing is
-        loaded half-way. `overrides` may change `image_size` (the position table is resized)
-        or any field that does not change a weight's shape (`act`, `norm_eps`, ...).
-        """
-        new_size = overrides.pop("image_size", None)
-        config = EncoderConfig.from_dict({**config.to_dict(), **overrides})
-        with torch.device("meta"):
-            model = cls(config)
-        check_state_dict(model, state, source)
-        model.load_state_dict(state, assign=True)
-        floats = {t.dtype for t in state.values() if t.is_floating_point()}
-        if dtype is None and len(floats) > 1:  # e.g. OpenAI's float16 weights, float32 norms
-            dtype = max(floats, key=lambda d: torch.finfo(d).bits)
-        if dtype is not None:
-            model.to(dtype)
-        if new_size is not None:
-            model.resize_image(new_size)
-        return model
 
     def resize_image(self, image_size: int | tuple[int, int]) -> None:
         """Makes `image_size` the native size, resizing the position table once (paper 3.2)."""

@@ -4,13 +4,15 @@ index, `vlm_vit.weights`), `manifest.json` (sha256 of the weights, `vlm_vit.inte
 model card, read by path or Hub name; and `check_state_dict`, the strict fit check every
 loader runs before it assigns weights to a module.
 
-`VisionEncoder.save_pretrained` / `from_pretrained` are these functions on the model.
+`NativeFormat` gives `VisionEncoder` its `save_pretrained`, `from_pretrained` and
+`from_state_dict` on these functions.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -63,6 +65,93 @@ def read_native(name: str | Path, verify: bool | None = None
     except (TypeError, ValueError) as error:
         raise ValueError(f"{config_path}: {error}") from error
     return config, read_weights(directory, verify), directory
+
+
+Encoder = TypeVar("Encoder", bound="NativeFormat")
+
+
+class NativeFormat:
+    """The native directory and strict loading, mixed into `vlm_vit.model.VisionEncoder` (as
+    huggingface_hub's `ModelHubMixin` is into a model), so the model file keeps the paper's
+    shape. The class provides `config`, `state_dict`, `resize_image` and `cls(config)`."""
+
+    config: EncoderConfig
+
+    def save_pretrained(self, directory: str | Path, *, extra_config: dict | None = None,
+                        max_shard_size: int | str = "5GB", model_card: bool = True) -> Path:
+        """Writes `config.json`, `model.safetensors` and `manifest.json` (the weights' sha256,
+        checked on load: `vlm_vit.integrity`) into `directory`, each atomically
+        (`vlm_vit.native.save_native`).
+
+        Args:
+            directory: created if needed.
+            extra_config: further top-level sections for `config.json` (a tower's, say);
+                loading the encoder ignores them.
+            max_shard_size: larger weights are written as shards with an index
+                (`vlm_vit.weights`), as transformers does; "5GB", "500MB", or bytes.
+            model_card: write a `README.md` model card for the Hub, unless one exists.
+
+        Returns:
+            The directory.
+        """
+        return save_native(directory, self.config, self.state_dict(), extra_config=extra_config,
+                           max_shard_size=max_shard_size, model_card=model_card)
+
+    @classmethod
+    def from_pretrained(
+        cls: type[Encoder], name: str | Path, *, dtype: torch.dtype | None = None,
+        verify: bool | None = None, **overrides
+    ) -> Encoder:
+        """Reads a directory written by `save_pretrained`, bit-exactly.
+
+        Args:
+            name: a directory holding `config.json` and `model.safetensors`, or a Hub name
+                (`org/name[@revision]`, `hf-hub:org/name`) of one, as `load_encoder` takes.
+            dtype: cast the weights to this dtype (default: as stored).
+            verify: check the weights against `manifest.json` where there is one (default:
+                on, unless the environment sets `VLM_VIT_VERIFY=0`); False skips it.
+            **overrides: `EncoderConfig` fields to change; a new `image_size` resizes the
+                position table.
+
+        Raises:
+            FileNotFoundError, ValueError: naming the file that is missing or malformed
+                (`vlm_vit.hub.NotCachedError` for a name neither cached nor reachable);
+                `vlm_vit.integrity.IntegrityError` (a ValueError) for weights that do not
+                match their manifest hash.
+        """
+        config, state, directory = read_native(name, verify)
+        return cls.from_state_dict(state, config, dtype=dtype, source=directory, **overrides)
+
+    @classmethod
+    def from_state_dict(
+        cls: type[Encoder],
+        state: dict[str, torch.Tensor],
+        config: EncoderConfig,
+        *,
+        dtype: torch.dtype | None = None,
+        source: str | Path = "state dict",
+        **overrides,
+    ) -> Encoder:
+        """Builds an encoder from native-named weights, strictly.
+
+        Every missing, unexpected or mis-shaped key is listed in one error, and nothing is
+        loaded half-way. `overrides` may change `image_size` (the position table is resized)
+        or any field that does not change a weight's shape (`act`, `norm_eps`, ...).
+        """
+        new_size = overrides.pop("image_size", None)
+        config = EncoderConfig.from_dict({**config.to_dict(), **overrides})
+        with torch.device("meta"):
+            model = cls(config)
+        check_state_dict(model, state, source)
+        model.load_state_dict(state, assign=True)
+        floats = {t.dtype for t in state.values() if t.is_floating_point()}
+        if dtype is None and len(floats) > 1:  # e.g. OpenAI's float16 weights, float32 norms
+            dtype = max(floats, key=lambda d: torch.finfo(d).bits)
+        if dtype is not None:
+            model.to(dtype)
+        if new_size is not None:
+            model.resize_image(new_size)
+        return model
 
 
 def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: object) -> None:
