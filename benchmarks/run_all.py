@@ -67,6 +67,15 @@ BENCHMARKS = {
         ("data_ratio_2_over_1_shards", "data pipeline, 2 processes vs 1 (shards)", ">= 1.6"),
         ("encode_ratio_shards_over_folder", "vlm-vit encode from shards vs a folder", ">= 1.0"),
         ("encode_ratio_2_over_1_shards", "vlm-vit encode, 2 processes vs 1 (shards)", "")]),
+    "llava packed step": ("llava_packed_step.py", [
+        ("stage1_speed_packed_over_padded", "stage-1 speed, packed vs ours padded", ">= 1.5"),
+        ("stage1_speed_packed_over_hf_padded", "stage-1 speed, packed vs HF LLaVA padded",
+         ">= 1.5"),
+        ("stage2_speed_packed_over_padded", "stage-2 speed, packed vs ours padded", ">= 1.5"),
+        ("stage2_speed_packed_over_hf_padded", "stage-2 speed, packed vs HF LLaVA padded",
+         ">= 1.5"),
+        ("stage1_memory_packed_over_padded", "stage-1 peak memory vs padded", "<= 1.0"),
+        ("stage2_memory_packed_over_padded", "stage-2 peak memory vs padded", "<= 1.0")]),
     "export cpu": ("export_cpu.py", [
         ("ratio_onnxruntime_over_ours_float32", "ONNX Runtime float32 vs our eager float32",
          ">= 1.0"),
@@ -90,6 +99,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "packed vs padded": [],
         "shards vs folder": [],
         "export cpu": ["--variant", "vit-b/16", "--batch-size", "8", "--repeats", "3"],
+        "llava packed step": [],
     },
     "quick": {
         "encode vit-b/16": ["--variant", "vit-s/16", "--anchors", "timm", "--repeats", "5"],
@@ -103,6 +113,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "packed vs padded": ["--variant", "vit-s/16", "--images", "16", "--repeats", "3"],
         "shards vs folder": ["--images", "1000", "--per-shard", "125", "--repeats", "2"],
         "export cpu": ["--variant", "vit-s/16", "--batch-size", "1", "--repeats", "3"],
+        "llava packed step": ["--quick"],
     },
     "tiny": {
         "encode vit-b/16": ["--variant", "vit-ti/16", "--anchors", "timm", *_TINY,
@@ -126,6 +137,8 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "shards vs folder": ["--images", "64", "--per-shard", "16", "--repeats", "1"],
         "export cpu": ["--variant", "vit-ti/16", "--depth", "1", "--image-size", "32",
                        "--batch-size", "2", "--repeats", "1", "--warmup", "0"],
+        "llava packed step": ["--quick", "--llm-width", "64", "--llm-layers", "1",
+                              "--batches", "1", "--batch-size", "2", "--repeats", "1"],
     },
     "gpu": {  # gpu_suite.py: bf16 under autocast, sized to finish in one call of < 8 minutes
         "encode vit-b/16": ["--variant", "vit-b/16", "--anchors", "timm", "--batch-size", "256",

@@ -47,18 +47,19 @@ def run_script(benchmarks, monkeypatch, tmp_path, name: str, extra: tuple = ()) 
 @pytest.mark.parametrize("name", ["encode vit-b/16", "encode clip-vit-b/16",
                                   "encode clip-vit-l/14-336", "llava features", "load",
                                   "mae step", "lora step", "llava step", "scaling",
-                                  "shards vs folder", "export cpu"])
+                                  "shards vs folder", "export cpu",
+                                  pytest.param("llava packed step", marks=pytest.mark.slow)])
 def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
-    if name == "llava step":
+    if name in ("llava step", "llava packed step"):
         pytest.importorskip("vlm_vit_llm")
     if name == "export cpu":
         pytest.importorskip("onnxruntime")
-    memory_children = ("mae step", "lora step", "llava step")
+    memory_children = ("mae step", "lora step", "llava step", "llava packed step")
     extra = ("--no-memory",) if name in memory_children else ()  # children: below
     result = run_script(benchmarks, monkeypatch, tmp_path, name, extra)
     rows = benchmarks("run_all").headline_rows({name: result})
     expected = [field for field, *_ in benchmarks("run_all").BENCHMARKS[name][1]
-                if "memory_ratio" not in field]
+                if "memory" not in field]
     assert len(rows) == len(expected)
     assert all(math.isfinite(value) and value > 0 for _, _, value, _ in rows)
     if name == "encode clip-vit-b/16":
