@@ -5,7 +5,12 @@
 import pytest
 import torch
 
-from vlm_vit.layers.hybrid_stem import HybridPatchEmbed, WeightStandardizedConv2d, same_padding
+from vlm_vit.layers.hybrid_stem import (
+    HybridPatchEmbed,
+    WeightStandardizedConv2d,
+    same_padding,
+    same_padding_divisible,
+)
 
 LAYERS = (2, 1, 2)  # fewer blocks than (3, 4, 9) to keep the test fast; same construction
 
@@ -86,6 +91,10 @@ def test_same_padding_puts_the_odd_pixel_after():
     assert same_padding(64, 3, 2) == (0, 1)  # a strided 3x3
     assert same_padding(63, 3, 2) == (1, 1)
     assert same_padding(64, 1, 2) == (0, 0)
+    # on a side the stride divides, the padding does not depend on the size
+    for kernel, stride in ((7, 2), (3, 2), (3, 1), (1, 2), (1, 1)):
+        for size in range(stride, 100, stride):
+            assert same_padding_divisible(kernel, stride)[:2] == same_padding(size, kernel, stride)
 
 
 def test_weight_standardisation_ignores_the_kernels_scale_and_shift():
@@ -106,3 +115,26 @@ def test_bad_configs_and_sizes_are_refused():
         HybridPatchEmbed(32, layers=())
     with pytest.raises(ValueError, match=r"stem width 48 is not divisible by group norm's 32"):
         HybridPatchEmbed(32, layers=(1,), stem_width=48)
+
+
+def test_exports_for_any_size_on_the_stride():
+    # the padding is fixed at construction, so the traced program holds no size guard
+    from torch.export import Dim, export
+
+    class Tokens(torch.nn.Module):
+        def __init__(self, embed):
+            super().__init__()
+            self.embed = embed
+
+        def forward(self, pixel_values):
+            return self.embed(pixel_values)[0]
+
+    torch.manual_seed(0)
+    embed = HybridPatchEmbed(32, layers=(1, 1)).eval()
+    stride = embed.patch_size  # 8
+    rows, cols = Dim("rows", min=1, max=64), Dim("cols", min=1, max=64)
+    program = export(Tokens(embed), (torch.randn(1, 3, 4 * stride, 4 * stride),),
+                     dynamic_shapes=({2: stride * rows, 3: stride * cols},))
+    x = torch.randn(1, 3, 5 * stride, 7 * stride)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(x), embed(x)[0], rtol=0, atol=1e-6)

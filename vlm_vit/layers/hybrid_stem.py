@@ -31,17 +31,20 @@ def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
     return total // 2, total - total // 2
 
 
-def pad_same(x: torch.Tensor, kernel: int, stride: int, value: float = 0.0) -> torch.Tensor:
-    """Pads `[B, C, H, W]` for a "SAME" convolution or pooling."""
-    top, bottom = same_padding(x.shape[-2], kernel, stride)
-    left, right = same_padding(x.shape[-1], kernel, stride)
-    return F.pad(x, (left, right, top, bottom), value=value)
+def same_padding_divisible(kernel: int, stride: int) -> tuple[int, int, int, int]:
+    """`F.pad`'s (left, right, top, bottom) for "SAME" on a side divisible by the stride,
+    where the total, kernel - stride, does not depend on the size: fixed at construction, so
+    `forward` takes no Python integers from tensor shapes (`torch.export`). The hybrid's
+    input sides are multiples of its overall stride, so every layer's input is divisible by
+    its own stride."""
+    before, after = same_padding(stride, kernel, stride)
+    return before, after, before, after
 
 
 class WeightStandardizedConv2d(nn.Conv2d):
     """A bias-free Conv2d whose kernel is standardised per output channel before use
     (Qiao et al. 2019): (W - mean) / sqrt(var + eps), mean and biased variance over the
-    channel's inputs and taps; "SAME" padding.
+    channel's inputs and taps; "SAME" padding for inputs whose sides the stride divides.
 
     Args:
         in_channels, out_channels, kernel_size, stride: as `nn.Conv2d` (square kernels).
@@ -52,13 +55,13 @@ class WeightStandardizedConv2d(nn.Conv2d):
                  stride: int = 1, eps: float = 1e-8) -> None:
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, bias=False)
         self.eps = eps
+        self.same_pad = same_padding_divisible(kernel_size, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         variance, mean = torch.var_mean(weight, dim=(1, 2, 3), correction=0, keepdim=True)
         weight = (weight - mean) * torch.rsqrt(variance + self.eps)
-        x = pad_same(x, self.kernel_size[0], self.stride[0])
-        return F.conv2d(x, weight, None, self.stride)
+        return F.conv2d(F.pad(x, self.same_pad), weight, None, self.stride)
 
 
 def group_norm(channels: int) -> nn.GroupNorm:
@@ -127,7 +130,8 @@ class Stem(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.norm(self.conv(x)))
-        return F.max_pool2d(pad_same(x, 3, 2, value=-math.inf), 3, stride=2)
+        x = F.pad(x, same_padding_divisible(3, 2), value=-math.inf)
+        return F.max_pool2d(x, 3, stride=2)
 
 
 class ResNetV2Backbone(nn.Module):
