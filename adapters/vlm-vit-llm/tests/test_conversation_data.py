@@ -9,8 +9,8 @@ import torch
 from conftest import photos, tiny_llm, tiny_tower
 from PIL import Image
 
+from vlm_vit.data.samples import UndecodableImage
 from vlm_vit.train import TrainConfig, Trainer
-from vlm_vit.train.data import UndecodableImage
 from vlm_vit.train.distributed import GlobalBatchSampler
 from vlm_vit_llm import IGNORE_INDEX, MultimodalLM
 from vlm_vit_llm.chat import PRESETS, adopt_chat_template, chat_prompt

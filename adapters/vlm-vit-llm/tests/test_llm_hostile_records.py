@@ -10,7 +10,7 @@ from PIL import Image
 from test_conversation_data import GOOD, gpt, human, write_images, write_records
 from test_llm_train import write_captions
 
-from vlm_vit.train.data import UndecodableImage
+from vlm_vit.data.samples import UndecodableImage
 from vlm_vit_llm import MultimodalLM
 from vlm_vit_llm.records import ConversationRecords
 from vlm_vit_llm.train import ConversationDataset, read_captions

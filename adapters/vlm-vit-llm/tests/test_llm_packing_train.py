@@ -9,8 +9,8 @@ from conftest import tiny_llm, tiny_tower
 from test_conversation_data import GOOD, gpt, human, write_images, write_records
 from test_llm_train import write_captions
 
+from vlm_vit.data.samples import UndecodableImage
 from vlm_vit.train import TrainConfig, Trainer
-from vlm_vit.train.data import UndecodableImage
 from vlm_vit_llm import MultimodalLM
 from vlm_vit_llm.chat import adopt_chat_template
 from vlm_vit_llm.packing_args import PackingOptions, add_packing_arguments, packing_from_args

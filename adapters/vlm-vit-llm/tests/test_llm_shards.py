@@ -13,9 +13,9 @@ from PIL import Image
 from test_conversation_data import gpt, human, write_images, write_records
 
 from vlm_vit.cli import main
-from vlm_vit.train.data import UndecodableImage
-from vlm_vit.train.shard_writer import write_shards
-from vlm_vit.train.tar_shards import Sample, expand_shards, iter_samples
+from vlm_vit.data.samples import UndecodableImage
+from vlm_vit.data.shards import Sample, expand_shards, iter_samples
+from vlm_vit.data.shards.writer import write_shards
 from vlm_vit_llm import MultimodalLM
 from vlm_vit_llm.records import ConversationRecords
 from vlm_vit_llm.train import (

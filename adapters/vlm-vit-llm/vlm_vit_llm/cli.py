@@ -333,7 +333,7 @@ def _data(args: argparse.Namespace, mm, records, shards: bool, packing: PackingO
     """(dataset, collate, objective class) for `--data-format`: a folder dataset, or with
     `shards` a `ShardStream` whose decode gives the same items, for the same collate; rows
     packed and batches token-budgeted as `packing` says."""
-    from vlm_vit.train.tar_shards import ShardStream
+    from vlm_vit.data.shards import ShardStream
     from vlm_vit_llm import train
 
     if args.data_format == "captions":

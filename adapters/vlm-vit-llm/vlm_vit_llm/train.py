@@ -30,9 +30,10 @@ import numpy as np
 import torch
 
 from vlm_vit import ImageProcessor
+from vlm_vit.data.folders import read_caption_lines
+from vlm_vit.data.samples import ImageBatch, UndecodableImage
 from vlm_vit.files import resolves_inside
 from vlm_vit.pretrain.base import ObjectiveOutput
-from vlm_vit.train.data import ImageBatch, UndecodableImage, read_caption_lines
 from vlm_vit_llm.chat import bounded_turns, chat_template, tokenize_conversation
 from vlm_vit_llm.model import IGNORE_INDEX, MultimodalLM, target_ids
 from vlm_vit_llm.objective import BridgeObjective
@@ -650,7 +651,7 @@ class TokenBudgetPacks(torch.utils.data.Dataset):
 
     def describe(self) -> dict[str, Any]:
         """What run_config.json records: the packs, and the dataset they cover."""
-        from vlm_vit.train.data import describe_dataset
+        from vlm_vit.data.folders import describe_dataset
 
         return {"type": type(self).__name__, "length": len(self), "max_tokens": self.max_tokens,
                 "dataset": describe_dataset(self.dataset)}
