@@ -147,6 +147,9 @@ def test_open_source_decides_between_a_folder_and_shards_in_one_place(data, tmp_
     assert folder.describe() == image_folder_like(data, seed=4).describe()
     with pytest.raises(FileNotFoundError, match="--data nowhere is neither a folder nor tar"):
         open_source("nowhere", decode(), name="--data")
+    # A command that names a missing path in its own words asks without the folder check.
+    assert storage("nowhere", check_folder=False) == "folder"
+    assert storage(tmp_path / "shards", check_folder=False) == "shards"
 
 
 def image_folder_like(root, seed):

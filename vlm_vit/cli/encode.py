@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from vlm_vit.cli.common import check_output_apart
 from vlm_vit.cli.encode_model import DTYPES, encode_batch, prepare_encoder
-from vlm_vit.data.shards import is_shard_spec
+from vlm_vit.data.source import storage
 from vlm_vit.files import IMAGE_SUFFIXES, image_files, write_safetensors
 from vlm_vit.model import VisionEncoder
 from vlm_vit.processor import (
@@ -109,7 +109,7 @@ def _is_shard_job(inputs: list[str]) -> bool:
     Raises:
         ValueError: when some are shards and some are not.
     """
-    shards = [is_shard_spec(item) for item in inputs]
+    shards = [storage(item, check_folder=False) == "shards" for item in inputs]
     if all(shards):
         return True
     if any(shards):

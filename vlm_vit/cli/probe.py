@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 from vlm_vit.cli.common import reading_checkpoint
-from vlm_vit.data.shards import expand_shards, is_shard_spec
+from vlm_vit.data.shards import expand_shards
+from vlm_vit.data.source import storage
 from vlm_vit.eval import POOLINGS, evaluate_folder, evaluate_shards
 from vlm_vit.files import atomic_write
 from vlm_vit.loading import load_with_processor
@@ -63,7 +64,7 @@ def format_table(result: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
-    shards = is_shard_spec(args.data)
+    shards = storage(args.data, check_folder=False) == "shards"
     if shards:  # the checks before the checkpoint is read
         expand_shards(args.data)
     elif args.label_field is not None:

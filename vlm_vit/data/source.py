@@ -216,20 +216,25 @@ def as_source(data: Any) -> DataSource:
     return MapSource(data)
 
 
-def storage(spec: Any, name: str | None = None) -> Literal["shards", "folder"]:
+def storage(spec: Any, name: str | None = None, *, check_folder: bool = True
+            ) -> Literal["shards", "folder"]:
     """What `spec` names: tar shards (see `is_shard_spec`) or a folder. The one place that
-    decides; `open_source` asks it.
+    decides; `open_source`, and every command that reads a folder or shards, asks it.
 
     Args:
         spec: a shard spec or a folder.
         name: how the caller's user gave it (`--data`), for the error.
+        check_folder: refuse a `spec` that is neither shards nor an existing folder; without
+            it, anything but shards is "folder", for a caller that reads the path and names
+            what is missing in its own words (or reads a file there, as the LLM plugin's
+            conversations).
 
     Raises:
-        FileNotFoundError: when `spec` is neither.
+        FileNotFoundError: when `spec` is neither (and `check_folder`).
     """
     if is_shard_spec(spec):
         return "shards"
-    if not Path(spec).is_dir():
+    if check_folder and not Path(spec).is_dir():
         raise FileNotFoundError(f"{f'{name} ' if name else ''}{spec} is neither a folder nor "
                                 "tar shards")
     return "folder"

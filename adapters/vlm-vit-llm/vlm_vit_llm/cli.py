@@ -280,9 +280,10 @@ def _refuse_adapters(model: Path) -> None:
 def _check_data(args: argparse.Namespace) -> bool:
     """Checks `--data` and the flags that go with it; returns whether it names tar shards
     (else `args.data` becomes a checked `Path`)."""
-    from vlm_vit.train.tar_shards import expand_shards, is_shard_spec
+    from vlm_vit.data.shards import expand_shards
+    from vlm_vit.data.source import storage
 
-    if not is_shard_spec(args.data):
+    if storage(args.data, "--data", check_folder=False) != "shards":
         args.data = _existing(Path(args.data), "--data")
         if args.data_format == "captions" and args.captions is None:
             raise ValueError("--data-format captions needs --captions FILE.jsonl (or use "
