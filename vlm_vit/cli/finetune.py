@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 from vlm_vit.cli.common import reading_checkpoint, refusing_pickles
+from vlm_vit.data.source import storage
 from vlm_vit.files import atomic_write, read_json
 from vlm_vit.train.distributed import launched_rank
 
@@ -111,10 +112,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.qlora and not args.lora:
         raise ValueError("--qlora needs --lora (QLoRA trains LoRA adapters on 4-bit weights)")
-    from vlm_vit.data.shards import is_shard_spec
-
-    shards = is_shard_spec(args.data)
-    classes = _shard_classes(args) if shards else read_class_folder(Path(args.data))[2]
+    # A folder's own reader names a missing one, as before storage() decided.
+    kind = storage(args.data, "--data", check_folder=False)
+    classes = _shard_classes(args) if kind == "shards" else read_class_folder(Path(args.data))[2]
     settings = {"encoder": str(args.encoder), "image_size": args.image_size,
                 "pooling": args.pooling, "classes": classes, "qlora": args.qlora,
                 "lora": parse_lora(args.lora) if args.lora else None}
@@ -131,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
     # The inference preprocessing at `size` with the checkpoint's normalisation, for folders
     # (LabelledImageFolder) and shards alike.
     preprocess = ImageProcessor(size=size, mean=tuple(processor.mean), std=tuple(processor.std))
-    train, held_out = (_shard_parts if shards else _folder_parts)(args, preprocess, classes)
+    # The held-out split differs by storage: stratified for a folder, a key hash for shards.
+    train, held_out = _PARTS[kind](args, preprocess, classes)
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          warmup_steps=args.steps // 10, weight_decay=0.0,
                          grad_checkpointing=args.grad_checkpointing, seed=args.seed,
@@ -160,20 +161,7 @@ def run(args: argparse.Namespace) -> int:
     if not main_rank:
         return 0
     if held_out is not None:
-        model.eval()
-        device = next(model.parameters()).device
-        correct = total = 0
-        with torch.inference_mode():
-            for images, labels in held_out():
-                predicted = model(images.to(device)).argmax(-1).cpu()
-                correct += int((predicted == labels).sum())
-                total += len(labels)
-        accuracy = correct / max(total, 1)
-        with atomic_write(out / "eval.json", "w") as handle:
-            json.dump({"held_out_accuracy": accuracy, "test_images": total,
-                       "chance": 1 / len(classes)}, handle, indent=2)
-        print(f"held-out accuracy {accuracy:.3f} on {total} images (chance "
-              f"{1 / len(classes):.3f})")
+        _evaluate_held_out(model, held_out, classes, out)
     print(f"fine-tuned {args.steps} steps; outputs in {out}")
     if settings["lora"] is None:
         print(f"classifier: {classifier} (vlm-vit predict {classifier} IMAGES)")
@@ -181,6 +169,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"adapter: {out / 'adapter'} (vlm-vit merge {out} --out DIR writes a classifier "
               "directory that vlm-vit predict reads)")
     return 0
+
+
+def _evaluate_held_out(model, held_out, classes: list[str], out: Path) -> None:
+    """The held-out accuracy of the trained `model`, printed and written to eval.json."""
+    import torch
+
+    model.eval()
+    device = next(model.parameters()).device
+    correct = total = 0
+    with torch.inference_mode():
+        for images, labels in held_out():
+            predicted = model(images.to(device)).argmax(-1).cpu()
+            correct += int((predicted == labels).sum())
+            total += len(labels)
+    accuracy = correct / max(total, 1)
+    with atomic_write(out / "eval.json", "w") as handle:
+        json.dump({"held_out_accuracy": accuracy, "test_images": total,
+                   "chance": 1 / len(classes)}, handle, indent=2)
+    print(f"held-out accuracy {accuracy:.3f} on {total} images (chance "
+          f"{1 / len(classes):.3f})")
 
 
 def run_dir_hint(path: Path) -> str | None:
@@ -276,6 +284,10 @@ def _shard_parts(args: argparse.Namespace, processor, classes: list[str]):
                                select=KeySplit(args.test_fraction, args.seed, test=True))
 
     return train, held_out if args.test_fraction > 0 else None
+
+
+# (training data, held-out batches or None) for each storage that `storage()` names.
+_PARTS = {"folder": _folder_parts, "shards": _shard_parts}
 
 
 def run_merge(args: argparse.Namespace) -> int:
