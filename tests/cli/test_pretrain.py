@@ -52,7 +52,7 @@ def test_pretrain_user_errors(setup, capsys):
 @pytest.mark.parametrize("variant, decoder", [("vit-ti/16", (192, 4)), ("vit-b/16", (512, 8))])
 def test_the_mae_decoder_is_scaled_to_the_encoder(variant, decoder):
     from vlm_vit import EncoderConfig
-    from vlm_vit.cli.pretrain import build_objective
+    from vlm_vit.pretrain.build import build_objective
 
     with torch.device("meta"):
         encoder = VisionEncoder(EncoderConfig.from_name(variant))

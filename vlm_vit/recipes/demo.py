@@ -265,9 +265,9 @@ def _pretrain(args: argparse.Namespace, data: DemoData, steps: int):
     """
     import torch
 
-    from vlm_vit.cli.pretrain import build_objective
     from vlm_vit.data.folders import ImageFolder
     from vlm_vit.model import VisionEncoder
+    from vlm_vit.pretrain.build import build_objective
     from vlm_vit.recipes.label_efficiency import fingerprint
     from vlm_vit.train import TrainConfig, Trainer
 
