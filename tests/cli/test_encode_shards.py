@@ -406,7 +406,7 @@ def test_names_that_are_not_utf8_or_hold_a_newline_are_escaped_in_the_outputs(
     import io
     import tarfile
 
-    from vlm_vit.train.tar_shards import unescape_name
+    from vlm_vit.data.shards import unescape_name
 
     images = real_images(2)
     data = tmp_path / "shards"

@@ -79,7 +79,7 @@ def test_finetune_user_errors(setup, capsys, argv, message):
 def test_finetune_on_shards_reads_classes_labels_and_a_held_out_split(setup, capsys):
     """The digits folder as `vlm-vit shards --classes` writes it: the classes come from its
     dataset.json, labels from `cls`, and a seeded key hash holds out a fifth."""
-    from vlm_vit.train.shard_writer import write_shards
+    from vlm_vit.data.shards.writer import write_shards
 
     write_shards(setup / "digits", setup / "shards", per_shard=20, classes=True,
                  progress=False)
