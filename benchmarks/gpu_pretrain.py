@@ -36,8 +36,8 @@ def write_photos(folder: Path) -> None:
 
 
 def run_objective(name: str, data: Path, out: Path, args: argparse.Namespace) -> dict:
+    from vlm_vit.data.folders import ImageFolder
     from vlm_vit.train import TrainConfig, Trainer
-    from vlm_vit.train.data import ImageFolder
 
     mean, std = NORMALIZATION["inception"]
     torch.manual_seed(0)

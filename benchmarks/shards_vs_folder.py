@@ -6,7 +6,7 @@
 
 The workload is `--images` small real photos (crops of scikit-image's sample photos and
 scikit-learn's digits, 96 x 128 JPEG, quality 90), written once as a folder and once as
-WebDataset shards by `vlm_vit.train.shard_writer.write_shards` (`--per-shard` each).
+WebDataset shards by `vlm_vit.data.shards.writer.write_shards` (`--per-shard` each).
 
 - data: decode + pretraining augmentation (random-resized crop to 224, flip, normalise) of
   every image once, batches of 64, through the trainer's own loaders: `ImageFolder` under a
@@ -42,7 +42,7 @@ def write_workload(root: Path, count: int, per_shard: int) -> tuple[Path, Path]:
     from skimage import data as photos
     from sklearn.datasets import load_digits
 
-    from vlm_vit.train.shard_writer import write_shards
+    from vlm_vit.data.shards.writer import write_shards
 
     folder = root / "folder"
     folder.mkdir(parents=True)
@@ -71,9 +71,10 @@ def data_passes(folder: Path, shards: Path, count: int) -> dict:
     """One full pass per candidate: loader construction, worker start-up and every batch."""
     import torch
 
+    from vlm_vit.data.folders import Augmentation, ImageFolder
+    from vlm_vit.data.samples import collate_images
+    from vlm_vit.data.shards import ImageDecode, ShardStream
     from vlm_vit.processor import NORMALIZATION
-    from vlm_vit.train.data import Augmentation, ImageFolder, collate_images
-    from vlm_vit.train.tar_shards import ImageDecode, ShardStream
 
     mean, std = NORMALIZATION["imagenet"]
     batches = count // BATCH

@@ -117,7 +117,7 @@ def test_pretrain_on_shards_killed_at_a_random_moment_resumes_bit_exactly(tmp_pa
     import time
 
     from tests.train.toy import write_shards
-    from vlm_vit.train.tar_shards import read_sample_log
+    from vlm_vit.train.metrics import read_sample_log
 
     write_shards(tmp_path / "shards", 8, 5)
     torch.manual_seed(0)

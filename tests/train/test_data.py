@@ -95,7 +95,7 @@ def test_labelled_folder_has_classes_labels_and_a_deterministic_transform(tmp_pa
 
 
 def test_labelled_folder_agrees_with_evaluation_on_classes_and_labels(tmp_path):
-    from vlm_vit.evaluate import read_class_folder
+    from vlm_vit.eval import read_class_folder
 
     write_noise_images(tmp_path / "dog", 2, seed=1)
     write_noise_images(tmp_path / "cat", 3, seed=2)
