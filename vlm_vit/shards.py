@@ -6,7 +6,6 @@ importing line.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any
 
@@ -15,13 +14,9 @@ import vlm_vit.weights as _weights
 
 def __getattr__(name: str) -> Any:
     value = getattr(_weights, name)  # an unknown name raises AttributeError, as before
-    caller = sys._getframe(1).f_globals.get("__name__", "")
-    # vlm_vit.cli.convert still imports from here while its owners restructure the CLI; the
-    # package's own modules are not users, so only imports from outside it are warned.
-    if not caller.startswith("vlm_vit."):
-        warnings.warn(f"vlm_vit.shards is renamed vlm_vit.weights; import {name} from there "
-                      f"(vlm_vit.shards goes in the next release)", DeprecationWarning,
-                      stacklevel=2)
+    warnings.warn(f"vlm_vit.shards is renamed vlm_vit.weights; import {name} from there "
+                  f"(vlm_vit.shards goes in the next release)", DeprecationWarning,
+                  stacklevel=2)
     return value
 
 
