@@ -332,16 +332,16 @@ def _records(args: argparse.Namespace):
 
 def _data(args: argparse.Namespace, mm, records, shards: bool, packing: PackingOptions):
     """(dataset, collate, objective class) for `--data-format`: a folder dataset, or with
-    `shards` a `ShardStream` whose decode gives the same items, for the same collate; rows
-    packed and batches token-budgeted as `packing` says."""
-    from vlm_vit.data.shards import ShardStream
+    `shards` the shards' source (`open_source`) whose decode gives the same items, for the
+    same collate; rows packed and batches token-budgeted as `packing` says."""
+    from vlm_vit.data.source import open_source
     from vlm_vit_llm import train
 
     if args.data_format == "captions":
         if shards:
-            dataset = ShardStream(args.data, train.CaptionShardDecode(mm.processor,
+            dataset = open_source(args.data, train.CaptionShardDecode(mm.processor,
                                                                       mm.image_token),
-                                  seed=args.seed)
+                                  seed=args.seed, name="--data")
         else:
             dataset = train.CaptionFolder(args.data, _existing(args.captions, "--captions"),
                                           mm.processor)
@@ -355,9 +355,9 @@ def _data(args: argparse.Namespace, mm, records, shards: bool, packing: PackingO
     collate = train.ConversationCollate(mm, max_length=args.max_length,
                                         packing=packing.packing)
     if shards:
-        dataset = ShardStream(args.data, train.ConversationShardDecode(mm.processor,
+        dataset = open_source(args.data, train.ConversationShardDecode(mm.processor,
                                                                        mm.image_token),
-                              seed=args.seed)
+                              seed=args.seed, name="--data")
     else:
         before = records.skipped.count
         dataset = train.ConversationDataset(records, mm.processor,
