@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from vlm_vit.cli.common import reading_checkpoint, refusing_pickles
-from vlm_vit.data.source import storage
+from vlm_vit.data.source import open_source, storage
 from vlm_vit.files import atomic_write, read_json
 from vlm_vit.train.distributed import launched_rank
 
@@ -271,16 +271,16 @@ def _shard_classes(args: argparse.Namespace) -> list[str]:
 
 
 def _shard_parts(args: argparse.Namespace, processor, classes: list[str]):
-    """A training stream of the shards' samples outside the held-out hash split, and the
+    """A training source of the shards' samples outside the held-out hash split, and the
     held-out samples' batches in one ordered pass."""
-    from vlm_vit.data.shards import KeySplit, LabelledBatches, LabelledDecode, ShardStream
+    from vlm_vit.data.shards import KeySplit, LabelledBatches, LabelledDecode
 
     decode = LabelledDecode(processor, args.label_field, num_classes=len(classes))
-    train = ShardStream(args.data, decode, seed=args.seed,
+    train = open_source(args.data, decode, seed=args.seed, name="--data",
                         select=KeySplit(args.test_fraction, args.seed, test=False))
 
     def held_out():
-        return LabelledBatches(train.shards, decode, args.batch_size,
+        return LabelledBatches(train.stream.shards, decode, args.batch_size,
                                select=KeySplit(args.test_fraction, args.seed, test=True))
 
     return train, held_out if args.test_fraction > 0 else None
