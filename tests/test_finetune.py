@@ -121,9 +121,10 @@ def digits_folder(tmp_path):
 @pytest.mark.slow  # 100 steps; tests/cli/test_finetune.py checks the same through the CLI
 def test_fine_tuning_on_real_digits_beats_chance_on_held_out_images(tmp_path, digits_folder):
     pytest.importorskip("torchvision")
-    from vlm_vit.evaluate import stratified_split
+    from vlm_vit.data.folders import LabelledImageFolder
+    from vlm_vit.data.samples import collate_labelled
+    from vlm_vit.eval import stratified_split
     from vlm_vit.train import TrainConfig, Trainer
-    from vlm_vit.train.data import LabelledImageFolder, collate_labelled
 
     data = LabelledImageFolder(digits_folder, 32, mean=(0.5,) * 3, std=(0.5,) * 3)
     labels = np.array([label for _, label in data.samples])

@@ -1,4 +1,4 @@
-"""Fine-tuning with k labels per class (vlm_vit.label_efficiency) and layer-wise LR decay."""
+"""Fine-tuning with k labels per class (vlm_vit.recipes.label_efficiency), layer-wise LR decay."""
 
 import numpy as np
 import pytest
