@@ -52,14 +52,18 @@ def test_an_export_over_an_earlier_export_keeps_none_of_its_tokenizer(
     folder = tmp_path / "llava"
     adopt_chat_template(mm.tokenizer, "plain")
     export_llava(mm, folder)
-    assert (folder / "chat_template.jinja").is_file()
+    first_template = (folder / "chat_template.jinja").read_text()
     # An export by transformers 4 also held the SentencePiece model.
     (folder / "tokenizer.model").write_bytes((tokenizer_dir / "tokenizer.model").read_bytes())
-    chatml_tokenizer.chat_template = None  # the second model has no template at all
+    chatml_tokenizer.chat_template = None  # the second model has no template of its own
     other = MultimodalLM(tiny_tower(), tiny_llm(vocab_size=512), chatml_tokenizer)
     export_llava(other, folder)
+    export_llava(other, tmp_path / "fresh")  # what the second export alone writes
     assert not (folder / "tokenizer.model").exists()
-    assert not (folder / "chat_template.jinja").exists()
+    # The export writes a template (its own, else vicuna_v1's, issue 27): the second one's.
+    second_template = (folder / "chat_template.jinja").read_text()
+    assert second_template != first_template
+    assert second_template == (tmp_path / "fresh" / "chat_template.jinja").read_text()
     from transformers import AutoTokenizer
 
     assert len(AutoTokenizer.from_pretrained(folder)) == len(chatml_tokenizer)
