@@ -172,6 +172,16 @@ def _example(encoder: VisionEncoder, size: tuple[int, int], batch: int,
     return torch.randn(batch, encoder.config.in_channels, *size, generator=generator).to(dtype)
 
 
+def _traceable(model: nn.Module, feature_layer, image_size, dynamic: bool, max_side: int):
+    """What both exports trace: the forward wrapper, an example batch of 2 at the export
+    size (checked against the patch grid) in the weights' dtype, and the dynamic shapes."""
+    forward = ExportedForward(model, feature_layer).eval()
+    encoder = forward.encoder
+    size = check_size(encoder, image_size or encoder.config.image_size)
+    example = _example(encoder, size, 2, encoder.patch_embed.proj.weight.dtype)
+    return forward, example, dynamic_shapes(encoder, max_side) if dynamic else None
+
+
 def export_program(model: nn.Module, *, image_size: tuple[int, int] | None = None,
                    dynamic: bool = True, feature_layer: int | list[int] | None = None,
                    max_side: int = 4096) -> torch.export.ExportedProgram:
@@ -191,12 +201,7 @@ def export_program(model: nn.Module, *, image_size: tuple[int, int] | None = Non
         ExportError: for a size off the patch grid, or a model that cannot be traced
             (naming a tower's pooler).
     """
-    forward = ExportedForward(model, feature_layer).eval()
-    encoder = forward.encoder
-    size = check_size(encoder, image_size or encoder.config.image_size)
-    dtype = encoder.patch_embed.proj.weight.dtype
-    example = _example(encoder, size, 2, dtype)
-    shapes = dynamic_shapes(encoder, max_side) if dynamic else None
+    forward, example, shapes = _traceable(model, feature_layer, image_size, dynamic, max_side)
     try:
         with torch.no_grad(), _quiet_tracing():
             return torch.export.export(forward, (example,), dynamic_shapes=shapes, strict=False)
@@ -218,12 +223,7 @@ def export_onnx(model: nn.Module, path: str | Path, *, image_size: tuple[int, in
         ImportError: without `onnx` and `onnxscript` (`pip install 'vlm-vit[export]'`).
     """
     _require("onnx", "onnxscript")
-    forward = ExportedForward(model, feature_layer).eval()
-    encoder = forward.encoder
-    size = check_size(encoder, image_size or encoder.config.image_size)
-    dtype = encoder.patch_embed.proj.weight.dtype
-    example = _example(encoder, size, 2, dtype)
-    shapes = dynamic_shapes(encoder, max_side) if dynamic else None
+    forward, example, shapes = _traceable(model, feature_layer, image_size, dynamic, max_side)
     try:
         with torch.no_grad(), _quiet_tracing():
             program = torch.onnx.export(forward, (example,), dynamo=True, dynamic_shapes=shapes,
