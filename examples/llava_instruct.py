@@ -88,7 +88,7 @@ def train(mm, records, template: str, run_dir: Path, steps: int, lr: float) -> l
     config = TrainConfig(steps=steps, batch_size=5, lr=lr, warmup_steps=5, weight_decay=0.0,
                          num_workers=0, checkpoint_every=0, device="cpu")
     result = Trainer(ConversationObjective(mm), dataset, config, run_dir,
-                     collate=ConversationCollate(mm), progress_bar=False).fit()
+                     collate=ConversationCollate(mm), progress=False).fit()
     return result.losses
 
 

@@ -94,7 +94,7 @@ def main() -> int:
     train = TrainConfig(steps=args.steps, batch_size=4, lr=args.lr, warmup_steps=10,
                         weight_decay=0.0, num_workers=0, checkpoint_every=0, device="cpu")
     Trainer(CaptionObjective(mm), dataset, train, work / "run",
-            collate=CaptionCollate(mm), progress_bar=False).fit()
+            collate=CaptionCollate(mm), progress=False).fit()
 
     mm.eval()
     images = [[work / f"{name}.png"] for name in CAPTIONS]

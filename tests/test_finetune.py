@@ -133,7 +133,7 @@ def test_fine_tuning_on_real_digits_beats_chance_on_held_out_images(tmp_path, di
     config = TrainConfig(steps=100, batch_size=16, lr=1e-2, warmup_steps=10, num_workers=0,
                          checkpoint_every=0, device="cpu")
     Trainer(classifier, torch.utils.data.Subset(data, train.tolist()), config, tmp_path / "run",
-            collate=collate_labelled, progress_bar=False).fit()
+            collate=collate_labelled, progress=False).fit()
     images = torch.stack([data[i][0] for i in test])
     with torch.no_grad():
         predictions = classifier.eval()(images).argmax(-1).numpy()

@@ -180,7 +180,7 @@ def fit(obj, data, run_dir, steps: int, resume: bool = False):
                          device="cpu")
     dataset = CaptionFolder(data, data / "captions.jsonl", obj.mm.processor)
     return Trainer(obj, dataset, config, run_dir, collate=CaptionCollate(obj.mm),
-                   progress_bar=False).fit(resume=resume)
+                   progress=False).fit(resume=resume)
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -232,7 +232,7 @@ def fit(mm, dataset, collate, run_dir, steps, lr, **config):
     settings = dict(steps=steps, batch_size=4, lr=lr, warmup_steps=5, weight_decay=0.0,
                     num_workers=0, checkpoint_every=0, log_every=100, device="cpu")
     return Trainer(ConversationObjective(mm), dataset, TrainConfig(**(settings | config)),
-                   run_dir, collate=collate, progress_bar=False).fit()
+                   run_dir, collate=collate, progress=False).fit()
 
 
 def test_training_learns_multi_turn_multi_image_and_text_only_records(tmp_path, chat_mm):

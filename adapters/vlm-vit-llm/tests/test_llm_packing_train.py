@@ -126,7 +126,7 @@ def fit(mm, dataset, collate, run_dir, steps, resume=False, reduction="record"):
                          grad_accumulation=2, num_workers=0, checkpoint_every=2,
                          keep_checkpoints=0, log_every=100, device="cpu")
     return Trainer(ConversationObjective(mm, loss_reduction=reduction), dataset, config,
-                   run_dir, collate=collate, progress_bar=False).fit(resume=resume)
+                   run_dir, collate=collate, progress=False).fit(resume=resume)
 
 
 @pytest.mark.slow  # four trainer runs (about 30 s alone on two cores)

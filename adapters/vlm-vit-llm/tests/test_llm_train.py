@@ -33,7 +33,7 @@ def fit(mm, data, run_dir, steps, lr):
                          num_workers=0, checkpoint_every=0, log_every=100, device="cpu")
     dataset = CaptionFolder(data, data / "captions.jsonl", mm.processor)
     return Trainer(CaptionObjective(mm), dataset, config, run_dir,
-                   collate=CaptionCollate(mm), progress_bar=False).fit()
+                   collate=CaptionCollate(mm), progress=False).fit()
 
 
 def test_stage_1_teaches_the_projector_to_caption_each_image(tmp_path, tokenizer):
