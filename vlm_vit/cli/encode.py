@@ -171,7 +171,8 @@ class Skipped:
     `{"file", "reason"}` in the output's `skipped` metadata, as the shard path lists its
     samples; with `strict`, the first one is raised instead."""
 
-    ERRORS = (ImageLoadError, ImageTooLargeError, ValueError)
+    # ImageLoadError, ImageTooLargeError and the native-size bounds are all ValueErrors.
+    ERRORS = (ValueError,)
 
     def __init__(self, strict: bool) -> None:
         self.strict = strict

@@ -475,10 +475,9 @@ class MultimodalLM(nn.Module):
         Raises:
             ValueError: when LoRA is already on, or a target matches nothing.
         """
-        from vlm_vit.lora import apply_lora
-        from vlm_vit.optional import require
+        from vlm_vit.lora import apply_lora, import_peft
 
-        peft = require("peft", "lora", "LoRA on the LLM")
+        peft = import_peft("LoRA on the LLM")  # bitsandbytes' kernel warnings held back
         if isinstance(self.llm, peft.PeftModel) or isinstance(self.tower.encoder, peft.PeftModel):
             raise ValueError("LoRA is already on this model; merge it or load it without")
         self.requires_grad_(False)
