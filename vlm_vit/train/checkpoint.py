@@ -11,6 +11,11 @@ A checkpoint without its sidecar is not one this module wrote whole: refused whe
     run_dir/checkpoints/step_00000004.pt
     run_dir/checkpoints/step_00000004.pt.sha256
 
+The "fsdp" strategy writes directories instead (`step_00000004/`, see
+`vlm_vit.train.sharded_checkpoint`): every file in one has its sidecar, and `trainer.pt` in
+it is a checkpoint of the kind above holding all but the weights and optimiser moments.
+Both kinds are listed, pruned and resumed from alike.
+
 The newest usable checkpoint is the one to resume from (`load_latest_checkpoint`): a newer
 one that fails its hash or cannot be read is reported, moved aside (`.corrupt`) and skipped.
 """
@@ -22,6 +27,7 @@ import logging
 import pickle
 import random
 import re
+import shutil
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -44,7 +50,9 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_SUFFIX = ".corrupt"  # an unusable checkpoint moved aside on resume
 FORMAT_VERSION = 1  # bump when the layout of the saved dict changes
-_NAME = re.compile(r"^step_(\d+)\.pt$")
+_NAME = re.compile(r"^step_(\d+)(\.pt)?$")  # a file, or a distributed checkpoint's directory
+TRAINER_STATE = "trainer.pt"  # in a distributed checkpoint: all but the weights and moments
+DCP_METADATA = ".metadata"  # in a distributed checkpoint: DCP's index of the shards
 
 
 def checkpoint_path(run_dir: str | Path, step: int) -> Path:
@@ -52,15 +60,21 @@ def checkpoint_path(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / CHECKPOINT_DIR / f"step_{step:08d}.pt"
 
 
+def sharded_checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    """Where the distributed checkpoint (a directory) taken after `step` steps lives."""
+    return Path(run_dir) / CHECKPOINT_DIR / f"step_{step:08d}"
+
+
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """Every complete checkpoint in `run_dir` as (step, path), oldest first."""
+    """Every complete checkpoint in `run_dir` as (step, path), oldest first: files, and
+    distributed checkpoints' directories."""
     directory = Path(run_dir) / CHECKPOINT_DIR
     if not directory.is_dir():
         return []
     found = []
     for path in directory.iterdir():
         match = _NAME.match(path.name)  # temporaries start with "." and end in ".tmp"
-        if match and path.is_file():
+        if match and (path.is_file() if match.group(2) else path.is_dir()):
             found.append((int(match.group(1)), path))
     return sorted(found)
 
@@ -205,6 +219,8 @@ def load_checkpoint(path: str | Path, verify: bool | None = None) -> dict[str, A
             format version.
     """
     path = Path(path)
+    if path.is_dir():
+        return _load_directory(path, verify)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist or is not a file")
     if verify_enabled(verify) and not sidecar_path(path).is_file():
@@ -230,6 +246,21 @@ def load_checkpoint(path: str | Path, verify: bool | None = None) -> dict[str, A
     return state
 
 
+def _load_directory(path: Path, verify: bool | None) -> dict[str, Any]:
+    """A distributed checkpoint's `trainer.pt`, after checking every file in the directory
+    against its hash (the weights are read later, into the model, by DCP)."""
+    if not (path / DCP_METADATA).is_file() or not (path / TRAINER_STATE).is_file():
+        raise ValueError(f"checkpoint {path} lacks {DCP_METADATA} or {TRAINER_STATE}: not a "
+                         "whole distributed checkpoint")
+    if verify_enabled(verify):
+        for file in [path / DCP_METADATA, *sorted(path.glob("__*.distcp"))]:
+            if not sidecar_path(file).is_file():
+                raise IntegrityError(f"checkpoint file {file} has no {sidecar_path(file).name}"
+                                     ": it was not written whole by this trainer")
+            verify_sidecar(file, True)
+    return load_checkpoint(path / TRAINER_STATE, verify)
+
+
 def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
     """Deletes all but the newest `keep` checkpoints (none when `keep` is 0).
 
@@ -239,6 +270,9 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
     found = list_checkpoints(run_dir)
     doomed = [path for _, path in found[:-keep]] if keep > 0 else []
     for path in doomed:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            continue
         path.unlink(missing_ok=True)
         sidecar_path(path).unlink(missing_ok=True)
     return doomed
@@ -256,7 +290,10 @@ def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
     stale += [sidecar for sidecar in sorted(directory.glob("step_*.pt.sha256"))
               if not sidecar.with_suffix("").exists()]
     for path in stale:
-        path.unlink(missing_ok=True)
+        if path.is_dir():  # a distributed checkpoint's unfinished directory
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
     if stale:
         logger.info("removed %d unfinished checkpoint file(s) in %s", len(stale), directory)
     return stale

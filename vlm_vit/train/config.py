@@ -9,9 +9,14 @@ from pathlib import Path
 from typing import Any
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+# How the model is spread over processes (`vlm_vit.train.distributed.shard` and `wrap`):
+# "ddp" replicates it on every rank; "fsdp" shards parameters, gradients and optimizer state
+# per block (FSDP2) and writes distributed checkpoints that resume at any number of ranks.
+STRATEGIES = ("ddp", "fsdp")
 # Config fields that may change between a checkpoint and its resume without a warning.
 _HARMLESS_CHANGES = frozenset({"log_every", "checkpoint_every", "keep_checkpoints",
-                               "num_workers", "device", "compile", "max_bad_steps"})
+                               "num_workers", "device", "compile", "max_bad_steps",
+                               "strategy", "cpu_offload"})
 
 
 @dataclass
@@ -46,6 +51,11 @@ class TrainConfig:
     # Write the key of every sample each step trains on to samples/rank_R.tsv (shard
     # streams only): the data order, checkable against the shards.
     log_samples: bool = False
+    # "ddp" (the default: every rank holds the whole model, its gradients and AdamW's two
+    # moments, 16 bytes per parameter) or "fsdp" (FSDP2: each rank holds 1/world_size of
+    # them; use it when a model's 16 bytes per parameter do not fit one device).
+    strategy: str = "ddp"
+    cpu_offload: bool = False  # fsdp only: keep parameters and optimizer state on the CPU
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)
@@ -72,6 +82,13 @@ class TrainConfig:
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r} is not one of {PRECISIONS}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy {self.strategy!r} is not one of {STRATEGIES}")
+        if self.strategy == "fsdp" and self.precision == "fp16":
+            raise ValueError("strategy 'fsdp' trains in fp32 or bf16 (FSDP2's mixed precision "
+                             "has no fp16 loss scaler here); use precision 'bf16'")
+        if self.cpu_offload and self.strategy != "fsdp":
+            raise ValueError("cpu_offload needs strategy 'fsdp'")
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON-ready values."""

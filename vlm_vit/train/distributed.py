@@ -165,13 +165,28 @@ def teardown(context: DistributedContext) -> None:
             dist.destroy_process_group()
 
 
-def wrap(module: nn.Module, context: DistributedContext) -> nn.Module:
-    """The module in DistributedDataParallel when there are several processes, else itself.
+def shard(objective: nn.Module, context: DistributedContext, strategy: str = "ddp", *,
+          precision: str = "fp32", cpu_offload: bool = False) -> None:
+    """The first half of a strategy, before the optimiser is built: "fsdp" shards the
+    objective in place over the processes (`vlm_vit.train.fsdp`); "ddp", and any strategy on
+    one process, leave it whole.
+    """
+    if strategy == "fsdp" and context.is_distributed:
+        from vlm_vit.train.fsdp import shard as fully_shard_objective
+
+        fully_shard_objective(objective, context.device, precision=precision,
+                              cpu_offload=cpu_offload)
+
+
+def wrap(module: nn.Module, context: DistributedContext, strategy: str = "ddp") -> nn.Module:
+    """The second half, after the optimiser and the resume: the module in
+    DistributedDataParallel when there are several processes and the strategy is "ddp",
+    else itself (an FSDP2-sharded module synchronises itself).
 
     DDP copies rank 0's parameters and buffers to every rank here, so all ranks start (and,
     since gradients are averaged, stay) identical.
     """
-    if not context.is_distributed:
+    if not context.is_distributed or strategy == "fsdp":
         return module
     from torch.nn.parallel import DistributedDataParallel
 
@@ -243,4 +258,4 @@ def split_batch(batch_size: int, world_size: int, grad_accumulation: int) -> tup
 # The sampler moved to vlm_vit.data.sampler; its names stay importable from here.
 __all__ = ["DistributedContext", "GlobalBatchSampler", "all_gather_objects", "all_reduce",
            "barrier", "batches_per_epoch", "launched_rank", "no_sync", "resolve_device", "setup",
-           "split_batch", "teardown", "wrap"]
+           "shard", "split_batch", "teardown", "wrap"]

@@ -2,6 +2,11 @@
 the progress, every rank's RNG states and every rank's data-source state.
 
 The checkpoint's "data" entry is the list of every rank's `DataSource.state_dict()`.
+
+Under the "fsdp" strategy the weights and optimiser moments go into a distributed
+checkpoint that every rank writes its shards of (`sharded_checkpoint`), and the rest into
+its `trainer.pt`; either kind resumes under either strategy and at any number of ranks
+(except a "ddp" file into a sharded model).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from torch import nn
 
 import vlm_vit.train.checkpoint as ckpt
 import vlm_vit.train.distributed as distributed
+import vlm_vit.train.sharded_checkpoint as sharded_checkpoint
 from vlm_vit.data.samples import mixed_seed
 from vlm_vit.data.source import DataSource
 from vlm_vit.train.config import _HARMLESS_CHANGES, TrainConfig
@@ -21,9 +27,10 @@ from vlm_vit.train.distributed import DistributedContext
 from vlm_vit.train.optim import Optimization
 from vlm_vit.train.step import _Progress
 
-# What a resume reads from a checkpoint; one without them is skipped like a corrupt one.
-_CHECKPOINT_KEYS = ("progress", "objective", "optimizer", "scheduler", "scaler", "rng",
-                    "config")
+# What a resume reads from a checkpoint; one without them is skipped like a corrupt one (a
+# distributed checkpoint's weights and optimiser state are in its DCP files instead).
+_CHECKPOINT_KEYS = ("progress", "scheduler", "scaler", "rng", "config")
+_FILE_KEYS = ("objective", "optimizer")
 
 
 def save(run_dir: Path, objective: nn.Module, optimization: Optimization, progress: _Progress,
@@ -32,17 +39,20 @@ def save(run_dir: Path, objective: nn.Module, optimization: Optimization, progre
     wait."""
     rng_states = distributed.all_gather_objects(ckpt.rng_state(), context)
     data_states = distributed.all_gather_objects(source.state_dict(), context)
+    state = {"step": progress.step, "progress": dataclasses.asdict(progress),
+             "rng": rng_states, "config": config.to_dict(), "world_size": context.world_size,
+             "data": data_states}
+    if config.strategy == "fsdp":
+        path = sharded_checkpoint.save(
+            ckpt.sharded_checkpoint_path(run_dir, progress.step), objective,
+            optimization.optimizer, {**state, "scheduler": optimization.scheduler.state_dict(),
+                                     "scaler": optimization.scaler.state_dict()},
+            context.rank, context.world_size)
+    elif context.is_main:
+        path = ckpt.save_checkpoint({**state, "objective": objective.state_dict(),
+                                     **optimization.state_dict()},
+                                    ckpt.checkpoint_path(run_dir, progress.step))
     if context.is_main:
-        path = ckpt.save_checkpoint({
-            "step": progress.step,
-            "progress": dataclasses.asdict(progress),
-            "objective": objective.state_dict(),
-            **optimization.state_dict(),
-            "rng": rng_states,
-            "config": config.to_dict(),
-            "world_size": context.world_size,
-            "data": data_states,
-        }, ckpt.checkpoint_path(run_dir, progress.step))
         removed = ckpt.prune_checkpoints(run_dir, config.keep_checkpoints)
         log.info("saved %s%s", path, f" (removed {len(removed)} older)" if removed else "")
     distributed.barrier(context)  # nobody resumes or exits before the file is whole
@@ -61,12 +71,32 @@ def restore(run_dir: Path, found: Path, objective: nn.Module, optimization: Opti
         raise FileNotFoundError(f"{found} was removed while the run started")
     found, state = loaded
     _check_resumed_config(state["config"], config, log)
-    objective.load_state_dict(state["objective"])
-    optimization.load_state_dict(state)
+    if found.is_dir():
+        sharded_checkpoint.load_weights(found, objective, optimization.optimizer)
+        optimization.scheduler.load_state_dict(state["scheduler"])
+        optimization.scaler.load_state_dict(state["scaler"])
+    else:
+        _load_file(found, state, objective, optimization)
     progress = _Progress(**state["progress"])
     source.load_state_dict(data_states(state))
     log.info("resuming from %s at step %d", found, progress.step)
     return found, progress, state["rng"]
+
+
+def _load_file(path: Path, state: dict[str, Any], objective: nn.Module,
+               optimization: Optimization) -> None:
+    missing = [key for key in _FILE_KEYS if key not in state]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {', '.join(map(repr, missing))}: not a "
+                         "checkpoint of this trainer, or damaged")
+    from vlm_vit.train.fsdp import is_sharded
+
+    if is_sharded(objective):
+        raise ValueError(f"checkpoint {path} was written by the 'ddp' strategy (one file of "
+                         "whole tensors), which a sharded model does not resume from; resume "
+                         "it with --strategy ddp, or start afresh with --overwrite")
+    objective.load_state_dict(state["objective"])
+    optimization.load_state_dict(state)
 
 
 def data_states(state: dict[str, Any]) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ from torch import nn
 import vlm_vit.train.checkpoint as ckpt
 import vlm_vit.train.distributed as distributed
 from vlm_vit.files import atomic_write, read_json
+from vlm_vit.native import save_native
 from vlm_vit.train.distributed import DistributedContext
 from vlm_vit.train.metrics import METRICS_NAME, SAMPLES_DIR, TENSORBOARD_DIR
 
@@ -145,21 +146,37 @@ def write_run_config(run_dir: Path, run_config: dict[str, Any]) -> None:
         handle.write("\n")
 
 
-def export(objective: nn.Module, run_dir: Path, log: Any) -> None:
+def export(objective: nn.Module, run_dir: Path, log: Any,
+           state: dict[str, Any] | None = None) -> None:
     """The final objective state dict and the encoder in the native format, or what the
-    objective's own `export(run_dir)` writes."""
+    objective's own `export(run_dir)` writes.
+
+    Args:
+        state: the objective's whole state dict when the live module is sharded (FSDP2
+            gathers it onto this rank); the module's own `state_dict()` otherwise. An own
+            `export` then receives it as `export(run_dir, state_dict=state)`.
+    """
     own = getattr(objective, "export", None)
     if callable(own):
-        log.info("saved %s", own(run_dir))
+        log.info("saved %s", own(run_dir) if state is None else own(run_dir, state_dict=state))
         return
+    gathered, state = state is not None, objective.state_dict() if state is None else state
     with atomic_write(run_dir / OBJECTIVE_NAME, "wb") as handle:
-        torch.save(objective.state_dict(), handle)
+        torch.save(state, handle)
     if hasattr(objective, "peft_config"):  # LoRA: the adapter, in peft's format
-        objective.save_pretrained(run_dir / ADAPTER_DIR)
+        objective.save_pretrained(run_dir / ADAPTER_DIR, state_dict=state)
         log.info("saved the adapter to %s (merge with vlm-vit merge)", run_dir / ADAPTER_DIR)
         return
     encoder = objective.encoder
-    if hasattr(encoder, "save_pretrained"):
+    if gathered and hasattr(encoder, "save_pretrained") and hasattr(encoder, "config"):
+        # The live encoder is sharded: its weights are the gathered state's.
+        prefix = next(name for name, module in objective.named_modules()
+                      if module is encoder) + "."
+        save_native(run_dir / ENCODER_DIR, encoder.config,
+                    {name[len(prefix):]: tensor for name, tensor in state.items()
+                     if name.startswith(prefix)})
+        log.info("saved the encoder to %s", run_dir / ENCODER_DIR)
+    elif hasattr(encoder, "save_pretrained"):
         encoder.save_pretrained(run_dir / ENCODER_DIR)
         log.info("saved the encoder to %s", run_dir / ENCODER_DIR)
     else:

@@ -25,6 +25,7 @@ import vlm_vit.train.distributed as distributed
 from vlm_vit.data.samples import ImageBatch, UndecodableImage
 from vlm_vit.train.config import NonFiniteLossError, TrainConfig
 from vlm_vit.train.distributed import DistributedContext
+from vlm_vit.train.fsdp import local_number
 from vlm_vit.train.optim import Optimization
 from vlm_vit.train.run_dir import _listing
 
@@ -149,7 +150,8 @@ def _update(objective: nn.Module, optimization: Optimization, loss: float,
     scaler.unscale_(optimization.optimizer)  # clip the true gradients, not the scaled ones
     parameters = [p for p in objective.parameters() if p.grad is not None]
     max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm).item()
+    # A DTensor under FSDP2, whose full value is the norm over every rank's shards.
+    grad_norm = local_number(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
     updated = math.isfinite(loss) and math.isfinite(grad_norm)
     if updated:
         scaler.step(optimization.optimizer)

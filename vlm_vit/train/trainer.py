@@ -44,6 +44,7 @@ from torch import nn
 
 import vlm_vit.train.checkpoint as ckpt
 import vlm_vit.train.distributed as distributed
+import vlm_vit.train.fsdp as fsdp
 import vlm_vit.train.resume as run_state
 import vlm_vit.train.run_dir as outputs
 from vlm_vit.data.samples import collate_images
@@ -238,6 +239,8 @@ class Trainer:
         # left them.
         objective.to(context.device).train()
         self._set_grad_checkpointing(log)
+        distributed.shard(objective, context, config.strategy, precision=config.precision,
+                          cpu_offload=config.cpu_offload)  # "fsdp": before the optimiser
         optimization = Optimization.build(objective, config, context.device.type)
         progress, rng_states = _Progress(), None
         if found is not None:
@@ -251,7 +254,7 @@ class Trainer:
             self._write_run_config(context, resumed_from=found)
         if config.compile:
             objective.compile()  # in place: parameter names (and checkpoints) stay unchanged
-        model = distributed.wrap(objective, context)
+        model = distributed.wrap(objective, context, config.strategy)
         run_state.seed_or_restore_rng(rng_states, config, progress.step, context, log)
 
         # The loop.
@@ -298,8 +301,10 @@ class Trainer:
             log.warning("skipped %d shard samples without an image", without_image)
         if not any(math.isfinite(loss) for loss in progress.losses):
             raise NothingTrainedError(_nothing_trained(progress, self.run_dir))
+        # A sharded objective is gathered first (every rank takes part), then written.
+        state = fsdp.full_state(self.objective) if fsdp.is_sharded(self.objective) else None
         if context.is_main:
-            outputs.export(self.objective, self.run_dir, log)
+            outputs.export(self.objective, self.run_dir, log, state)
         distributed.barrier(context)
         return TrainResult(progress.step, list(progress.losses), progress.skipped_steps,
                            progress.undecodable_images, sorted(progress.undecodable_paths),

@@ -1,0 +1,118 @@
+"""The "fsdp" strategy: PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+Each transformer block is one unit (its parameters are gathered just before it runs and
+freed after), and the root takes everything else (patch embedding, norms, heads, poolers,
+an LLM's embeddings). A rank then holds 1/world_size of every parameter, gradient and AdamW
+moment instead of all of them. Gradients are reduce-scattered as the backward pass leaves
+each block, averaged over ranks as DDP averages them.
+
+The units are the objective's own `fsdp_units()` when it has one, else every
+`vlm_vit.model.Block` (the encoder's blocks, an MAE or MPP decoder's) and every module of a
+class a Hugging Face model lists in `_no_split_modules` (an LLM's decoder layers). Frozen
+parameters (a stage-1 LLM, a frozen tower) are sharded too; they get no gradients and the
+optimiser never sees them.
+
+With `precision="bf16"`, parameters are gathered in bf16 and gradients reduced in fp32
+(`MixedPrecisionPolicy`); `cpu_offload` keeps the sharded parameters, their gradients and the
+optimiser state in host memory (`CPUOffloadPolicy`). Activation checkpointing composes: a
+recomputed block gathers its parameters again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from vlm_vit.model import Block
+
+logger = logging.getLogger(__name__)
+
+
+def units(objective: nn.Module) -> list[nn.Module]:
+    """The modules sharded one by one, innermost first (FSDP2 wants children before their
+    parents): `objective.fsdp_units()`, or the blocks and decoder layers found inside."""
+    own = getattr(objective, "fsdp_units", None)
+    if callable(own):
+        chosen = list(own())
+    else:
+        layer_classes: set[str] = set()
+        for module in objective.modules():
+            layer_classes.update(getattr(module, "_no_split_modules", None) or ())
+        chosen = [module for module in objective.modules()
+                  if isinstance(module, Block) or type(module).__name__ in layer_classes]
+    order = {id(module): index for index, module in enumerate(objective.modules())}
+    return sorted(chosen, key=lambda module: -order.get(id(module), -1))
+
+
+def shard(objective: nn.Module, mesh_device: torch.device, *, precision: str = "fp32",
+          cpu_offload: bool = False) -> int:
+    """Applies `fully_shard` to every unit of `objective` and then to the objective itself,
+    in place (the objective's class becomes an `FSDPModule`; its parameters, DTensors).
+
+    Needs a process group (`vlm_vit.train.distributed.setup`). Every parameter and buffer is
+    first broadcast from rank 0, as DDP does, so all ranks shard the same model.
+
+    Args:
+        objective: on `mesh_device` (or on the CPU with `cpu_offload`).
+        mesh_device: this rank's device; the mesh spans every rank.
+        precision: "bf16" gathers parameters in bf16 and reduces gradients in fp32.
+        cpu_offload: keep parameters, gradients and optimiser state on the CPU.
+
+    Returns:
+        The number of units sharded besides the root.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(mesh_device.type, (dist.get_world_size(),))
+    options: dict = {"mesh": mesh}
+    if precision == "bf16":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                    reduce_dtype=torch.float32)
+    if cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    _broadcast_from_rank0(objective)
+    found = units(objective)
+    for unit in found:
+        fully_shard(unit, **options)
+    fully_shard(objective, **options)
+    if dist.get_rank() == 0:
+        logger.info("FSDP2: %d units and the root sharded over %d ranks%s%s", len(found),
+                    dist.get_world_size(), ", bf16 parameters" if precision == "bf16" else "",
+                    ", offloaded to the CPU" if cpu_offload else "")
+    return len(found)
+
+
+def _broadcast_from_rank0(objective: nn.Module) -> None:
+    """Every parameter and buffer takes rank 0's values, as DDP's constructor does, so ranks
+    that built their models from different seeds still train one model."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for tensor in [*objective.parameters(), *objective.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether `fully_shard` was applied to `module`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def local_number(value: torch.Tensor) -> float:
+    """A scalar that may be a DTensor (a gradient norm over sharded gradients), as a float."""
+    full = getattr(value, "full_tensor", None)
+    return float((full() if callable(full) else value).item())
+
+
+def full_state(objective: nn.Module) -> dict[str, torch.Tensor]:
+    """The sharded objective's whole state dict, gathered onto rank 0's CPU (the other ranks
+    get an empty dict); every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(objective, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
