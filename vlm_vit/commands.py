@@ -188,3 +188,16 @@ def check_output_apart(out: Path, model: str | Path, inputs: Iterable[str | Path
                              "would replace; write the output elsewhere")
     if target in {Path(item).resolve() for item in inputs if Path(item).exists()}:
         raise ValueError(f"{flag} {out} is {inputs_are}; write the output elsewhere")
+
+
+def add_strategy_arguments(parser) -> None:
+    """`--strategy ddp|fsdp` and `--cpu-offload`, for every training command (they become
+    `TrainConfig.strategy` and `TrainConfig.cpu_offload`)."""
+    parser.add_argument(
+        "--strategy", choices=["ddp", "fsdp"], default="ddp",
+        help="under torchrun: ddp replicates the model on every process (the default; use it "
+        "while the model, its gradients and AdamW's moments, 16 bytes per parameter, fit one "
+        "device); fsdp shards all three over the processes (FSDP2) and writes distributed "
+        "checkpoints that resume at any number of processes")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="fsdp only: keep parameters and optimizer state in host memory")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from vlm_vit.commands import (
     PICKLE_SUFFIXES,
+    add_strategy_arguments,
     check_device,
     check_output_apart,
     image_size,
@@ -17,6 +18,7 @@ from vlm_vit.commands import (
 
 __all__ = [
     "PICKLE_SUFFIXES",
+    "add_strategy_arguments",
     "check_device",
     "check_output_apart",
     "image_size",

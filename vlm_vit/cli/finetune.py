@@ -8,7 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
-from vlm_vit.cli.common import reading_checkpoint, refusing_pickles
+from vlm_vit.cli.common import add_strategy_arguments, reading_checkpoint, refusing_pickles
 from vlm_vit.data.source import open_source, storage
 from vlm_vit.files import atomic_write, read_json
 from vlm_vit.train.distributed import launched_rank
@@ -53,6 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--test-fraction", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--grad-checkpointing", action="store_true")
+    add_strategy_arguments(parser)
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--resume", action="store_true")
@@ -137,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
                          warmup_steps=args.steps // 10, weight_decay=0.0,
                          grad_checkpointing=args.grad_checkpointing, seed=args.seed,
                          num_workers=args.num_workers, device=args.device,
-                         checkpoint_every=max(args.steps // 5, 1))
+                         checkpoint_every=max(args.steps // 5, 1), strategy=args.strategy,
+                         cpu_offload=args.cpu_offload)
     trainer = Trainer(model, train, config, out, collate=collate_labelled,
                       progress=not args.quiet)
     main_rank = launched_rank() == 0

@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from vlm_vit.commands import variant_or_checkpoint
+from vlm_vit.commands import add_strategy_arguments, variant_or_checkpoint
 from vlm_vit.pretrain.build import build_objective
 from vlm_vit.processor import NORMALIZATION
 from vlm_vit.train.distributed import launched_rank
@@ -47,6 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--grad-checkpointing", action="store_true")
+    add_strategy_arguments(parser)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--normalize", choices=sorted(NORMALIZATION), default="inception")
     parser.add_argument("--mask-ratio", type=float, default=0.75, help="mae only")
@@ -99,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         weight_decay=args.weight_decay, precision=args.precision or ("bf16" if cuda else "fp32"),
         grad_checkpointing=args.grad_checkpointing, compile=args.compile,
         checkpoint_every=args.checkpoint_every, seed=args.seed, num_workers=args.num_workers,
-        device=args.device, log_samples=args.log_samples)
+        device=args.device, log_samples=args.log_samples, strategy=args.strategy,
+        cpu_offload=args.cpu_offload)
     command = shlex.join(["vlm-vit", *sys.argv[1:]]) if sys.argv[1:2] == ["pretrain"] else None
     if launched_rank() == 0:
         print(describe_objective(args.objective, objective))
