@@ -156,6 +156,85 @@ def setup(device: str = "auto") -> DistributedContext:
     return DistributedContext(rank, world_size, local_rank, resolved, owns)
 
 
+_FAILED_KEY = "vlm_vit/failed"
+
+
+class FailureWatch:
+    """Makes every rank stop at once when one fails, with that rank's one-line error.
+
+    A rank that raises (bad data, out of memory) never reaches the next collective, so the
+    others would wait in it until the collective timeout (30 minutes by default). Instead
+    the failing rank writes its error to the rendezvous store torchrun runs (`fail`), and a
+    daemon thread on every rank polls for it, prints it on one line and ends the process
+    (exit status 1) without waiting for anything.
+
+    Args:
+        context: this process's place; a single process watches nothing.
+        poll_seconds: how often the store is asked.
+    """
+
+    def __init__(self, context: DistributedContext, poll_seconds: float = 0.5) -> None:
+        import threading
+
+        self.context, self.poll_seconds = context, poll_seconds
+        self.key = f"{_FAILED_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.store = _store() if context.is_distributed else None
+        self._stop = threading.Event()
+        self._thread = None
+        if self.store is not None:
+            self._thread = threading.Thread(target=self._watch, daemon=True,
+                                            name="vlm-vit-failure-watch")
+            self._thread.start()
+
+    def fail(self, error: BaseException) -> None:
+        """Tells the other ranks that this one failed with `error`."""
+        if self.store is None:
+            return
+        reason = (str(error).strip().splitlines() or [""])[0][:500]
+        message = f"rank {self.context.rank} failed: {type(error).__name__}: {reason}"
+        self._stop.set()  # this rank raises normally; it need not watch any more
+        with contextlib.suppress(Exception):  # a store gone (the launcher ended): nobody to tell
+            self.store.set(self.key, message)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            try:
+                if not self.store.check([self.key]):
+                    continue
+                message = self.store.get(self.key).decode(errors="replace")
+            except Exception:  # the store closed: the run is ending anyway
+                return
+            if self._stop.is_set():
+                return
+            import sys
+
+            print(f"vlm-vit: rank {self.context.rank} stopping: {message}", file=sys.stderr,
+                  flush=True)
+            os._exit(1)
+
+
+def _store():
+    """A client of the store torchrun serves at MASTER_ADDR:MASTER_PORT, of its own (the
+    watch thread never shares the process group's connection), or None without one."""
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not address or not port:
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(address, int(port), is_master=False,
+                             timeout=datetime.timedelta(seconds=30))
+    except Exception as error:
+        logger.warning("cannot reach the rendezvous store at %s:%s (%s); a failing rank will "
+                       "not stop the others early", address, port, error)
+        return None
+
+
 def teardown(context: DistributedContext) -> None:
     """Destroys the process group if `setup` created it."""
     if context.owns_group:
@@ -256,6 +335,6 @@ def split_batch(batch_size: int, world_size: int, grad_accumulation: int) -> tup
 
 
 # The sampler moved to vlm_vit.data.sampler; its names stay importable from here.
-__all__ = ["DistributedContext", "GlobalBatchSampler", "all_gather_objects", "all_reduce",
-           "barrier", "batches_per_epoch", "launched_rank", "no_sync", "resolve_device", "setup",
-           "shard", "split_batch", "teardown", "wrap"]
+__all__ = ["DistributedContext", "FailureWatch", "GlobalBatchSampler", "all_gather_objects",
+           "all_reduce", "barrier", "batches_per_epoch", "launched_rank", "no_sync",
+           "resolve_device", "setup", "shard", "split_batch", "teardown", "wrap"]

@@ -125,14 +125,25 @@ def described_model(objective: nn.Module) -> dict[str, Any]:
     """The objective and encoder settings run_config.json records (a resume must match)."""
     encoder_config = getattr(objective.encoder, "config", None)
     objective_config = getattr(objective, "config", None)
+    kind = _unsharded_class(objective)
     return {
         "objective": {
-            "type": f"{type(objective).__module__}.{type(objective).__qualname__}",
+            "type": f"{kind.__module__}.{kind.__qualname__}",
             **({"config": dataclasses.asdict(objective_config)}
                if dataclasses.is_dataclass(objective_config) else {}),
         },
         "encoder": encoder_config.to_dict() if hasattr(encoder_config, "to_dict") else None,
     }
+
+
+def _unsharded_class(module: nn.Module) -> type:
+    """The module's own class: FSDP2 swaps a sharded module's class for a subclass it makes
+    (`FSDPToyObjective` of `ToyObjective`)."""
+    kind = type(module)
+    if kind.__module__.startswith("torch.distributed.fsdp"):
+        return next(base for base in kind.__mro__[1:]
+                    if not base.__module__.startswith("torch.distributed.fsdp"))
+    return kind
 
 
 def write_run_config(run_dir: Path, run_config: dict[str, Any]) -> None:

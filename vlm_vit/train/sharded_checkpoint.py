@@ -58,7 +58,7 @@ def save(path: str | Path, objective: nn.Module, optimizer: torch.optim.Optimize
     _barrier(world_size)
     state = {"model": objective.state_dict(),
              "optim": get_optimizer_state_dict(objective, optimizer)}
-    dcp.save(state, checkpoint_id=temporary)
+    dcp.save(state, checkpoint_id=temporary, no_dist=world_size == 1)
     for written in sorted(temporary.glob(f"__{rank}_*.distcp")):
         write_sidecar(written)
     if rank == 0:
@@ -87,7 +87,7 @@ def load_weights(path: str | Path, objective: nn.Module,
     state: dict[str, Any] = {"model": objective.state_dict()}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(objective, optimizer)
-    dcp.load(state, storage_reader=reader(path))
+    dcp.load(state, storage_reader=reader(path), no_dist=not _initialized())
     objective.load_state_dict(state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(objective, optimizer, state["optim"])
@@ -155,6 +155,12 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"distributed checkpoint metadata names {module}.{name}, "
                                      "which is not part of DCP's metadata; refusing to load it")
+
+
+def _initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _barrier(world_size: int) -> None:

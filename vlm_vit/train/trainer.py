@@ -184,9 +184,14 @@ class Trainer:
             context = distributed.setup(self.config.device)
             flushing = self.config.flush_denormal and context.device.type == "cpu" \
                 and torch.set_flush_denormal(True)  # False where the CPU cannot (no SSE3)
+            watch = distributed.FailureWatch(context)  # a failing rank stops every rank
             try:
                 return self._fit(context, resume, overwrite)
+            except Exception as error:
+                watch.fail(error)
+                raise
             finally:
+                watch.close()
                 if flushing:
                     torch.set_flush_denormal(False)
                 distributed.teardown(context)
