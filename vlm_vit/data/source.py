@@ -21,6 +21,7 @@ import torch
 from vlm_vit.data.folders import describe_dataset
 from vlm_vit.data.sampler import GlobalBatchSampler, batches_per_epoch
 from vlm_vit.data.samples import mixed_seed
+from vlm_vit.data.shards.reshard import resharded_state
 from vlm_vit.data.shards.spec import is_shard_spec
 from vlm_vit.data.shards.stream import ShardStream, StreamState
 
@@ -183,17 +184,19 @@ class ShardSource:
         return self._state.to_dict()
 
     def load_state_dict(self, states: list[dict[str, Any]]) -> None:
-        """Raises:
-            ValueError: when the states come from another number of processes, or another
-                shard list, seed or number of workers (`ShardStream.configure`).
+        """Continues from every old rank's state: as it is on the same processes and
+        workers, else remapped onto this run's (`resharded_state`), each sample of the epoch
+        not yet read then read exactly once.
+
+        Raises:
+            ValueError: when the states disagree with one another, or come from another
+                shard list, seed, shuffle or block (`ShardStream.configure`).
         """
-        if len(states) != self.world_size:
-            raise ValueError(f"the checkpoint's shard stream was read by {len(states)} "
-                             f"processes, this run has {self.world_size}: resume with "
-                             f"{len(states)} (or start afresh with --overwrite)")
         settings = dict(self._settings)
+        state = resharded_state(states, rank=self.rank, world_size=self.world_size,
+                                workers=settings["workers"])
         self._state = self.stream.configure(settings.pop("batch_size"), settings.pop("collate"),
-                                            **settings, state=states[self.rank])
+                                            **settings, state=state)
 
     def position(self) -> tuple[int, int]:
         return self._state.epoch(), self._state.batches

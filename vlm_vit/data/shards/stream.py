@@ -22,10 +22,16 @@ Order and bookkeeping (see docs/architecture.md, "Shards"):
   where each slot stands, and a resume skips exactly the consumed samples: nothing is
   repeated or skipped. DataLoader takes batches from its workers in turn, so the next batch
   comes from slot `batches mod workers`; a resumed loader rotates the slots to match.
+- A resume on another number of ranks or workers (`reshard.py`) turns every old rank's
+  state into what is left: a few "leftover" positions, each with the samples already read
+  of it, and every position from `start` on. Leftover i goes to slot i mod (ranks x
+  workers), and each slot then reads its positions start + slot, start + slot + ranks x
+  workers, ...; with no leftovers and `start` 0 this is the dealing above.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import zlib
@@ -42,6 +48,9 @@ from vlm_vit.data.shards.reader import Sample, ShardProblems, read_shard
 from vlm_vit.data.shards.spec import expand_shards, read_dataset_index
 
 logger = logging.getLogger(__name__)
+
+# What a resume may change when every rank's states are remapped (`reshard.py`).
+_LAYOUT = {"world_size", "rank", "workers"}
 
 # -- the stream -------------------------------------------------------------------------------
 
@@ -72,12 +81,16 @@ class StreamState:
 
     Attributes:
         seed, shuffle, block, shards, world_size, rank, workers: what fixes the order; a
-            resume must match them.
+            resume must match them (or be remapped, see `reshard.py`).
         shard_list: a CRC-32 of the shard URLs, so a resume on other shards is refused.
-        slots: per worker role, [shard ordinal, samples consumed in that shard].
+        slots: per worker role, [ordinal in the slot's lane, samples consumed in its shard].
         batches: batches this rank has drawn (the next comes from role batches mod workers).
         no_image: samples skipped so far for having no image.
         truncated: [shard, samples read, error] of each truncated shard met, once each.
+        start: the first position dealt in the regular way (0 until a remapped resume).
+        leftovers: [position, samples already read] of the positions before `start` still
+            to read, dealt round-robin over the slots before their regular positions; the
+            same on every rank.
     """
 
     seed: int
@@ -92,6 +105,8 @@ class StreamState:
     batches: int = 0
     no_image: int = 0
     truncated: list[list] = field(default_factory=list)
+    start: int = 0
+    leftovers: list[list[int]] = field(default_factory=list)
 
     def advance(self, batch: StreamBatch) -> None:
         """Records that `batch` was drawn."""
@@ -101,11 +116,21 @@ class StreamState:
         known = {entry[0] for entry in self.truncated}
         self.truncated += [list(t) for t in batch.truncated if t[0] not in known]
 
+    def lane(self, role: int, ordinal: int) -> tuple[int, int]:
+        """The `ordinal`-th (position, samples to skip) that worker role `role` reads: its
+        share of the leftovers, then every (ranks x workers)-th position from `start`."""
+        count = self.world_size * self.workers
+        slot = role * self.world_size + self.rank
+        owned = len(range(slot, len(self.leftovers), count))
+        if ordinal < owned:
+            position, skip = self.leftovers[slot + ordinal * count]
+            return position, skip
+        return self.start + (ordinal - owned) * count + slot, 0
+
     def epoch(self) -> int:
         """The oldest epoch a slot is still reading."""
-        count = self.world_size * self.workers
-        return min((j * count + role * self.world_size + self.rank) // self.shards
-                   for role, (j, _) in enumerate(self.slots))
+        return min(self.lane(role, ordinal)[0] // self.shards
+                   for role, (ordinal, _) in enumerate(self.slots))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -199,7 +224,8 @@ class ShardStream(torch.utils.data.IterableDataset):
 
         Raises:
             ValueError: when the saved state was made with another shard list, seed, number
-                of processes or of workers, naming what differs.
+                of processes or of workers, naming what differs (`ShardSource` remaps every
+                rank's states onto other processes and workers first, see `reshard.py`).
         """
         roles = max(workers, 1)
 
@@ -208,7 +234,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                             zlib.crc32(listed), world_size, rank, roles,
                             [[0, 0] for _ in range(roles)])
         if state is not None:
-            saved = StreamState(**state)
+            saved = StreamState(**copy.deepcopy(state))  # advancing must not edit `state`
             differs = {name: (getattr(saved, name), getattr(fresh, name))
                        for name in ("seed", "shuffle", "block", "shards", "shard_list",
                                     "world_size", "rank", "workers")
@@ -219,8 +245,9 @@ class ShardStream(torch.utils.data.IterableDataset):
                         f"{name} {old}" for name, (old, _) in differs.items())
                     + "; this run has " + ", ".join(
                         f"{name} {new}" for name, (_, new) in differs.items())
-                    + ": resume with the same shards, seed, processes and --num-workers "
-                    "(or start afresh with --overwrite)")
+                    + (": resume with the same shards and seed" if differs.keys() - _LAYOUT
+                       else ": remap every rank's states with reshard.resharded_state")
+                    + " (or start afresh with --overwrite)")
             fresh = saved
         self._batch_size, self._collate, self._state = batch_size, collate, fresh
         self._num_workers = workers
@@ -245,12 +272,12 @@ class ShardStream(torch.utils.data.IterableDataset):
         worker = info.id if info is not None else 0
         role = (worker + state.batches) % state.workers
         slot_count = state.world_size * state.workers
-        slot = role * state.world_size + state.rank
         ordinal, consumed = state.slots[role]
         problems = ShardProblems()
         items, names, no_image, idle = [], [], 0, 0
         while True:
-            position = ordinal * slot_count + slot
+            position, skip = state.lane(role, ordinal)
+            consumed = max(consumed, skip)  # a leftover comes with samples read before
             epoch, within = divmod(position, len(self.shards))
             shard_index = self.shard_order(epoch)[within]
             read_any = consumed > 0  # resumed at a shard's end: read before, not empty
