@@ -5,6 +5,7 @@
 - `decode.py`: a `Sample` into what the folder datasets return.
 - `split.py`: held-out keys, a rank's shards.
 - `stream.py`: `ShardStream`, the endless, exactly resumable stream the trainer reads.
+- `reshard.py`: a stream's checkpoint remapped onto other ranks and workers.
 - `writer.py`: `write_shards` (`vlm-vit shards`), beside the reader.
 """
 
