@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--grad-checkpointing", action="store_true")
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--cpu-offload", action="store_true")
     parser.add_argument("--fail-rank", type=int, default=None, help="raises at its 2nd step")
     parser.add_argument("--kill-in-save", type=int, default=None, metavar="STEP",
                         help="rank 0 SIGKILLs itself while saving STEP's checkpoint, after "
@@ -38,7 +39,8 @@ def main() -> None:
     objective = toy_objective(seed=rank, crash_at_call=crash)  # the strategy must make these agree
     settings = config(steps=args.steps, checkpoint_every=args.checkpoint_every,
                       keep_checkpoints=0, strategy=args.strategy, precision=args.precision,
-                      grad_checkpointing=args.grad_checkpointing, batch_size=args.batch_size)
+                      grad_checkpointing=args.grad_checkpointing, batch_size=args.batch_size,
+                      cpu_offload=args.cpu_offload)
     Trainer(objective, image_folder(args.data), settings, args.run_dir,
             progress=False).fit(resume=args.resume)
 

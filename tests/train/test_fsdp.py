@@ -222,6 +222,27 @@ def test_distributed_checkpoint_metadata_that_names_code_is_refused(tmp_path):
         sharded_checkpoint.tensor_shapes(step)
 
 
+def test_cpu_offload_is_refused_on_a_cpu(tmp_path):
+    write_noise_images(tmp_path / "data", 8)
+    trainer = Trainer(toy_objective(), image_folder(tmp_path / "data"),
+                      fsdp_config(steps=2, cpu_offload=True), tmp_path / "run", progress=False)
+    with pytest.raises(ValueError, match="this run trains on cpu already"):
+        trainer.fit()
+
+
+@pytest.mark.slow
+def test_bf16_and_activation_checkpointing_compose_with_fsdp(runs, tmp_path):
+    """FSDP2's bf16 parameters (fp32 reductions) with recomputed blocks train as DDP under
+    bf16 autocast does, up to bf16 rounding."""
+    options = ["--precision", "bf16", "--grad-checkpointing"]
+    for strategy in ("ddp", "fsdp"):
+        done = launch(2, runs / "data", tmp_path / strategy, "--strategy", strategy, *options)
+        assert done.returncode == 0, done.stderr[-3000:]
+    torch.testing.assert_close(losses(tmp_path / "fsdp"), losses(tmp_path / "ddp"), rtol=0,
+                               atol=2e-2)
+    assert_same_weights(trained(tmp_path / "fsdp"), trained(tmp_path / "ddp"), atol=2e-2)
+
+
 def test_strategy_settings_are_checked():
     with pytest.raises(ValueError, match="strategy 'zero3' is not one of"):
         TrainConfig(strategy="zero3")

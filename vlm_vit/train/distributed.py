@@ -250,6 +250,9 @@ def shard(objective: nn.Module, context: DistributedContext, strategy: str = "dd
     objective in place over the processes (`vlm_vit.train.fsdp`); "ddp", and any strategy on
     one process, leave it whole.
     """
+    if cpu_offload and context.device.type != "cuda":
+        raise ValueError(f"cpu_offload moves a GPU's parameters and optimizer state to host "
+                         f"memory; this run trains on {context.device} already")
     if strategy == "fsdp" and context.is_distributed:
         from vlm_vit.train.fsdp import shard as fully_shard_objective
 
