@@ -66,7 +66,9 @@ PRESETS = {
     "all": r".+",  # narrowed to the Linears found there
 }
 QV_ONLY_FILE = "vlm_vit_lora.json"  # beside peft's files: marks an `attn_qv` adapter
-_KEY_HOOK = "_vlm_vit_key_rows"  # set on a lora_B weight whose key-row gradient is zeroed
+# Set on a lora_B weight whose key-row gradient is zeroed: (start, stop) of those rows. The
+# FSDP2 strategy carries it onto the sharded parameter, whose gradient no tensor hook sees.
+FROZEN_ROWS = _KEY_HOOK = "_vlm_vit_key_rows"
 
 
 def apply_lora(

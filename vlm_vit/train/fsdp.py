@@ -25,6 +25,7 @@ import logging
 import torch
 from torch import nn
 
+from vlm_vit.lora import FROZEN_ROWS
 from vlm_vit.model import Block
 
 logger = logging.getLogger(__name__)
@@ -75,10 +76,16 @@ def shard(objective: nn.Module, mesh_device: torch.device, *, precision: str = "
     if cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
     _broadcast_from_rank0(objective)
+    frozen_rows = {name: getattr(parameter, FROZEN_ROWS)
+                   for name, parameter in objective.named_parameters()
+                   if hasattr(parameter, FROZEN_ROWS)}
     found = units(objective)
     for unit in found:
         fully_shard(unit, **options)
     fully_shard(objective, **options)
+    for name, parameter in objective.named_parameters():  # new Parameters: marks carried over
+        if name in frozen_rows:
+            setattr(parameter, FROZEN_ROWS, frozen_rows[name])
     if dist.get_rank() == 0:
         logger.info("FSDP2: %d units and the root sharded over %d ranks%s%s", len(found),
                     dist.get_world_size(), ", bf16 parameters" if precision == "bf16" else "",
@@ -94,6 +101,24 @@ def _broadcast_from_rank0(objective: nn.Module) -> None:
     with torch.no_grad():
         for tensor in [*objective.parameters(), *objective.buffers()]:
             dist.broadcast(tensor.data, src=0)
+
+
+def zero_frozen_rows(objective: nn.Module) -> None:
+    """Zeroes the gradient rows a parameter's `FROZEN_ROWS` mark holds frozen (LoRA's key
+    rows under `attn_qv`) in this rank's shard of it. Tensor hooks do that for whole
+    parameters, but FSDP2 writes a sharded parameter's gradient after its reduce-scatter,
+    where no hook sees it; the step calls this before clipping."""
+    for parameter in objective.parameters():
+        rows, grad = getattr(parameter, FROZEN_ROWS, None), parameter.grad
+        if rows is None or grad is None or not hasattr(grad, "to_local"):
+            continue
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = grad.to_local()
+        _, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh,
+                                                          grad.placements)
+        start, stop = rows[0] - offset[0], rows[1] - offset[0]
+        local[max(start, 0):max(min(stop, local.shape[0]), 0)] = 0
 
 
 def is_sharded(module: nn.Module) -> bool:
