@@ -26,6 +26,7 @@ from pathlib import Path
 
 from vlm_vit.cli import (
     analyze,
+    consolidate,
     convert,
     demo,
     download,
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_parser(subparsers)
     shards.add_parser(subparsers)
     export.add_parser(subparsers)
+    consolidate.add_parser(subparsers)
     for entry in metadata.entry_points(group=COMMAND_GROUP):
         try:
             entry.load()(subparsers)

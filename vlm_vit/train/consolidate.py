@@ -1,0 +1,287 @@
+"""A training run's checkpoint as a native encoder directory, one transformer block at a time.
+
+    consolidate("runs/vit", "encoder/")               # the newest checkpoint that checks out
+    consolidate("runs/vit", "encoder/", step=2000)    # that step's
+
+A distributed checkpoint (the "fsdp" strategy, `vlm_vit.train.sharded_checkpoint`) holds each
+weight in pieces across the ranks' files. Its metadata gives every tensor's whole shape, so
+the encoder's tensors are grouped (each `blocks.<i>.`, then the rest: embeddings, final
+norm), and each group is read whole by this process alone, written as one shard of the
+sharded native format (`vlm_vit.weights`: `model-0000k-of-0000n.safetensors` and
+`model.safetensors.index.json`) and freed before the next is read. Memory holds the larger
+of one block and the rest, never the model. A "ddp" checkpoint (one `step_N.pt` of whole
+tensors) is read whole and written the same way.
+
+Every file of the checkpoint is checked against its sha256 first (`load_checkpoint`); without
+a step, a newer checkpoint that fails is reported and the previous one used. The encoder's
+architecture is the one the run recorded in `run_config.json`; the checkpoint's tensors must
+fit it exactly. The directory appears at once (`vlm_vit.files.atomic_directory`), with the
+usual `config.json` (plus the checkpoint it came from, under `consolidated_from`), manifest
+and model card.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import vlm_vit.train.checkpoint as ckpt
+import vlm_vit.train.sharded_checkpoint as sharded_checkpoint
+from vlm_vit.config import EncoderConfig
+from vlm_vit.files import atomic_directory, atomic_write, read_json, write_safetensors
+from vlm_vit.integrity import write_manifest
+from vlm_vit.native import CONFIG_NAME, MODEL_TYPE, check_state_dict
+from vlm_vit.train.run_dir import ENCODER_DIR, RUN_CONFIG_NAME
+from vlm_vit.weights import SHARD_INDEX
+
+logger = logging.getLogger(__name__)
+
+ENCODER_PREFIX = "encoder."  # the objective's encoder, `objective.encoder`
+SOURCE_KEY = "consolidated_from"  # config.json's record of the checkpoint written
+_BLOCK = re.compile(r"^encoder\.blocks\.(\d+)\.")
+_SINGLE_PROCESS_NOTICE = "torch.distributed is disabled, unavailable or uninitialized"
+Shapes = dict[str, tuple[torch.Size, torch.dtype]]
+
+
+def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, *,
+                verify: bool | None = None) -> Path:
+    """Writes the encoder of a run's checkpoint as a native directory (`load_encoder` reads
+    it), holding at most one transformer block's weights at a time for a distributed one.
+
+    Args:
+        run_dir: the training run's directory, or one checkpoint in its `checkpoints/`.
+        out: the encoder directory to write; replaced atomically when it exists.
+        step: the checkpoint of this step (default: the newest whose files match their
+            hashes; newer ones that do not are logged at WARNING level and skipped).
+        verify: check the checkpoint's files against their sha256 (default: on, unless the
+            environment sets `VLM_VIT_VERIFY=0`).
+
+    Returns:
+        `out`.
+
+    Raises:
+        FileNotFoundError: no such run directory, no checkpoint (naming what is there), no
+            checkpoint of `step`, or no `run_config.json`.
+        ValueError: a checkpoint file that fails its hash (`IntegrityError`, naming it), an
+            objective whose weights are not a plain encoder under `encoder.` (LoRA, the LLM
+            bridge), weights that do not fit the recorded encoder, or an `out` that would
+            replace the run or its checkpoints.
+    """
+    run_dir, candidates = _candidates(Path(run_dir), step)
+    out = Path(out)
+    _check_out(out, run_dir)
+    config, objective = _recorded_encoder(run_dir)
+    path, state = _first_usable(candidates, run_dir, verify)
+    shapes, read = _reader(path, state, objective, config)
+    source = {"checkpoint": path.relative_to(run_dir).as_posix(), "step": int(state["step"])
+              if isinstance(state.get("step"), int) else None}
+    written = write_encoder(out, config, block_groups(shapes), read, {SOURCE_KEY: source})
+    logger.info("wrote %s from %s", written, path)
+    return written
+
+
+def block_groups(names: Shapes | list[str]) -> list[list[str]]:
+    """The encoder's tensor names (with `encoder.`) in the groups written, in order:
+    everything outside the blocks (patch and position embeddings, final norm), then each
+    block's."""
+    rest: list[str] = []
+    blocks: dict[int, list[str]] = {}
+    for name in names:
+        match = _BLOCK.match(name)
+        if match:
+            blocks.setdefault(int(match.group(1)), []).append(name)
+        else:
+            rest.append(name)
+    return [group for group in (rest, *(blocks[i] for i in sorted(blocks))) if group]
+
+
+def write_encoder(out: Path, config: EncoderConfig, groups: list[list[str]],
+                  read: Callable[[list[str]], dict[str, torch.Tensor]],
+                  extra_config: dict[str, Any] | None = None) -> Path:
+    """Writes a native encoder directory group by group: each group's tensors, read by
+    `read(names)`, become one shard, freed before the next group is read.
+
+    Args:
+        out: the directory; it appears at once, replacing one that exists.
+        config: the encoder's architecture, for `config.json`.
+        groups: the tensor names (with `encoder.`) of each shard, in order.
+        read: the whole tensors of the names given, keyed by them.
+        extra_config: further top-level sections of `config.json`.
+
+    Returns:
+        `out`.
+    """
+    from vlm_vit.card import write_model_card
+
+    weight_map: dict[str, str] = {}
+    files, total = [], 0
+    with atomic_directory(out) as temp:
+        for number, names in enumerate(groups, 1):
+            shard = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
+            tensors = read(names)
+            write_safetensors({name[len(ENCODER_PREFIX):]: tensor
+                               for name, tensor in tensors.items()}, temp / shard)
+            total += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+            del tensors  # before the next group is read: one group in memory at a time
+            weight_map.update((name[len(ENCODER_PREFIX):], shard) for name in names)
+            files.append(temp / shard)
+        _write_json(temp / SHARD_INDEX, {"metadata": {"total_size": total},
+                                         "weight_map": dict(sorted(weight_map.items()))})
+        _write_json(temp / CONFIG_NAME, {"model_type": MODEL_TYPE, "format_version": 1,
+                                         "encoder": config.to_dict(), **(extra_config or {})})
+        write_manifest(temp, files)
+        write_model_card(temp, config, extra_config)
+    return out
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    with atomic_write(path, "w") as handle:
+        json.dump(data, handle, indent=2)
+
+
+def _candidates(path: Path, step: int | None) -> tuple[Path, list[Path]]:
+    """The run directory and its checkpoints to try, newest first: `step`'s, or every one;
+    `path` may name one checkpoint inside `checkpoints/` instead of the run."""
+    if path.parent.name == ckpt.CHECKPOINT_DIR:
+        for found_step, found in ckpt.list_checkpoints(path.parent.parent):
+            if found == path:
+                if step not in (None, found_step):
+                    raise ValueError(f"{path} is the checkpoint of step {found_step}, not "
+                                     f"of step {step}")
+                return path.parent.parent, [path]
+    if not path.exists():
+        raise FileNotFoundError(f"run directory {path} does not exist")
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file, not a training run directory")
+    found = ckpt.list_checkpoints(path)
+    if not found:
+        raise FileNotFoundError(_no_checkpoint(path))
+    if step is None:
+        return path, [found_path for _, found_path in reversed(found)]
+    chosen = [found_path for found_step, found_path in reversed(found) if found_step == step]
+    if not chosen:
+        raise FileNotFoundError(f"{path / ckpt.CHECKPOINT_DIR} has no checkpoint of step "
+                                f"{step}; it has steps "
+                                f"{', '.join(str(s) for s in sorted({s for s, _ in found}))}")
+    return path, chosen
+
+
+def _no_checkpoint(run_dir: Path) -> str:
+    """Why `run_dir` has nothing to consolidate, naming what it holds instead."""
+    entries = sorted(entry.name + ("/" if entry.is_dir() else "")
+                     for entry in run_dir.iterdir() if not entry.name.startswith("."))
+    holds = f"it holds {', '.join(entries[:6])}{' ...' if len(entries) > 6 else ''}" \
+        if entries else "it is empty"
+    hint = (f"; {run_dir / ENCODER_DIR} is the run's final encoder, already a native "
+            "directory" if (run_dir / ENCODER_DIR / CONFIG_NAME).is_file() else "")
+    return (f"{run_dir} holds no training checkpoint ({ckpt.CHECKPOINT_DIR}/step_N or "
+            f"step_N.pt); {holds}{hint}")
+
+
+def _check_out(out: Path, run_dir: Path) -> None:
+    """Refuses an output folder that would replace the run, or write among its checkpoints."""
+    target, run = out.resolve(), run_dir.resolve()
+    if target == run or target in run.parents or \
+            target.is_relative_to(run / ckpt.CHECKPOINT_DIR):
+        raise ValueError(f"the output folder {out} would replace the run directory {run_dir} "
+                         f"or write among its checkpoints; choose another folder (such as "
+                         f"{run_dir / ENCODER_DIR})")
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"the output folder {out} is a file")
+
+
+def _recorded_encoder(run_dir: Path) -> tuple[EncoderConfig, str]:
+    """The encoder config and objective type the run recorded in run_config.json."""
+    path = run_dir / RUN_CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} has no {RUN_CONFIG_NAME}, which records the "
+                                "encoder's architecture: not a vlm-vit training run directory")
+    recorded = read_json(path)
+    objective = str((recorded.get("objective") or {}).get("type", "unknown"))
+    if not isinstance(recorded.get("encoder"), dict):
+        raise ValueError(f"{path} records no encoder config: the objective {objective} does "
+                         "not train a vlm-vit VisionEncoder as its `encoder`")
+    try:
+        return EncoderConfig.from_dict(recorded["encoder"]), objective
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from error
+
+
+def _first_usable(candidates: list[Path], run_dir: Path, verify: bool | None
+                  ) -> tuple[Path, dict[str, Any]]:
+    """The first candidate whose files match their hashes and whose state loads, and that
+    state; those that fail are logged. One candidate's failure is raised as it is."""
+    failed = []
+    for path in candidates:
+        try:
+            return path, ckpt.load_checkpoint(path, verify)
+        except (ValueError, OSError) as error:
+            if len(candidates) == 1:
+                raise
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            logger.warning("%s is unusable: %s; trying the previous checkpoint", path.name,
+                           reason)
+            failed.append(f"{path.name}: {reason}")
+    raise ValueError(f"none of the {len(candidates)} checkpoints in "
+                     f"{run_dir / ckpt.CHECKPOINT_DIR} is usable ({'; '.join(failed)})")
+
+
+def _encoder_shapes(shapes: Shapes, path: Path, objective: str, config: EncoderConfig
+                    ) -> Shapes:
+    """The checkpoint's encoder tensors (named with `encoder.`), checked to be a plain
+    VisionEncoder of `config`.
+
+    Raises:
+        ValueError: for LoRA weights, no `encoder.` tensors, or tensors that do not fit.
+    """
+    from vlm_vit.model import VisionEncoder
+
+    if any(".lora_" in name for name in shapes):
+        raise ValueError(f"checkpoint {path} is of a LoRA (peft) objective ({objective}): "
+                         "consolidate writes plain encoders and does not merge adapters; fold "
+                         "the run's adapter into its encoder with `vlm-vit merge` (a finetune "
+                         "--lora run) or vlm_vit.lora.merge_lora")
+    encoder = {name: shape for name, shape in shapes.items() if name.startswith(ENCODER_PREFIX)}
+    if not encoder:
+        raise ValueError(f"checkpoint {path} holds no `{ENCODER_PREFIX}` weights: its "
+                         f"objective {objective} keeps its encoder elsewhere (as the LLM "
+                         "bridge's tower does); consolidate writes objectives that hold a "
+                         "vlm-vit encoder as `encoder`")
+    with torch.device("meta"):
+        model = VisionEncoder(config)
+    check_state_dict(model, {name[len(ENCODER_PREFIX):]: torch.empty(size, dtype=dtype,
+                                                                     device="meta")
+                             for name, (size, dtype) in encoder.items()},
+                     f"checkpoint {path} (objective {objective})")
+    return encoder
+
+
+def _reader(path: Path, state: dict[str, Any], objective: str, config: EncoderConfig
+            ) -> tuple[Shapes, Callable[[list[str]], dict[str, torch.Tensor]]]:
+    """The encoder's tensors in checkpoint `path` (checked by `_encoder_shapes`), and a
+    function that reads the named ones whole: from a distributed checkpoint's files, or from
+    the objective weights a file checkpoint's `state` holds."""
+    if path.is_dir():
+        shapes = _encoder_shapes(sharded_checkpoint.tensor_shapes(path), path, objective,
+                                 config)
+
+        def read(names: list[str]) -> dict[str, torch.Tensor]:
+            with warnings.catch_warnings():  # DCP's notice that one process reads alone
+                warnings.filterwarnings("ignore", _SINGLE_PROCESS_NOTICE, UserWarning)
+                return sharded_checkpoint.load_tensors(path, {name: shapes[name]
+                                                              for name in names})
+        return shapes, read
+    whole = state.get("objective")
+    if not isinstance(whole, dict):
+        raise ValueError(f"checkpoint {path} holds no objective weights: not a checkpoint of "
+                         "vlm-vit's trainer, or damaged")
+    shapes = _encoder_shapes({name: (tensor.shape, tensor.dtype) for name, tensor in
+                              whole.items()}, path, objective, config)
+    return shapes, lambda names: {name: whole[name] for name in names}
