@@ -28,18 +28,26 @@ CONFIG_NAME = "config.json"
 MODEL_TYPE = "vlm_vit.encoder"  # marks a native checkpoint in config.json
 
 
+def write_config(directory: str | Path, config: EncoderConfig,
+                 extra_config: dict | None = None) -> Path:
+    """Writes a native directory's `config.json`: the marker, the format version, the
+    encoder's architecture and any `extra_config` sections."""
+    path = Path(directory) / CONFIG_NAME
+    with atomic_write(path, "w") as handle:
+        json.dump({"model_type": MODEL_TYPE, "format_version": 1, "encoder": config.to_dict(),
+                   **(extra_config or {})}, handle, indent=2)
+    return path
+
+
 def save_native(directory: str | Path, config: EncoderConfig, state: dict[str, torch.Tensor], *,
                 extra_config: dict | None = None, max_shard_size: int | str = "5GB",
                 model_card: bool = True) -> Path:
     """Writes an encoder's directory (see `VisionEncoder.save_pretrained`); returns it."""
     directory = Path(directory)
-    raw = {"model_type": MODEL_TYPE, "format_version": 1, "encoder": config.to_dict(),
-           **(extra_config or {})}
     # The whole folder appears at once (a reader never sees this config with the weights
     # it replaces); files besides the model's are carried over (`atomic_directory`).
     with atomic_directory(directory) as temp:
-        with atomic_write(temp / CONFIG_NAME, "w") as handle:
-            json.dump(raw, handle, indent=2)
+        write_config(temp, config, extra_config)
         write_manifest(temp, write_weights(state, temp, max_shard_size))
         if model_card:
             from vlm_vit.card import write_model_card

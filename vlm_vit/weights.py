@@ -188,11 +188,24 @@ def write_weights(tensors: dict[str, torch.Tensor], directory: str | Path,
         write_safetensors({name: tensors[name] for name in names}, directory / filename,
                           metadata)
         written.append(directory / filename)
-    index = {"metadata": {"total_size": total}, "weight_map": split.tensor_to_filename}
-    with atomic_write(directory / SHARD_INDEX, "w") as handle:
-        json.dump(index, handle, indent=2, sort_keys=True)
+    write_index(directory, split.tensor_to_filename, total)
     _remove_stale(directory, keep={path.name for path in written})
     return written
+
+
+def shard_file_name(number: int, count: int) -> str:
+    """The name of shard `number` (1-based) of `count`, as transformers names them."""
+    return f"model-{number:05d}-of-{count:05d}.safetensors"
+
+
+def write_index(directory: str | Path, weight_map: dict[str, str], total_size: int) -> Path:
+    """Writes the shards' index (`model.safetensors.index.json`): which file holds each
+    tensor, and their total bytes."""
+    path = Path(directory) / SHARD_INDEX
+    with atomic_write(path, "w") as handle:
+        json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, handle,
+                  indent=2, sort_keys=True)
+    return path
 
 
 def _remove_stale(directory: Path, keep: set[str]) -> None:

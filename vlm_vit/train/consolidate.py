@@ -22,10 +22,8 @@ and model card.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,18 +33,17 @@ import torch
 import vlm_vit.train.checkpoint as ckpt
 import vlm_vit.train.sharded_checkpoint as sharded_checkpoint
 from vlm_vit.config import EncoderConfig
-from vlm_vit.files import atomic_directory, atomic_write, read_json, write_safetensors
+from vlm_vit.files import atomic_directory, read_json, write_safetensors
 from vlm_vit.integrity import write_manifest
-from vlm_vit.native import CONFIG_NAME, MODEL_TYPE, check_state_dict
+from vlm_vit.native import CONFIG_NAME, check_state_dict, write_config
 from vlm_vit.train.run_dir import ENCODER_DIR, RUN_CONFIG_NAME
-from vlm_vit.weights import SHARD_INDEX
+from vlm_vit.weights import shard_file_name, write_index
 
 logger = logging.getLogger(__name__)
 
 ENCODER_PREFIX = "encoder."  # the objective's encoder, `objective.encoder`
 SOURCE_KEY = "consolidated_from"  # config.json's record of the checkpoint written
 _BLOCK = re.compile(r"^encoder\.blocks\.(\d+)\.")
-_SINGLE_PROCESS_NOTICE = "torch.distributed is disabled, unavailable or uninitialized"
 Shapes = dict[str, tuple[torch.Size, torch.dtype]]
 
 
@@ -124,7 +121,7 @@ def write_encoder(out: Path, config: EncoderConfig, groups: list[list[str]],
     files, total = [], 0
     with atomic_directory(out) as temp:
         for number, names in enumerate(groups, 1):
-            shard = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
+            shard = shard_file_name(number, len(groups))
             tensors = read(names)
             write_safetensors({name[len(ENCODER_PREFIX):]: tensor
                                for name, tensor in tensors.items()}, temp / shard)
@@ -132,18 +129,11 @@ def write_encoder(out: Path, config: EncoderConfig, groups: list[list[str]],
             del tensors  # before the next group is read: one group in memory at a time
             weight_map.update((name[len(ENCODER_PREFIX):], shard) for name in names)
             files.append(temp / shard)
-        _write_json(temp / SHARD_INDEX, {"metadata": {"total_size": total},
-                                         "weight_map": dict(sorted(weight_map.items()))})
-        _write_json(temp / CONFIG_NAME, {"model_type": MODEL_TYPE, "format_version": 1,
-                                         "encoder": config.to_dict(), **(extra_config or {})})
+        write_index(temp, weight_map, total)
+        write_config(temp, config, extra_config)
         write_manifest(temp, files)
         write_model_card(temp, config, extra_config)
     return out
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    with atomic_write(path, "w") as handle:
-        json.dump(data, handle, indent=2)
 
 
 def _candidates(path: Path, step: int | None) -> tuple[Path, list[Path]]:
@@ -273,10 +263,7 @@ def _reader(path: Path, state: dict[str, Any], objective: str, config: EncoderCo
                                  config)
 
         def read(names: list[str]) -> dict[str, torch.Tensor]:
-            with warnings.catch_warnings():  # DCP's notice that one process reads alone
-                warnings.filterwarnings("ignore", _SINGLE_PROCESS_NOTICE, UserWarning)
-                return sharded_checkpoint.load_tensors(path, {name: shapes[name]
-                                                              for name in names})
+            return sharded_checkpoint.load_tensors(path, {name: shapes[name] for name in names})
         return shapes, read
     whole = state.get("objective")
     if not isinstance(whole, dict):

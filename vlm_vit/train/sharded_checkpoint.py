@@ -22,9 +22,12 @@ that accepts only DCP's own metadata classes, never code.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +61,8 @@ def save(path: str | Path, objective: nn.Module, optimizer: torch.optim.Optimize
     _barrier(world_size)
     state = {"model": objective.state_dict(),
              "optim": get_optimizer_state_dict(objective, optimizer)}
-    dcp.save(state, checkpoint_id=temporary, no_dist=world_size == 1)
+    with _one_process_meant():
+        dcp.save(state, checkpoint_id=temporary, no_dist=world_size == 1)
     for written in sorted(temporary.glob(f"__{rank}_*.distcp")):
         write_sidecar(written)
     if rank == 0:
@@ -87,7 +91,8 @@ def load_weights(path: str | Path, objective: nn.Module,
     state: dict[str, Any] = {"model": objective.state_dict()}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(objective, optimizer)
-    dcp.load(state, storage_reader=reader(path), no_dist=not _initialized())
+    with _one_process_meant():
+        dcp.load(state, storage_reader=reader(path), no_dist=not _initialized())
     objective.load_state_dict(state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(objective, optimizer, state["optim"])
@@ -115,8 +120,9 @@ def load_tensors(path: str | Path, shapes: dict[str, tuple[torch.Size, torch.dty
                        for name, (shape, dtype) in shapes.items()}}
     if prefix != "model.":
         raise ValueError(f"only the model's tensors can be read by name, not {prefix!r}")
-    dcp.load(state, storage_reader=reader(path), no_dist=True,
-             planner=DefaultLoadPlanner(allow_partial_load=True))
+    with _one_process_meant():
+        dcp.load(state, storage_reader=reader(path), no_dist=True,
+                 planner=DefaultLoadPlanner(allow_partial_load=True))
     return state["model"]
 
 
@@ -155,6 +161,14 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"distributed checkpoint metadata names {module}.{name}, "
                                      "which is not part of DCP's metadata; refusing to load it")
+
+
+@contextlib.contextmanager
+def _one_process_meant() -> Iterator[None]:
+    """Holds back DCP's warning that it runs in one process: here that is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
 
 
 def _initialized() -> bool:
