@@ -54,7 +54,12 @@ def encoder_state(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def live_encoder(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The encoder's part of the final objective state the run exported (objective.pt)."""
+    """The encoder's part of the final objective state: the run's `objective.pt`, or, where a
+    sharded run wrote none, its final checkpoint read whole into an objective by DCP."""
+    if not (run_dir / "objective.pt").is_file():
+        objective = toy_objective(seed=5)
+        sharded_checkpoint.load_weights(ckpt.latest_checkpoint(run_dir), objective)
+        return objective.encoder.state_dict()
     state = torch.load(run_dir / "objective.pt", weights_only=True)
     return {name.removeprefix("encoder."): tensor for name, tensor in state.items()
             if name.startswith("encoder.")}

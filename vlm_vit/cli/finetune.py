@@ -109,9 +109,10 @@ def run(args: argparse.Namespace) -> int:
     from vlm_vit.eval import read_class_folder
     from vlm_vit.processor import ImageProcessor
     from vlm_vit.train import TrainConfig, Trainer
+    from vlm_vit.train.checkpoint import sharded_checkpoint_path
     from vlm_vit.train.fsdp import is_sharded
-    from vlm_vit.train.run_dir import OBJECTIVE_NAME
     from vlm_vit.train.run_lock import RunLock
+    from vlm_vit.train.sharded_checkpoint import load_weights
 
     if args.qlora and not args.lora:
         raise ValueError("--qlora needs --lora (QLoRA trains LoRA adapters on 4-bit weights)")
@@ -159,11 +160,10 @@ def run(args: argparse.Namespace) -> int:
         trainer.fit(resume=args.resume, overwrite=args.overwrite)
         if main_rank and is_sharded(model):
             # FSDP2 sharded the live model over the processes, which have ended their part;
-            # rank 0 goes on with a whole copy holding the exported weights.
+            # rank 0 goes on with a whole copy holding the final checkpoint's weights.
             with reading_checkpoint(args.encoder):
                 model, _ = build_model(settings)
-            model.load_state_dict(torch.load(out / OBJECTIVE_NAME, map_location="cpu",
-                                             weights_only=True))
+            load_weights(sharded_checkpoint_path(out, args.steps), model)
         if main_rank and settings["lora"] is None:
             # The trained encoder, head, class names and the preprocessing it trained with,
             # in one directory that appears at once.

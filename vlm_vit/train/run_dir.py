@@ -157,6 +157,18 @@ def write_run_config(run_dir: Path, run_config: dict[str, Any]) -> None:
         handle.write("\n")
 
 
+def plain_encoder_objective(objective: nn.Module) -> bool:
+    """Whether the objective writes only what its `encoder` (a VisionEncoder registered as
+    `encoder`) holds besides `objective.pt`: no own `export`, no LoRA adapter. Such an
+    objective trained sharded is exported by consolidating its final checkpoint."""
+    from vlm_vit.model import VisionEncoder
+
+    encoder = getattr(objective, "encoder", None)
+    return (not callable(getattr(objective, "export", None))
+            and not hasattr(objective, "peft_config") and isinstance(encoder, VisionEncoder)
+            and dict(objective.named_children()).get("encoder") is encoder)
+
+
 def export(objective: nn.Module, run_dir: Path, log: Any,
            state: dict[str, Any] | None = None) -> None:
     """The final objective state dict and the encoder in the native format, or what the

@@ -12,7 +12,8 @@ A run directory ends up holding:
     run_config.json    the merged configuration and the command that ran it
     metrics.csv        one row per step
     checkpoints/       step_XXXXXXXX.pt, the newest `keep_checkpoints`
-    objective.pt       the objective's final state dict
+    objective.pt       the objective's final state dict (not for a sharded plain-encoder
+                       objective: its final checkpoint holds it)
     encoder/           the final encoder in the native format (`vlm_vit.load_encoder`)
     adapter/           instead of encoder/ for a LoRA objective: the adapter, in peft's format
     model/             instead of both for an objective with its own `export` (the LLM bridge)
@@ -306,9 +307,19 @@ class Trainer:
             log.warning("skipped %d shard samples without an image", without_image)
         if not any(math.isfinite(loss) for loss in progress.losses):
             raise NothingTrainedError(_nothing_trained(progress, self.run_dir))
-        # A sharded objective is gathered first (every rank takes part), then written.
-        state = fsdp.full_state(self.objective) if fsdp.is_sharded(self.objective) else None
-        if context.is_main:
+        # A sharded objective that holds a plain encoder has it written from the final
+        # checkpoint one block at a time; any other is gathered whole (every rank takes
+        # part), then written.
+        sharded = fsdp.is_sharded(self.objective)
+        streamed = sharded and outputs.plain_encoder_objective(self.objective)
+        state = fsdp.full_state(self.objective) if sharded and not streamed else None
+        if context.is_main and streamed:
+            from vlm_vit.train.consolidate import consolidate
+
+            log.info("saved the encoder to %s, one block at a time from %s", consolidate(
+                self.run_dir, self.run_dir / ENCODER_DIR, progress.step),
+                ckpt.sharded_checkpoint_path(self.run_dir, progress.step))
+        elif context.is_main:
             outputs.export(self.objective, self.run_dir, log, state)
         distributed.barrier(context)
         return TrainResult(progress.step, list(progress.losses), progress.skipped_steps,
