@@ -76,6 +76,10 @@ BENCHMARKS = {
          ">= 1.5"),
         ("stage1_memory_packed_over_padded", "stage-1 peak memory vs padded", "<= 1.0"),
         ("stage2_memory_packed_over_padded", "stage-2 peak memory vs padded", "<= 1.0")]),
+    "fsdp memory": ("fsdp_memory.py", [
+        ("memory_ratio_fsdp_over_ddp", "weights+grads+AdamW per rank, FSDP2 vs DDP", "<= 0.55"),
+        ("peak_memory_ratio_fsdp_over_ddp", "peak process memory per rank, FSDP2 vs DDP", ""),
+        ("time_ratio_fsdp_over_ddp", "step time, FSDP2 vs DDP", "")]),
     "export cpu": ("export_cpu.py", [
         ("ratio_onnxruntime_over_ours_float32", "ONNX Runtime float32 vs our eager float32",
          ">= 1.0"),
@@ -100,6 +104,9 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "shards vs folder": [],
         "export cpu": ["--variant", "vit-b/16", "--batch-size", "8", "--repeats", "3"],
         "llava packed step": [],
+        # 10 of vit-l/16's 24 blocks: DDP's two ranks then peak at ~7.7 GB together (all 24
+        # would take ~14 GB); bytes per parameter do not depend on the depth.
+        "fsdp memory": ["--depth", "10"],
     },
     "quick": {
         "encode vit-b/16": ["--variant", "vit-s/16", "--anchors", "timm", "--repeats", "5"],
@@ -114,6 +121,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "shards vs folder": ["--images", "1000", "--per-shard", "125", "--repeats", "2"],
         "export cpu": ["--variant", "vit-s/16", "--batch-size", "1", "--repeats", "3"],
         "llava packed step": ["--quick"],
+        "fsdp memory": ["--quick"],
     },
     "tiny": {
         "encode vit-b/16": ["--variant", "vit-ti/16", "--anchors", "timm", *_TINY,
@@ -139,6 +147,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                        "--batch-size", "2", "--repeats", "1", "--warmup", "0"],
         "llava packed step": ["--quick", "--llm-width", "64", "--llm-layers", "1",
                               "--batches", "1", "--batch-size", "2", "--repeats", "1"],
+        "fsdp memory": ["--tiny"],
     },
     "gpu": {  # gpu_suite.py: bf16 under autocast, sized to finish in one call of < 8 minutes
         "encode vit-b/16": ["--variant", "vit-b/16", "--anchors", "timm", "--batch-size", "256",
@@ -153,6 +162,9 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "lora step": ["--batch-size", "128", "--repeats", "10"],
         "scaling": ["--variant", "vit-b/16", "--batches", "1", "16", "64", "256",
                     "--sides", "224", "336", "448", "672", "--repeats", "5"],
+        # torchrun on every visible GPU (NCCL), FSDP2 gathering bf16 weights
+        "fsdp memory": ["--variant", "vit-l/16", "--image-size", "224", "--batch-size", "64",
+                        "--steps", "10"],
     },
 }
 
