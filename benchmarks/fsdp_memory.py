@@ -182,6 +182,13 @@ def project(shape: ModelShape, measured: dict, ranks: int, weight_bytes: int = 4
             "fsdp_gathered_gb": gathered / GB}
 
 
+def variant_depth(variant: str) -> int:
+    """The number of blocks of a registered variant."""
+    from vlm_vit import EncoderConfig
+
+    return EncoderConfig.from_name(variant).depth
+
+
 def measured_shape(args: argparse.Namespace) -> ModelShape:
     """The `ModelShape` of the objective the workers trained, built on the meta device."""
     import torch
@@ -234,6 +241,10 @@ def summarise(ranks: dict[str, list[dict]], args: argparse.Namespace) -> dict:
                     "timed_steps": args.steps,
                     "malloc": ranks["ddp"][0]["malloc"],
                     "peak_memory_kind": ranks["ddp"][0]["peak_memory_kind"]}
+    full_depth = variant_depth(args.variant)
+    blocks = f"{args.depth} of {full_depth} blocks, " if args.depth and args.depth < full_depth \
+        else ""
+    result["settings_note"] = f"{blocks}{args.ranks} ranks ({result['backend']})"
     for strategy, per_rank in ranks.items():
         held = max(per_rank, key=lambda r: r["held_bytes_total"])
         result[strategy] = {

@@ -248,7 +248,8 @@ def markdown_table(results: dict, env: dict[str, str], command: str) -> str:
     for name, label, value, target in headline_rows(results):
         result = results[name]
         settings = ", ".join(str(part) for part in (
-            result.get("variant"), f"batch {result['batch_size']}" if "batch_size" in result
+            result.get("variant"), result.get("settings_note"),  # e.g. fewer blocks, ranks
+            f"batch {result['batch_size']}" if "batch_size" in result
             else None, result.get("device"), result.get("dtype")) if part)
         met = "" if not target else (" (met)" if _meets(value, target) else " (not met)")
         lines.append(f"| {name} | {label} | {shown(value, target)} | {target}{met} | "

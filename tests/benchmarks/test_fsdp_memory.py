@@ -65,10 +65,15 @@ def test_tiny_preset_holds_half_the_state_per_rank_under_fsdp(fsdp_memory, tmp_p
     assert result["memory_ratio_fsdp_over_ddp"] <= 0.55
     for kind, held in fsdp["held_bytes_by_kind"].items():
         assert ddp["held_bytes_by_kind"][kind] / 2 <= held < ddp["held_bytes_by_kind"][kind]
-    # gpu_suite's FSDP2 lines read this result.
+    # gpu_suite's FSDP2 lines and run_all's README rows read this result.
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     lines = importlib.import_module("gpu_suite").fsdp_summary({"fsdp memory": result})
     assert "FSDP2" in "\n".join(lines) and len(lines) == 4
+    environment = {"machine": "m", "date": "d", "python": "p", "versions": "v"}
+    table = importlib.import_module("run_all").markdown_table({"fsdp memory": result},
+                                                              environment, "command")
+    assert ("| fsdp memory | weights+grads+AdamW per rank, FSDP2 vs DDP | 0.5" in table
+            and "| <= 0.55 (met) | vit-ti/16, 2 of 12 blocks, 2 ranks (gloo), batch 1," in table)
 
 
 @pytest.mark.gpu
