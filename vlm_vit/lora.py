@@ -62,7 +62,7 @@ _BLOCK = r"(?:.*\.)?blocks\.\d+\."
 PRESETS = {
     "attn": r"attn\.(?:qkv|proj)",
     "attn_qv": r"attn\.qkv",  # with the key rows of every lora_B held at zero
-    "mlp": r"mlp\.(?:fc1|fc2)",
+    "mlp": r"mlp\.(?:fc1|fc1_g|fc1_x|fc2)",  # SwiGLU's gate, value and output too
     "all": r".+",  # narrowed to the Linears found there
 }
 QV_ONLY_FILE = "vlm_vit_lora.json"  # beside peft's files: marks an `attn_qv` adapter
