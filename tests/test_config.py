@@ -31,14 +31,14 @@ def test_paper_parameter_counts():
 def test_variant_table_is_complete():
     expected = {"vit-ti/16", "vit-s/16", "vit-b/16", "vit-b/32", "vit-l/14", "vit-l/16",
                 "vit-l/32", "vit-h/14", "clip-vit-b/32", "clip-vit-b/16", "clip-vit-l/14",
-                "clip-vit-l/14-336"}
+                "clip-vit-l/14-336", "r50+vit-b/16"}
     assert set(available_variants()) == expected
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_every_variant_has_its_sizes(name):
     config = EncoderConfig.from_name(name)
-    family = name.removeprefix("clip-").split("/")[0]
+    family = name.removeprefix("clip-").removeprefix("r50+").split("/")[0]
     assert (config.width, config.depth, config.heads, config.mlp_width) == PAPER_SIZES[family]
     patch = int(name.split("/")[1].split("-")[0])
     assert config.patch_size == patch

@@ -15,8 +15,13 @@ from typing import Any
 
 from vlm_vit.registry import unknown_name_error
 
-ACTIVATIONS = ("gelu", "quick_gelu", "gelu_tanh")
+ACTIVATIONS = ("gelu", "quick_gelu", "gelu_tanh", "silu")
 POS_RESIZE_MODES = ("bicubic", "bilinear")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("mlp", "swiglu")
+# The hybrid's ResNet (`layers.hybrid_stem`): at most 4 stages (a whole R50), each of at most
+# 64 blocks (the deepest BiT stage, R152's, has 36).
+MAX_HYBRID_STAGES, MAX_HYBRID_BLOCKS = 4, 64
 
 # The sizes a config may give, (low, high) inclusive. They are far above every released ViT
 # (the largest, ViT-22B of Dehghani et al. 2023: width 6144, depth 48, MLP 24576, 48 heads)
@@ -37,7 +42,7 @@ MAX_GRID_TOKENS = 1024 * 1024  # patches per image at `image_size`: a 1024 x 102
 MAX_NORM_EPS = 1.0  # LayerNorm eps in (0, 1]; 1e-12 .. 1e-5 in practice
 BOOLEAN_FIELDS = ("class_token", "pre_norm", "final_norm", "qkv_bias", "patch_bias",
                   "pos_resize_antialias")
-CHOICES = {"act": ACTIVATIONS, "pos_resize_mode": POS_RESIZE_MODES}
+CHOICES = {"act": ACTIVATIONS, "pos_resize_mode": POS_RESIZE_MODES, "norm": NORMS, "mlp": MLPS}
 
 
 class ConfigError(ValueError):
@@ -137,6 +142,14 @@ class EncoderConfig:
     # antialias; the JAX code uses bilinear.
     pos_resize_mode: str = "bicubic"
     pos_resize_antialias: bool = True
+    # Mechanisms beyond the paper's block, each a module in `vlm_vit.layers`; the defaults are
+    # the paper's ViT.
+    layer_scale_init: float | None = None  # LayerScale's start value on both branches (DINOv2)
+    norm: str = "layernorm"  # every norm of the encoder; rmsnorm in Qwen2.5-VL's tower
+    mlp: str = "mlp"  # fc1, act, fc2; or swiglu: fc2(act(fc1_g) * fc1_x), act silu (EVA-02)
+    # The hybrid (paper 3.1): patches cut from a ResNet's feature map, these blocks per stage
+    # ((3, 4, 9) for R50+ViT-B/16); patch_size is then the ResNet's stride, `hybrid_stride`.
+    hybrid_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -148,8 +161,10 @@ class EncoderConfig:
         side, `width` 1..16384 and a multiple of `heads`, `depth` 1..256, `mlp_width`
         1..65536, `in_channels` 1..1024, `num_register_tokens` 0..64), at most
         `MAX_GRID_TOKENS` (1024 x 1024) patches at `image_size`, and `norm_eps` a finite
-        number in (0, 1]; the booleans must be booleans and `act` / `pos_resize_mode` one of
-        their names.
+        number in (0, 1]; the booleans must be booleans and `act` / `pos_resize_mode` /
+        `norm` / `mlp` one of their names; `layer_scale_init` null or a finite number > 0;
+        `mlp` swiglu with `act` silu; `hybrid_layers` null or 1 to 4 stages of 1..64 blocks,
+        with `patch_size` the ResNet's stride.
 
         Raises:
             ConfigError: (a ValueError) for the first field that is off, naming the field,
@@ -167,6 +182,7 @@ class EncoderConfig:
             raise ConfigError("norm_eps", self.norm_eps,
                               f"a finite number in (0, {MAX_NORM_EPS:g}]")
         self.norm_eps = float(self.norm_eps)
+        self._validate_mechanisms()
         if self.width % self.heads:
             raise ConfigError("heads", self.heads, f"a divisor of width {self.width}",
                               problem=f"width {self.width} is not divisible by heads "
@@ -184,6 +200,33 @@ class EncoderConfig:
                               problem=f"image_size {height}x{width} with patch size "
                               f"{self.patch_size} is a {rows}x{cols} grid of {rows * cols} "
                               f"patches, more than {MAX_GRID_TOKENS}")
+
+    def _validate_mechanisms(self) -> None:
+        """`layer_scale_init`, `mlp`'s activation and `hybrid_layers` (see `validate`)."""
+        scale = self.layer_scale_init
+        if scale is not None:
+            if not (is_real(scale) and scale > 0):
+                raise ConfigError("layer_scale_init", scale, "null or a finite number > 0")
+            self.layer_scale_init = float(scale)
+        if self.mlp == "swiglu" and self.act != "silu":
+            raise ConfigError("act", self.act, "silu with mlp swiglu",
+                              problem=f"mlp 'swiglu' gates with SiLU: act must be 'silu', got "
+                              f"{self.act!r}")
+        if self.hybrid_layers is None:
+            return
+        layers = self.hybrid_layers
+        if not (isinstance(layers, (tuple, list)) and 1 <= len(layers) <= MAX_HYBRID_STAGES
+                and all(is_int(n) and 1 <= n <= MAX_HYBRID_BLOCKS for n in layers)):
+            raise ConfigError("hybrid_layers", layers,
+                              f"null or 1 to {MAX_HYBRID_STAGES} block counts "
+                              f"(1..{MAX_HYBRID_BLOCKS}), one per ResNet stage")
+        self.hybrid_layers = tuple(int(n) for n in layers)
+        stride = hybrid_stride(self.hybrid_layers)
+        if self.patch_size != stride:
+            raise ConfigError("patch_size", self.patch_size, f"{stride}, the hybrid's stride",
+                              problem=f"hybrid_layers {self.hybrid_layers} make a ResNet of "
+                              f"stride {stride}: patch_size must be {stride}, got "
+                              f"{self.patch_size}")
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -214,6 +257,8 @@ class EncoderConfig:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["image_size"] = list(self.image_size)
+        if self.hybrid_layers is not None:
+            data["hybrid_layers"] = list(self.hybrid_layers)
         return data
 
     @classmethod
@@ -244,6 +289,12 @@ class EncoderConfig:
                 raise
             raise error.located(source) from None
 
+def hybrid_stride(layers: tuple[int, ...]) -> int:
+    """The hybrid ResNet's overall stride: 4 in the stem, then 2 in every stage after the
+    first (`layers.hybrid_stem.ResNetV2Backbone.stride`); 16 for R50+ViT-B/16's 3 stages."""
+    return 4 * 2 ** (len(layers) - 1)
+
+
 def _vit(width: int, depth: int, heads: int, mlp_width: int, patch: int, **extra: Any) -> dict:
     return dict(width=width, depth=depth, heads=heads, mlp_width=mlp_width, patch_size=patch,
                 **extra)
@@ -268,6 +319,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "clip-vit-b/16": _vit(768, 12, 12, 3072, 16, **_CLIP),
     "clip-vit-l/14": _vit(1024, 24, 16, 4096, 14, **_CLIP),
     "clip-vit-l/14-336": _vit(1024, 24, 16, 4096, 14, image_size=(336, 336), **_CLIP),
+    # Paper, section 3.1 and Table 5: ViT-B over a ResNet-50 of 3 stages (3, 4, 9 blocks),
+    # "patch" 16 relative to the input; timm's vit_base_r50_s16_384 (at 384 x 384).
+    "r50+vit-b/16": _vit(768, 12, 12, 3072, 16, image_size=(384, 384), hybrid_layers=(3, 4, 9)),
 }
 
 

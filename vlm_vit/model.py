@@ -19,8 +19,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import vlm_vit.layers as layers
 from vlm_vit.config import EncoderConfig
-from vlm_vit.layers import Attention, Mlp, PatchEmbed, Segments, resample_pos_embed
+from vlm_vit.layers import Attention, Segments, resample_pos_embed
 from vlm_vit.layers.pos_embed import is_symbolic
 from vlm_vit.native import CONFIG_NAME as CONFIG_NAME  # re-exported: importers use these names
 from vlm_vit.native import MODEL_TYPE as MODEL_TYPE
@@ -32,22 +33,26 @@ from vlm_vit.packing import encode_packed
 
 
 class Block(nn.Module):
-    """One pre-norm Transformer block (eqs. 2 and 3)."""
+    """One pre-norm Transformer block (eqs. 2 and 3); each branch optionally LayerScaled
+    (`ls1`, `ls2`: identities unless `layer_scale_init` is set)."""
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(config.width, eps=config.norm_eps)
-        self.attn = Attention(config.width, config.heads, qkv_bias=config.qkv_bias)
-        self.norm2 = nn.LayerNorm(config.width, eps=config.norm_eps)
-        self.mlp = Mlp(config.width, config.mlp_width, act=config.act)
+        width = config.width
+        self.norm1 = layers.build_norm(config.norm, width, config.norm_eps)
+        self.attn = Attention(width, config.heads, qkv_bias=config.qkv_bias)
+        self.ls1 = layers.build_layer_scale(width, config.layer_scale_init)
+        self.norm2 = layers.build_norm(config.norm, width, config.norm_eps)
+        self.mlp = layers.build_mlp(config.mlp, width, config.mlp_width, act=config.act)
+        self.ls2 = layers.build_layer_scale(width, config.layer_scale_init)
 
     def forward(
         self, x: torch.Tensor, need_weights: bool = False, segments: Segments | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...] | None]:
         attended, weights = self.attn(self.norm1(x), need_weights=need_weights,
                                       segments=segments)
-        x = add_residual(x, attended)
-        x = add_residual(x, self.mlp(self.norm2(x)))
+        x = add_residual(x, self.ls1(attended))
+        x = add_residual(x, self.ls2(self.mlp(self.norm2(x))))
         return x, weights
 
 
@@ -65,7 +70,8 @@ class VisionEncoder(NativeFormat, nn.Module):
     """The ViT encoder: patches in, every token out.
 
     Parameter names follow timm (`patch_embed.proj`, `cls_token`, `pos_embed`, `reg_token`,
-    `norm_pre`, `blocks.N.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}`, `norm`).
+    `norm_pre`, `blocks.N.{norm1,attn.qkv,attn.proj,ls1.gamma,norm2,mlp.fc1,mlp.fc2,ls2.gamma}`,
+    SwiGLU's `mlp.{fc1_g,fc1_x,fc2}`, the hybrid's `patch_embed.backbone.*`, `norm`).
     `save_pretrained`, `from_pretrained` and `from_state_dict` come from `NativeFormat`
     (`vlm_vit.native`).
 
@@ -77,17 +83,19 @@ class VisionEncoder(NativeFormat, nn.Module):
         super().__init__()
         self.config = config
         width = config.width
-        self.patch_embed = PatchEmbed(config.patch_size, config.in_channels, width,
-                                      bias=config.patch_bias)
+        self.patch_embed = layers.build_patch_embed(
+            config.patch_size, config.in_channels, width, config.patch_bias, config.hybrid_layers)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, width)) if config.class_token else None
         self.reg_token = (nn.Parameter(torch.zeros(1, config.num_register_tokens, width))
                           if config.num_register_tokens else None)
         # E_pos covers the class token (if any) and the patches; registers have no position.
         rows, cols = config.grid
         self.pos_embed = nn.Parameter(torch.zeros(1, int(config.class_token) + rows * cols, width))
-        self.norm_pre = nn.LayerNorm(width, eps=config.norm_eps) if config.pre_norm else None
+        self.norm_pre = layers.build_norm(config.norm, width, config.norm_eps) if config.pre_norm \
+            else None
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
-        self.norm = nn.LayerNorm(width, eps=config.norm_eps) if config.final_norm else None
+        self.norm = layers.build_norm(config.norm, width, config.norm_eps) if config.final_norm \
+            else None
         self._pos_cache: dict[tuple, torch.Tensor] = {}  # resized tables per grid, not saved
         self.gradient_checkpointing = False  # set by the trainer to trade compute for memory
         if not self.pos_embed.is_meta:  # a meta model is a shell for loaded weights

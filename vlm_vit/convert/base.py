@@ -132,8 +132,9 @@ def size_problems(config: EncoderConfig, state: dict[str, torch.Tensor],
     """Every size of `config` that the native-named weights `state` do not hold.
 
     Compared, from shapes alone (no model is built): depth with the `blocks.N` present,
-    width, input channels and patch size with `patch_embed.proj.weight` `[D, C, P, P]`,
-    mlp_width with `blocks.0.mlp.fc1.weight` `[M, D]`, the position entries of
+    width, input channels and patch size with `patch_embed.proj.weight` `[D, C, P, P]` (for
+    the hybrid, width from its 1x1 projection and channels from the ResNet's stem),
+    mlp_width with `blocks.0.mlp.fc1.weight` `[M, D]` (SwiGLU's `fc1_g`), the position entries of
     `image_size` with `pos_embed` `[1, class + rows * cols, D]`, registers with `reg_token`
     `[1, R, D]` and the class token with `cls_token`. A tensor that is missing or of
     another rank is left to the strict load, which lists it.
@@ -144,6 +145,10 @@ def size_problems(config: EncoderConfig, state: dict[str, torch.Tensor],
                                 config_file)
     problems += [depth] if depth else []
     patch = _shape(state, "patch_embed.proj.weight", 4)  # [D, C, P, P]
+    if config.hybrid_layers is not None:  # the 1x1 projection of the ResNet's features
+        stem = _shape(state, "patch_embed.backbone.stem.conv.weight", 4)  # [64, C, 7, 7]
+        patch = None if patch is None or stem is None \
+            else [patch[0], stem[1], config.patch_size, config.patch_size]
     if patch is not None:
         if patch[0] != config.width:
             problems.append(f"{says} width {config.width} but the weights hold width "
@@ -154,10 +159,11 @@ def size_problems(config: EncoderConfig, state: dict[str, torch.Tensor],
         if patch[2:] != [config.patch_size] * 2:
             problems.append(f"{says} patch_size {config.patch_size} but the weights hold "
                             f"{patch[2]}x{patch[3]} patches")
-    fc1 = _shape(state, "blocks.0.mlp.fc1.weight", 2)  # [M, D]
+    fc1_name = "blocks.0.mlp.fc1_g.weight" if config.mlp == "swiglu" else "blocks.0.mlp.fc1.weight"
+    fc1 = _shape(state, fc1_name, 2)  # [M, D]
     if fc1 is not None and fc1[0] != config.mlp_width:
         problems.append(f"{says} mlp_width {config.mlp_width} but the weights hold {fc1[0]} "
-                        f"(blocks.0.mlp.fc1.weight {fc1})")
+                        f"({fc1_name} {fc1})")
     positions = _shape(state, "pos_embed", 3)  # [1, class + rows * cols, D]
     rows, cols = config.grid
     if positions is not None and positions[1] != int(config.class_token) + rows * cols:

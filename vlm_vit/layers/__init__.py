@@ -1,12 +1,15 @@
 """Building blocks of the encoder, one idea per file."""
 
 from vlm_vit.layers.attention import Attention
-from vlm_vit.layers.mlp import Mlp, build_activation
-from vlm_vit.layers.patch_embed import PatchEmbed
+from vlm_vit.layers.layer_scale import LayerScale, build_layer_scale
+from vlm_vit.layers.mlp import Mlp, build_activation, build_mlp
+from vlm_vit.layers.norm import build_norm
+from vlm_vit.layers.patch_embed import PatchEmbed, build_patch_embed
 from vlm_vit.layers.pos_embed import resample_pos_embed, sincos_2d_pos_embed
 from vlm_vit.layers.varlen import Segments, varlen_attention
 
 __all__ = [
-    "Attention", "Mlp", "PatchEmbed", "Segments", "build_activation", "resample_pos_embed",
+    "Attention", "LayerScale", "Mlp", "PatchEmbed", "Segments", "build_activation",
+    "build_layer_scale", "build_mlp", "build_norm", "build_patch_embed", "resample_pos_embed",
     "sincos_2d_pos_embed", "varlen_attention",
 ]

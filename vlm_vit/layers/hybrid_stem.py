@@ -169,6 +169,7 @@ class HybridPatchEmbed(nn.Module):
         layers: blocks per ResNet stage (3, 4, 9: stride 16).
         in_channels: C.
         stem_width: the stem's output channels.
+        bias: whether the projection has a bias (timm's and Google's have one).
 
     Raises:
         ValueError: for an empty `layers` (timm's stem-only variant is not offered) or a
@@ -176,7 +177,7 @@ class HybridPatchEmbed(nn.Module):
     """
 
     def __init__(self, width: int, layers: tuple[int, ...] = (3, 4, 9), in_channels: int = 3,
-                 stem_width: int = 64) -> None:
+                 stem_width: int = 64, bias: bool = True) -> None:
         super().__init__()
         if not layers or min(layers) < 1:
             raise ValueError(f"the hybrid's ResNet needs at least one stage of at least one "
@@ -185,7 +186,7 @@ class HybridPatchEmbed(nn.Module):
             raise ValueError(f"stem width {stem_width} is not divisible by group norm's 32 "
                              "groups")
         self.backbone = ResNetV2Backbone(tuple(layers), in_channels, stem_width)
-        self.proj = nn.Conv2d(self.backbone.out_channels, width, 1)
+        self.proj = nn.Conv2d(self.backbone.out_channels, width, 1, bias=bias)
         self.patch_size = self.backbone.stride
         self.in_channels = in_channels
 

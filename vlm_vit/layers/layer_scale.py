@@ -23,3 +23,8 @@ class LayerScale(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Scales `x` `[..., D]` channel by channel (a new tensor; the input is untouched)."""
         return x * self.gamma
+
+
+def build_layer_scale(width: int, init_value: float | None) -> nn.Module:
+    """LayerScale starting at `init_value`, or the identity for None (the paper's block)."""
+    return nn.Identity() if init_value is None else LayerScale(width, init_value)

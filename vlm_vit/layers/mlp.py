@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlm_vit.layers.swiglu import SwiGLU
+
 
 class GELU(nn.GELU):
     """`nn.GELU` that can also overwrite its input (`forward_inplace`), for the MLP."""
@@ -28,6 +30,7 @@ _ACTIVATIONS = {
     "gelu": lambda: GELU(),
     "gelu_tanh": lambda: GELU(approximate="tanh"),  # flax's default, used by the JAX code
     "quick_gelu": QuickGELU,
+    "silu": nn.SiLU,  # the gate of SwiGLU
 }
 
 
@@ -58,3 +61,17 @@ class Mlp(nn.Module):
         if inplace is None or (torch.is_grad_enabled() and hidden.requires_grad):
             return self.fc2(self.act(hidden))
         return self.fc2(inplace(hidden))
+
+
+def build_mlp(kind: str, width: int, hidden_width: int, act: str = "gelu") -> nn.Module:
+    """The block's MLP by `EncoderConfig.mlp`: "mlp" (`Mlp`: fc1, act, fc2) or "swiglu"
+    (`SwiGLU`: fc1_g, fc1_x, fc2, gated by `act`).
+
+    Raises:
+        ValueError: for an unknown kind or activation.
+    """
+    if kind == "mlp":
+        return Mlp(width, hidden_width, act=act)
+    if kind == "swiglu":
+        return SwiGLU(width, hidden_width, act=build_activation(act))
+    raise ValueError(f"unknown MLP {kind!r}; known: mlp, swiglu")

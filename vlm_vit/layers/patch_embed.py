@@ -1,12 +1,15 @@
 """Patch embedding (paper eq. 1): a linear map of each flattened P x P patch.
 
-A convolution with kernel = stride = P computes exactly that map, faster.
+A convolution with kernel = stride = P computes exactly that map, faster. `build_patch_embed`
+picks it or the hybrid's ResNet features (`hybrid_stem.py`, paper section 3.1).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from vlm_vit.layers.hybrid_stem import HybridPatchEmbed
 
 
 class PatchEmbed(nn.Module):
@@ -48,3 +51,21 @@ class PatchEmbed(nn.Module):
         grid = self.grid(pixel_values.shape[2], pixel_values.shape[3])
         x = self.proj(pixel_values.to(self.proj.weight.dtype))  # (B, D, rows, cols)
         return x.flatten(2).transpose(1, 2), grid
+
+
+def build_patch_embed(patch_size: int, in_channels: int, width: int, bias: bool = True,
+                      hybrid_layers: tuple[int, ...] | None = None) -> nn.Module:
+    """The encoder's patch embedding: `PatchEmbed`, or with `hybrid_layers` the hybrid's
+    ResNet of those stages and a 1x1 projection (`HybridPatchEmbed`, whose stride must be
+    `patch_size`). Both return `[B, N, D]` and the grid.
+
+    Raises:
+        ValueError: for a hybrid whose stride is not `patch_size`.
+    """
+    if hybrid_layers is None:
+        return PatchEmbed(patch_size, in_channels, width, bias=bias)
+    embed = HybridPatchEmbed(width, hybrid_layers, in_channels, bias=bias)
+    if embed.patch_size != patch_size:
+        raise ValueError(f"hybrid_layers {tuple(hybrid_layers)} make a ResNet of stride "
+                         f"{embed.patch_size}, not the patch size {patch_size}")
+    return embed

@@ -1,0 +1,199 @@
+"""The encoder's mechanisms beyond the paper's block (issue 33): LayerScale, RMSNorm, SwiGLU,
+registers and the hybrid ResNet patch embedding, each a validated config field whose default
+is the paper's ViT. Every one keeps packing, `feature_layers`' early stop, explicit attention
+maps, save/load, LoRA presets and export working."""
+
+import pytest
+import torch
+
+from vlm_vit import EncoderConfig, VisionEncoder
+from vlm_vit.config import ConfigError
+from vlm_vit.layers.hybrid_stem import HybridPatchEmbed
+from vlm_vit.layers.layer_scale import LayerScale
+from vlm_vit.layers.rms_norm import RMSNorm
+from vlm_vit.layers.swiglu import SwiGLU
+from vlm_vit.testing import perturbed
+
+from .conftest import tiny_config
+
+MECHANISMS = {
+    "layer_scale": dict(layer_scale_init=0.1),
+    "rmsnorm": dict(norm="rmsnorm", pre_norm=True),
+    "swiglu": dict(mlp="swiglu", act="silu"),
+    "dinov2_registers": dict(layer_scale_init=1e-5, num_register_tokens=2),
+    # two ResNet stages: stride 8, the tiny config's patch size
+    "hybrid": dict(hybrid_layers=(1, 1)),
+    "all_but_hybrid": dict(layer_scale_init=0.1, norm="rmsnorm", mlp="swiglu", act="silu",
+                           num_register_tokens=2),
+}
+SIZES = [(24, 24), (40, 16), (32, 32)]  # a multiple of 8: the hybrid's stride too
+
+
+def encoder_for(name: str) -> VisionEncoder:
+    torch.manual_seed(0)
+    encoder = perturbed(VisionEncoder(tiny_config(**MECHANISMS[name])), scale=0.02)
+    encoder._pos_cache.clear()
+    return encoder
+
+
+def images(sizes=SIZES):
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(3, h, w, generator=generator) for h, w in sizes]
+
+
+def test_defaults_are_the_papers_block():
+    encoder = VisionEncoder(tiny_config())
+    kinds = {type(m) for m in encoder.modules()}
+    assert not kinds & {LayerScale, RMSNorm, SwiGLU, HybridPatchEmbed}
+    assert isinstance(encoder.blocks[0].ls1, torch.nn.Identity)
+    assert not any(".ls" in name or "backbone" in name for name in encoder.state_dict())
+
+
+def test_each_mechanism_is_the_module_it_names():
+    blocks = {name: encoder_for(name).blocks[0] for name in MECHANISMS}
+    assert isinstance(blocks["layer_scale"].ls1, LayerScale)
+    assert torch.equal(VisionEncoder(tiny_config(layer_scale_init=0.1)).blocks[1].ls2.gamma,
+                       torch.full((32,), 0.1))
+    assert isinstance(blocks["rmsnorm"].norm1, RMSNorm)
+    assert isinstance(encoder_for("rmsnorm").norm_pre, RMSNorm)
+    assert isinstance(encoder_for("rmsnorm").norm, RMSNorm)
+    assert isinstance(blocks["swiglu"].mlp, SwiGLU)
+    assert isinstance(blocks["swiglu"].mlp.act, torch.nn.SiLU)
+    hybrid = encoder_for("hybrid")
+    assert isinstance(hybrid.patch_embed, HybridPatchEmbed) and hybrid.patch_embed.patch_size == 8
+
+
+def test_layer_scale_scales_each_branch():
+    encoder = encoder_for("layer_scale")
+    block = encoder.blocks[0]
+    x = torch.randn(1, 5, 32)
+    with torch.no_grad():
+        x1 = x + block.ls1.gamma * block.attn(block.norm1(x))[0]
+        expected = x1 + block.ls2.gamma * block.mlp(block.norm2(x1))
+        torch.testing.assert_close(block(x)[0], expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(MECHANISMS))
+def test_packing_features_and_maps(name):
+    encoder = encoder_for(name)
+    pictures = images()
+    with torch.no_grad():
+        packed = encoder(pictures, output_hidden_states=True, output_attentions=True).split()
+        for image, part in zip(pictures, packed, strict=True):
+            alone = encoder(image[None], output_hidden_states=True, output_attentions=True)
+            fast = encoder(image[None])
+            torch.testing.assert_close(part.tokens, alone.tokens, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(alone.tokens, fast.tokens, atol=1e-5, rtol=1e-5)
+            for ours, theirs in zip(part.attentions, alone.attentions, strict=True):
+                torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+            early = encoder(image[None], feature_layers=[1])
+            assert early.tokens is None  # stopped after block 1
+            hidden = encoder(image[None], output_hidden_states=True).hidden_states[1]
+            torch.testing.assert_close(early.features[0], hidden, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(MECHANISMS))
+def test_save_and_load(tmp_path, name):
+    encoder = encoder_for(name)
+    encoder.save_pretrained(tmp_path / name, model_card=False)
+    loaded = VisionEncoder.from_pretrained(tmp_path / name).eval()
+    assert loaded.config == encoder.config
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded(x).tokens, encoder(x).tokens)
+
+
+@pytest.mark.parametrize("name", ["all_but_hybrid", "hybrid"])
+def test_export_with_a_dynamic_size(name):
+    from vlm_vit.export import export_program
+
+    encoder = encoder_for(name)
+    program = export_program(encoder, image_size=(32, 32), dynamic=True).module()
+    for size in [(32, 32), (48, 24)]:
+        x = torch.randn(2, 3, *size)
+        with torch.no_grad():
+            torch.testing.assert_close(program(x), encoder(x).tokens, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_presets_find_swiglus_projections():
+    pytest.importorskip("peft")
+    from vlm_vit.lora import apply_lora
+
+    encoder = encoder_for("swiglu")
+    names = {"mlp": {"mlp.fc1_g", "mlp.fc1_x", "mlp.fc2"},
+             "all": {"attn.qkv", "attn.proj", "mlp.fc1_g", "mlp.fc1_x", "mlp.fc2"}}
+    for preset, expected in names.items():
+        model = apply_lora(encoder_for("swiglu"), targets=preset)
+        wrapped = {name.split("blocks.0.", 1)[1].removesuffix(".lora_A.default")
+                   for name, _ in model.named_modules()
+                   if "blocks.0." in name and name.endswith(".lora_A.default")}
+        assert wrapped == expected, preset
+    del encoder
+
+
+def test_hybrid_variant_is_timms_r50_vit_b_16_at_384():
+    config = EncoderConfig.from_name("r50+vit-b/16")
+    assert config.hybrid_layers == (3, 4, 9) and config.patch_size == 16
+    assert config.image_size == (384, 384) and config.grid == (24, 24)
+    assert EncoderConfig.from_dict(config.to_dict()) == config
+    assert config.to_dict()["hybrid_layers"] == [3, 4, 9]  # JSON's list, read back as a tuple
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_config_stride_is_the_backbones(stages):
+    from vlm_vit.config import hybrid_stride
+
+    with torch.device("meta"):
+        assert HybridPatchEmbed(32, layers=(1,) * stages).patch_size == hybrid_stride((1,) * stages)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(layer_scale_init=0), "layer_scale_init must be null or a finite number > 0, got 0"),
+    (dict(layer_scale_init=-1e-5), "layer_scale_init must be null or a finite number > 0"),
+    (dict(layer_scale_init=float("nan")), "layer_scale_init"),
+    (dict(layer_scale_init="1e-5"), "layer_scale_init"),
+    (dict(layer_scale_init=True), "layer_scale_init"),
+    (dict(norm="batchnorm"), "norm 'batchnorm' is not one of layernorm, rmsnorm"),
+    (dict(mlp="geglu"), "mlp 'geglu' is not one of mlp, swiglu"),
+    (dict(mlp="swiglu"), "mlp 'swiglu' gates with SiLU: act must be 'silu', got 'gelu'"),
+    (dict(hybrid_layers=(3, 4, 9)), r"hybrid_layers \(3, 4, 9\) make a ResNet of stride 16: "
+                                    r"patch_size must be 16, got 8"),
+    (dict(hybrid_layers=(3, 4, 9), patch_size=14, image_size=224),
+     "stride 16: patch_size must be 16, got 14"),
+    (dict(hybrid_layers=()), "hybrid_layers must be null or 1 to 4 block counts"),
+    (dict(hybrid_layers=(1, 1, 1, 1, 1)), "hybrid_layers must be null or 1 to 4"),
+    (dict(hybrid_layers=(1, 0)), "hybrid_layers"),
+    (dict(hybrid_layers=3), "hybrid_layers"),
+    (dict(hybrid_layers=(1, 65)), "hybrid_layers"),
+])
+def test_bad_mechanism_configs_are_one_clear_error(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(**changes)
+
+
+def test_bad_mechanism_in_a_config_file_names_the_file(tmp_path):
+    import json
+
+    from vlm_vit import load_encoder
+
+    VisionEncoder(tiny_config()).save_pretrained(tmp_path / "tiny", model_card=False)
+    path = tmp_path / "tiny" / "config.json"
+    data = json.loads(path.read_text())
+    data["encoder"]["norm"] = "groupnorm"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"config.json.*norm 'groupnorm' is not one of"):
+        load_encoder(tmp_path / "tiny")
+
+
+@pytest.mark.parametrize("name", sorted(MECHANISMS))
+def test_load_encoder_checks_the_sizes_of_every_mechanism(tmp_path, name):
+    from vlm_vit import load_encoder
+    from vlm_vit.convert.base import size_problems
+
+    encoder = encoder_for(name)
+    encoder.save_pretrained(tmp_path / name, model_card=False)
+    assert load_encoder(tmp_path / name).config == encoder.config
+    state = encoder.state_dict()
+    assert size_problems(encoder.config, state) == []
+    wider = EncoderConfig(**{**encoder.config.to_dict(), "mlp_width": 96})
+    assert any("mlp_width 96 but the weights hold 64" in p for p in size_problems(wider, state))
