@@ -272,6 +272,13 @@ def _meets(value: float, target: str) -> bool:
     return value >= float(bound) if operator == ">=" else value <= float(bound)
 
 
+def current_block(text: str) -> str:
+    """What stands between the benchmark markers of `text` (empty without them)."""
+    start, end = MARKERS
+    found = re.search(re.escape(start) + r"(.*?)" + re.escape(end), text, re.DOTALL)
+    return found.group(1) if found else ""
+
+
 def replace_block(text: str, block: str) -> str:
     """`text` with everything between the benchmark markers replaced by `block`.
 
@@ -283,6 +290,36 @@ def replace_block(text: str, block: str) -> str:
     if not pattern.search(text):
         raise ValueError(f"README has no {start} ... {end} block")
     return pattern.sub(lambda _: f"{start}\n{block}\n{end}", text, count=1)
+
+
+def merged_block(old: str, results: dict, env: dict[str, str], command: str) -> str:
+    """The README block with only the rows of the benchmarks in `results` replaced (a run
+    with `--only`): the other rows, and the line saying how they were measured, stay; a line
+    saying how the new rows were measured is added (replacing one for the same benchmarks).
+
+    Args:
+        old: the block between the markers now.
+    """
+    def name_of(line: str) -> str | None:
+        return line[2:].split(" | ")[0] if line.startswith("| ") and " | " in line else None
+
+    names = list(results)
+    fresh = [line for line in markdown_table(results, env, command).splitlines()
+             if name_of(line) in results]
+    lines = old.strip("\n").splitlines()
+    prose = [line for line in lines if not line.startswith("|") and line.strip()]
+    note_start = f"Rows of {', '.join(names)}: "
+    prose = [line for line in prose if not line.startswith(note_start)]
+    prose.append(f"{note_start}measured by `{command}` on {env['machine']}, {env['date']} "
+                 f"({env['versions']}).")
+    rows = [line for line in lines if name_of(line) not in (None, "benchmark")]
+    fresh_at = {name: [line for line in fresh if name_of(line) == name] for name in names}
+    ordered = []
+    for name in BENCHMARKS:  # the registry's order; rows of unknown benchmarks last
+        ordered += fresh_at.get(name) or [line for line in rows if name_of(line) == name]
+    ordered += [line for line in rows if name_of(line) not in BENCHMARKS]
+    return "\n".join([*prose, "", "| benchmark | figure | measured | target | settings |",
+                      "|---|---|---|---|---|", *ordered])
 
 
 def print_table(results: dict, failures: list[str]) -> None:
@@ -300,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), metavar="NAME")
     parser.add_argument("--out", type=Path, help="write every result to this JSON file")
     parser.add_argument("--readme", nargs="?", type=Path, const=README, metavar="PATH",
-                        help="rewrite the table between the benchmark markers of README.md")
+                        help="rewrite the table between the benchmark markers of README.md "
+                        "(with --only, only those benchmarks' rows)")
     args = parser.parse_args(argv)
     preset = "quick" if args.quick else args.preset
     results, failures = run_benchmarks(preset, args.only)
@@ -313,8 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme:
         command = "python benchmarks/run_all.py --readme" + (
             f" --preset {preset}" if preset != "reference" else "")
-        block = markdown_table(results, env, command)
-        args.readme.write_text(replace_block(args.readme.read_text(), block))
+        text = args.readme.read_text()
+        if args.only and "| benchmark |" in current_block(text):  # only their rows change
+            command += " --only " + " ".join(f"'{name}'" for name in args.only)
+            block = merged_block(current_block(text), results, env, command)
+        else:
+            block = markdown_table(results, env, command)
+        args.readme.write_text(replace_block(text, block))
         print(f"rewrote the benchmark table in {args.readme}")
     return 1 if failures else 0
 

@@ -165,3 +165,26 @@ def test_a_verdict_can_be_read_from_the_figure_beside_it(benchmarks):
     assert run_all.shown(0.8504, ">= 0.85") == "0.850"  # rounds onto the bound and meets it
     assert run_all.shown(1.23456, "") == "1.235"
     assert run_all.shown(0.70049, "<= 0.7") == "0.7005"
+
+
+def test_readme_rows_of_one_benchmark_replace_only_its_own(benchmarks):
+    run_all = benchmarks("run_all")
+    env = {"machine": "M", "date": "D", "python": "3", "versions": "torch 2"}
+    old = run_all.markdown_table({
+        "load": {"ratio_vlm_vit_over_transformers": 1.5},
+        "mae step": {"speed_ratio_vlm_vit_over_transformers": 0.9, "variant": "vit-b/16"}},
+        env, "python benchmarks/run_all.py --readme")
+    new = run_all.merged_block(old, {"mae step": {
+        "speed_ratio_vlm_vit_over_transformers": 1.25, "variant": "vit-b/16"}}, env,
+        "python benchmarks/run_all.py --readme --only 'mae step'")
+    lines = new.splitlines()
+    assert lines[0] == old.splitlines()[0]  # how the other rows were measured stays
+    assert lines[1].startswith("Rows of mae step: measured by `python benchmarks/run_all.py "
+                               "--readme --only 'mae step'`")
+    rows = [line for line in lines if line.startswith("| ") and "benchmark |" not in line]
+    assert rows == ["| load | time vs HF from_pretrained | 1.500 |  |  |",
+                    "| mae step | speed vs ViTMAEForPreTraining | 1.250 | >= 1.2 (met) | "
+                    "vit-b/16 |"]
+    again = run_all.merged_block(new, {"mae step": {
+        "speed_ratio_vlm_vit_over_transformers": 1.1}}, env, "again")
+    assert again.count("Rows of mae step") == 1 and "1.100" in again and "1.250" not in again
