@@ -74,6 +74,19 @@ def count_blocks(keys: Iterable[str], pattern: str) -> int:
     return max(indices) + 1
 
 
+def held_stages(keys: Iterable[str], pattern: str, first: int = 0) -> tuple[int, ...]:
+    """Blocks per stage: `pattern`'s two groups are the stage and block indices (the hybrid's
+    `stages.S.blocks.B.`), counted from `first` (1 in Google's `block1/unit1/`); () when
+    nothing matches."""
+    compiled = re.compile(pattern)
+    blocks: dict[int, int] = {}
+    for key in keys:
+        if m := compiled.match(key):
+            stage, block = int(m.group(1)) - first, int(m.group(2)) - first
+            blocks[stage] = max(blocks.get(stage, 0), block + 1)
+    return tuple(blocks.get(i, 0) for i in range(max(blocks) + 1)) if blocks else ()
+
+
 def fuse_qkv(state: dict[str, torch.Tensor], depth: int, part: str = "blocks.{}.attn.{}") -> None:
     """Concatenates `q`, `k`, `v` weights and biases into the fused `qkv` (in place).
 

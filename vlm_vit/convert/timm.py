@@ -8,6 +8,9 @@ architecture, which a timm state dict only partly records:
   (timm's hub layout), else the variant table's entry for that width and depth, else the
   rule heads = width // 64 (every ViT in the paper but ViT-H/14, which the table covers);
 - act is exact GELU (timm's default) and eps 1e-6, unless overridden by keyword;
+- LayerScale (`blocks.N.ls1.gamma`, DINOv2), SwiGLU (`mlp.fc1_g`, act SiLU), RMSNorm (norms
+  without a bias) and the hybrid's ResNet (`patch_embed.backbone.*`, its stages counted from
+  the tensors, the patch size its stride) come from the tensors too;
 - `no_embed_class` tables (no position for the class token) get a zero class position, and
   tables with entries for register tokens have them folded into the register tokens
   (a constant added to a constant), since our registers carry no position.
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlm_vit.config import VARIANTS, ConfigError, EncoderConfig
+from vlm_vit.config import VARIANTS, ConfigError, EncoderConfig, hybrid_stride, is_real
 from vlm_vit.convert.base import (
     Checkpoint,
     Converted,
@@ -33,7 +36,7 @@ from vlm_vit.convert.base import (
     read_processor,
     register_format,
 )
-from vlm_vit.convert.keymap import count_blocks
+from vlm_vit.convert.keymap import count_blocks, held_stages
 from vlm_vit.files import atomic_directory, atomic_write, write_safetensors
 from vlm_vit.native import MODEL_TYPE
 from vlm_vit.optional import require
@@ -63,7 +66,29 @@ def timm_model_kwargs(config: EncoderConfig) -> dict[str, Any]:
         pre_norm=config.pre_norm, final_norm=config.final_norm,
         act_layer=config.act,  # timm knows the same names
         norm_layer=functools.partial(nn.LayerNorm, eps=config.norm_eps),
+        init_values=config.layer_scale_init,
     )
+
+
+# What only code can give timm's VisionTransformer, so a config file cannot: `write` refuses
+# these, `build_timm_model` builds them.
+CODE_ONLY = dict(norm="layernorm", mlp="mlp", hybrid_layers=None)
+
+
+def _timm_modules(config: EncoderConfig) -> dict[str, Any]:
+    """The `VisionTransformer` arguments for RMSNorm, SwiGLU and the hybrid (needs timm)."""
+    layers = require("timm.layers", "dev", "a timm twin")
+    modules: dict[str, Any] = {}
+    if config.norm == "rmsnorm":
+        modules["norm_layer"] = functools.partial(layers.RmsNorm, eps=config.norm_eps)
+    if config.mlp == "swiglu":
+        modules["mlp_layer"] = layers.SwiGLU
+    if config.hybrid_layers is not None:
+        hybrid = require("timm.models.vision_transformer_hybrid", "dev", "a timm twin")
+        backbone = hybrid._resnetv2(config.hybrid_layers, in_chans=config.in_channels)
+        modules["embed_layer"] = functools.partial(hybrid.HybridEmbed, backbone=backbone)
+        modules["patch_size"] = 1  # on the ResNet's feature map
+    return modules
 
 
 def build_timm_model(config: EncoderConfig, **extra: Any) -> nn.Module:
@@ -73,7 +98,8 @@ def build_timm_model(config: EncoderConfig, **extra: Any) -> nn.Module:
     position entries.
     """
     vision_transformer = require("timm.models.vision_transformer", "dev", "a timm twin")
-    model = vision_transformer.VisionTransformer(**{**timm_model_kwargs(config), **extra})
+    model = vision_transformer.VisionTransformer(
+        **{**timm_model_kwargs(config), **_timm_modules(config), **extra})
     proj = model.patch_embed.proj  # timm ties the patch bias to pre_norm; ours is separate
     if not config.patch_bias:
         proj.bias = None
@@ -139,8 +165,7 @@ class TimmFormat:
         if not isinstance(model_args, dict):
             raise ValueError(f"{config_source}: model_args must be a JSON object, got "
                              f"{type(model_args).__name__}")
-        patch = state["patch_embed.proj.weight"]  # [D, C, P, P]
-        width, channels, patch_size = patch.shape[0], patch.shape[1], patch.shape[2]
+        width, channels, patch_size, hybrid_layers = _patch_embedding(state)
         depth = count_blocks(state, r"blocks\.(\d+)\.")
         registers = state["reg_token"].shape[1] if "reg_token" in state else 0
         grid_tokens = _grid_tokens(state["pos_embed"].shape[1], int("cls_token" in state),
@@ -155,13 +180,15 @@ class TimmFormat:
             config = EncoderConfig(
                 image_size=image_size, patch_size=patch_size, width=width, depth=depth,
                 heads=_heads(width, depth, model_args, rules),
-                mlp_width=state["blocks.0.mlp.fc1.weight"].shape[0], in_channels=channels,
+                mlp_width=_mlp_width(state), in_channels=channels,
                 class_token="cls_token" in state, num_register_tokens=registers,
                 pre_norm="norm_pre.weight" in state, final_norm="norm.weight" in state,
                 qkv_bias="blocks.0.attn.qkv.bias" in state,
                 patch_bias="patch_embed.proj.bias" in state,
-                act=model_args.get("act_layer", "gelu"),
+                act=model_args.get("act_layer", "silu" if "blocks.0.mlp.fc1_g.weight" in state
+                                   else "gelu"),
                 norm_eps=(checkpoint.config or {}).get("norm_eps", 1e-6),
+                **_mechanisms(state, model_args, hybrid_layers, rules),
             )
         except ConfigError as error:
             raise error.located(config_source, TIMM_FIELDS.get(error.field)) from None
@@ -176,9 +203,10 @@ class TimmFormat:
         `timm.create_model("local-dir:DIR", pretrained=True)` loads (see `timm_architecture`).
 
         Raises:
-            ValueError: for what timm's factory cannot build from a config file: a norm eps
-                other than 1e-5 above 1e-6 (smaller ones are built as 1e-6), or a patch
-                bias that is not the opposite of pre-norm (timm ties the two).
+            ValueError: for what timm's factory cannot build from a config file: RMSNorm,
+                SwiGLU or the hybrid (`CODE_ONLY`), a norm eps other than 1e-5 above 1e-6
+                (smaller ones are built as 1e-6), or a patch bias that is not the opposite
+                of pre-norm (timm ties the two).
         """
         destination = Path(destination)
         config = encoder.config
@@ -220,6 +248,11 @@ def timm_architecture(config: EncoderConfig) -> str:
     Raises:
         ValueError: as `TimmFormat.write`.
     """
+    code_only = [f"{field}={getattr(config, field)!r}" for field, plain in CODE_ONLY.items()
+                 if getattr(config, field) != plain]
+    if code_only:
+        raise ValueError(f"timm's factory cannot build {', '.join(code_only)} from a config "
+                         "file (its VisionTransformer takes them as modules)")
     if config.patch_bias == config.pre_norm:
         raise ValueError(f"timm ties the patch embedding's bias to pre-norm (bias = not "
                          f"pre_norm); this encoder has patch_bias={config.patch_bias} with "
@@ -238,6 +271,37 @@ def timm_architecture(config: EncoderConfig) -> str:
     plain = (eps == 1e-6 and not config.pre_norm and config.act == "gelu"
              and config.mlp_width == 4 * config.width and config.image_size == (224, 224))
     return paper if paper and plain else ARCHITECTURE_FOR_EPS[eps]
+
+
+def _patch_embedding(state: dict[str, torch.Tensor]) -> tuple[int, int, int, Any]:
+    """(width, input channels, patch size, hybrid stages or None) from the tensors: the
+    patch convolution `[D, C, P, P]`, or the hybrid's 1x1 projection, stem and stages."""
+    patch = state["patch_embed.proj.weight"]  # [D, C, P, P]; the hybrid's [D, 1024, 1, 1]
+    if "patch_embed.backbone.stem.conv.weight" not in state:
+        return patch.shape[0], patch.shape[1], patch.shape[2], None
+    layers = held_stages(state, r"patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.")
+    stem = state["patch_embed.backbone.stem.conv.weight"]  # [64, C, 7, 7]
+    return patch.shape[0], stem.shape[1], hybrid_stride(layers) if layers else 0, layers
+
+
+def _mlp_width(state: dict[str, torch.Tensor]) -> int:
+    gate = state.get("blocks.0.mlp.fc1_g.weight")  # SwiGLU's [M, D]
+    return (gate if gate is not None else state["blocks.0.mlp.fc1.weight"]).shape[0]
+
+
+def _mechanisms(state: dict[str, torch.Tensor], model_args: dict[str, Any],
+                hybrid_layers: Any, rules: list[str]) -> dict[str, Any]:
+    """The EncoderConfig mechanism fields the tensors show."""
+    scale = None
+    if "blocks.0.ls1.gamma" in state:
+        scale = model_args.get("init_values")
+        scale = scale if is_real(scale) and scale > 0 else 1e-5
+        rules.append(f"LayerScale (blocks.N.ls1.gamma), init {scale:g}")
+    norm = "layernorm" if "blocks.0.norm1.bias" in state else "rmsnorm"
+    if norm == "rmsnorm":
+        rules.append("norms without a bias read as RMSNorm (timm's RmsNorm)")
+    return dict(layer_scale_init=scale, norm=norm, hybrid_layers=hybrid_layers,
+                mlp="swiglu" if "blocks.0.mlp.fc1_g.weight" in state else "mlp")
 
 
 def _grid_tokens(table_length: int, cls: int, registers: int) -> int:
