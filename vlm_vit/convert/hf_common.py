@@ -15,6 +15,7 @@ ACTIVATIONS = {
     "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_python_tanh": "gelu_tanh",
     "quick_gelu": "quick_gelu",
+    "silu": "silu", "swish": "silu",
 }
 
 # PIL's resampling codes, as preprocessor_config.json stores them.
