@@ -23,6 +23,11 @@ What the file cannot tell is fixed by the Google code, and recorded in `Converte
   these files); zoom aligns the corners, which `F.interpolate` offers but the config does not;
 * preprocessing: a squash resize to the square training size, bilinear, mean and std 0.5
   (pixels in [-1, 1]);
+* the hybrid (`R50+ViT-B_16.npz`, paper section 3.1): the ResNet's `conv_root`, `gn_root` and
+  `block{S}/unit{U}/{conv1..3, gn1..3, conv_proj, gn_proj}` become `patch_embed.backbone.*`
+  (stages counted from the names), `embedding` its 1x1 projection; the patch size is the
+  ResNet's stride. Weights are standardised as timm's port does (eps 1e-8 under the square
+  root; the Google code divides by std + 1e-5, a relative difference of 1e-5 / std);
 * pooling: a MAP head where there is one (`attention_pool`), else the class token through
   `pre_logits` (Dense + tanh, `cls_linear`) where there is one, else the class token, else
   (no class token) the mean of the tokens, big_vision's default `gap`.
@@ -36,9 +41,9 @@ from collections.abc import Callable
 
 import torch
 
-from vlm_vit.config import EncoderConfig
+from vlm_vit.config import EncoderConfig, hybrid_stride
 from vlm_vit.convert.base import Checkpoint, Converted, NativePooler, register_format
-from vlm_vit.convert.keymap import count_blocks, fuse_qkv, rename
+from vlm_vit.convert.keymap import count_blocks, fuse_qkv, held_stages, rename
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
 
 # Longest first: `params/img/` must win over `params/`.
@@ -68,6 +73,31 @@ KEY_MAP = {
        for source, target in _MODULES.items()
        for flax, torch_name in (("kernel", "weight"), ("scale", "weight"), ("bias", "bias"))},
 }
+# The hybrid's ResNet (vit_jax's models_resnet): unit module -> native module, per stage S and
+# unit U (both counted from 1 in the file, from 0 here).
+_HYBRID_UNIT = {"conv1": "conv1", "conv2": "conv2", "conv3": "conv3", "gn1": "norm1",
+                "gn2": "norm2", "gn3": "norm3", "conv_proj": "downsample.conv",
+                "gn_proj": "downsample.norm"}
+_HYBRID_STEM = {"conv_root/kernel": "stem.conv.weight", "gn_root/scale": "stem.norm.weight",
+                "gn_root/bias": "stem.norm.bias"}
+HYBRID_UNIT_PATTERN = r"block(\d+)/unit(\d+)/"
+
+
+def hybrid_key_map(layers: tuple[int, ...]) -> dict[str, str]:
+    """The hybrid ResNet's names for `layers` blocks per stage (exact names: a unit has two
+    indices, which the `{}` of a block key map does not cover)."""
+    backbone = "patch_embed.backbone."
+    names = {flax: backbone + ours for flax, ours in _HYBRID_STEM.items()}
+    for stage, depth in enumerate(layers):
+        for unit in range(depth):
+            for module, ours in _HYBRID_UNIT.items():
+                for flax, torch_name in (("kernel", "weight"), ("scale", "weight"),
+                                         ("bias", "bias")):
+                    names[f"block{stage + 1}/unit{unit + 1}/{module}/{flax}"] = \
+                        f"{backbone}stages.{stage}.blocks.{unit}.{ours}.{torch_name}"
+    return names
+
+
 # big_vision's MAPHead -> the `attention_pool` pooler (nn.MultiheadAttention + FeedForward).
 _MAP = "MAPHead_0/"
 _MAP_ATTENTION = _MAP + "MultiHeadDotProductAttention_0/"
@@ -98,6 +128,11 @@ def conv_from_hwio(kernel: torch.Tensor) -> torch.Tensor:
     return kernel.permute(3, 2, 0, 1)
 
 
+def resnet_conv_from_hwio(kernel: torch.Tensor) -> torch.Tensor:
+    """A ResNet conv kernel `[k, k, C_in, C_out]` as a Conv2d weight `[C_out, C_in, k, k]`."""
+    return kernel.permute(3, 2, 0, 1)
+
+
 def linear_from_dense(kernel: torch.Tensor) -> torch.Tensor:
     """A flax Dense kernel `[in, out]` as a Linear weight `[out, in]`."""
     return kernel.T
@@ -124,6 +159,8 @@ LAYOUT_FIXUPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     **{f"{qkv}/kernel": linear_from_heads_in for qkv in ("query", "key", "value")},
     **{f"{qkv}/bias": flatten_heads for qkv in ("query", "key", "value")},
     "out/kernel": linear_from_heads_out,
+    **{f"{conv}/kernel": resnet_conv_from_hwio
+       for conv in ("conv_root", "conv1", "conv2", "conv3", "conv_proj")},
     **{f"{dense}/kernel": linear_from_dense for dense in ("Dense_0", "Dense_1", "pre_logits")},
 }
 
@@ -248,7 +285,9 @@ class JaxNpzFormat:
                                       if k.startswith(prefix)})
         tensors = to_torch_layout(raw)
         depth = count_blocks(tensors, r"Transformer/encoderblock_(\d+)/")
-        state = rename(tensors, KEY_MAP, depth, ignore=HEADS, source=source)
+        hybrid_layers = held_stages(tensors, HYBRID_UNIT_PATTERN, first=1) or None
+        key_map = {**KEY_MAP, **hybrid_key_map(hybrid_layers)} if hybrid_layers else KEY_MAP
+        state = rename(tensors, key_map, depth, ignore=HEADS, source=source)
         fuse_qkv(state, depth)
         missing = [n for n in ("patch_embed.proj.weight", "pos_embed", "blocks.0.mlp.fc1.weight")
                    if n not in state]
@@ -257,16 +296,22 @@ class JaxNpzFormat:
                              "sin-cos position table, as big_vision's posemb='sincos2d', is "
                              "not stored and not supported)")
         grid = add_class_position(state, source)
-        patch = state["patch_embed.proj.weight"]  # [D, C, P, P]
+        patch = state["patch_embed.proj.weight"]  # [D, C, P, P]; the hybrid's [D, 1024, 1, 1]
+        patch_size, channels = patch.shape[-1], patch.shape[1]
+        if hybrid_layers:
+            patch_size = hybrid_stride(hybrid_layers)
+            channels = state["patch_embed.backbone.stem.conv.weight"].shape[1]
+            rules.append(f"hybrid: ResNet stages {hybrid_layers}, stride {patch_size}; weights "
+                         "standardised as timm's port (eps 1e-8)")
         config = EncoderConfig(
-            image_size=(grid[0] * patch.shape[-1], grid[1] * patch.shape[-1]),
-            patch_size=patch.shape[-1], width=patch.shape[0], depth=depth,
+            image_size=(grid[0] * patch_size, grid[1] * patch_size),
+            patch_size=patch_size, width=patch.shape[0], depth=depth,
             heads=heads_of(raw, BLOCK.format(0), source),
-            mlp_width=state["blocks.0.mlp.fc1.weight"].shape[0], in_channels=patch.shape[1],
+            mlp_width=state["blocks.0.mlp.fc1.weight"].shape[0], in_channels=channels,
             class_token="cls_token" in state, act="gelu_tanh", norm_eps=1e-6,
             qkv_bias="blocks.0.attn.qkv.bias" in state,
             patch_bias="patch_embed.proj.bias" in state,
-            pos_resize_mode="bilinear", pos_resize_antialias=False,
+            pos_resize_mode="bilinear", pos_resize_antialias=False, hybrid_layers=hybrid_layers,
         )
         pooler, pooler_rules = native_pooler(tensors, raw, config)
         mean, std = NORMALIZATION["inception"]
