@@ -45,6 +45,12 @@ BOOLEAN_FIELDS = ("class_token", "pre_norm", "final_norm", "qkv_bias", "patch_bi
 CHOICES = {"act": ACTIVATIONS, "pos_resize_mode": POS_RESIZE_MODES, "norm": NORMS, "mlp": MLPS}
 
 
+# The mechanism fields at the paper's block: what a writer of a plain-ViT layout (CLIP,
+# SigLIP, open_clip) needs them to be.
+PAPER_MECHANISMS: dict[str, Any] = dict(layer_scale_init=None, norm="layernorm", mlp="mlp",
+                                        hybrid_layers=None)
+
+
 class ConfigError(ValueError):
     """A config field whose value is not one it allows.
 

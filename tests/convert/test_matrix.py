@@ -59,6 +59,33 @@ def google_npz(folder):
     return folder / "vit.npz"
 
 
+def google_hybrid_npz(folder):
+    """Google's hybrid (R50+ViT) `.npz` layout at tiny size, written by the hybrid test's helper."""
+    from .test_jax_npz_hybrid import hybrid_npz
+
+    return hybrid_npz(folder)
+
+
+def timm_dinov2_registers(folder):
+    """A tiny `vit_small_patch14_reg4_dinov2`-shaped timm model (LayerScale, registers without
+    position entries), saved as timm's hub layout."""
+    import json
+
+    from timm.models.vision_transformer import VisionTransformer
+
+    from vlm_vit.files import write_safetensors
+
+    args = dict(img_size=32, patch_size=8, embed_dim=128, depth=2, num_heads=2,
+                init_values=1e-5, reg_tokens=4, no_embed_class=True, num_classes=0)
+    torch.manual_seed(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_safetensors(perturbed(VisionTransformer(**args)).state_dict(),
+                      folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(
+        {"architecture": "vit_small_patch14_reg4_dinov2", "model_args": args}))
+    return folder
+
+
 SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("hf_clip"),
            "timm (ours)": written_by_us("timm"), "open_clip (ours)": written_by_us("open_clip"),
            # the issue's reproduction: a CLIPVisionModel with no projection
@@ -69,13 +96,23 @@ SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("h
            "hf SiglipVisionModel": saved_by_transformers("SiglipVisionModel",
                                                          "SiglipVisionConfig"),
            "hf ViTMAEModel": saved_by_transformers("ViTMAEModel", "ViTMAEConfig"),
-           "google npz": google_npz}
+           "google npz": google_npz,
+           # issue 33: LayerScale and registers (DINOv2), the hybrid's ResNet stem
+           "hf Dinov2Model": saved_by_transformers("Dinov2Model", "Dinov2Config"),
+           "timm dinov2 registers": timm_dinov2_registers,
+           "google npz hybrid": google_hybrid_npz}
 # Pairs the target's architecture cannot hold, and the reason the refusal must give.
 # (Paper-style towers, with no pre-norm, do not fit CLIP's layouts; the hf-clip writer writes
 # CLIP, not SigLIP.)
 CANNOT = {(source, target): "pre_norm=False"
           for source in ("hf ViTModel", "hf ViTMAEModel", "hf SiglipVisionModel", "google npz")
           for target in ("open_clip", "hf_clip")}
+# CLIP's layouts hold neither LayerScale nor a ResNet stem; timm builds its hybrid from code only.
+CANNOT.update({(source, target): "layer_scale_init"
+               for source in ("hf Dinov2Model", "timm dinov2 registers")
+               for target in ("open_clip", "hf_clip")})
+CANNOT.update({("google npz hybrid", target): "hybrid_layers"
+               for target in ("open_clip", "hf_clip", "timm")})
 # Sources whose processor crops as torchvision does (open_clip's reader records OpenAI's):
 # transformers cannot reproduce that, so hf-clip output needs an explicit --crop-rounding floor.
 ROUNDING_CROPS = {"native", "timm (ours)", "open_clip (ours)"}

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlm_vit.config import EncoderConfig
+from vlm_vit.config import PAPER_MECHANISMS, EncoderConfig
 from vlm_vit.convert.base import (
     Checkpoint,
     Converted,
@@ -112,9 +112,9 @@ CLIP_OUTER_KEYS = {"visual_projection.weight": POOLER_PREFIX + "proj.weight"}
 
 # What each architecture fixes, in EncoderConfig fields; the writer refuses anything else.
 CLIP_ARCHITECTURE = dict(class_token=True, num_register_tokens=0, pre_norm=True,
-                         patch_bias=False, qkv_bias=True, final_norm=True)
+                         patch_bias=False, qkv_bias=True, final_norm=True, **PAPER_MECHANISMS)
 SIGLIP_ARCHITECTURE = dict(class_token=False, num_register_tokens=0, pre_norm=False,
-                           patch_bias=True, qkv_bias=True, final_norm=True)
+                           patch_bias=True, qkv_bias=True, final_norm=True, **PAPER_MECHANISMS)
 
 # transformers' defaults for the fields a config.json may leave out (CLIPVisionConfig and
 # SiglipVisionConfig: ViT-B/32 and ViT-B/16 at 224).

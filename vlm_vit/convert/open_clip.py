@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlm_vit.config import ConfigError, EncoderConfig, is_int
+from vlm_vit.config import PAPER_MECHANISMS, ConfigError, EncoderConfig, is_int
 from vlm_vit.convert.base import (
     Checkpoint,
     Converted,
@@ -148,7 +148,7 @@ RESAMPLE = {"bicubic": "bicubic", "bilinear": "bilinear", "random": "bicubic"}
 WRITABLE = {
     "class_token": True, "num_register_tokens": 0, "pre_norm": True, "final_norm": True,
     "qkv_bias": True, "patch_bias": False, "in_channels": 3, "norm_eps": NORM_EPS,
-    "head_width": OPENAI_HEAD_WIDTH, "square_image": True,
+    "head_width": OPENAI_HEAD_WIDTH, "square_image": True, **PAPER_MECHANISMS,
 }
 
 
