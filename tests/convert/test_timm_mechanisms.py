@@ -172,3 +172,20 @@ def test_a_hybrid_is_refused_by_timms_config_file_writer(tmp_path):
                                 mlp_width=64, hybrid_layers=HYBRID_LAYERS)
                   ).save_pretrained(tmp_path / "native", model_card=False)
     assert main(["convert", str(tmp_path / "native"), str(tmp_path / "t"), "--to", "timm"]) == 1
+
+
+def test_dinov2_converted_to_timm_loads_in_timm(tmp_path):
+    import timm
+
+    from vlm_vit.cli import main
+
+    from .test_matrix import saved_by_transformers
+
+    source = saved_by_transformers("Dinov2Model", "Dinov2Config")(tmp_path)
+    assert main(["convert", str(source), str(tmp_path / "timm"), "--to", "timm"]) == 0
+    theirs = timm.create_model(f"local-dir:{tmp_path / 'timm'}", pretrained=True).eval()
+    assert theirs.blocks[0].ls1.gamma.shape == (128,)  # LayerScale built from init_values
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.forward_features(x),
+                                   load_encoder(source).eval()(x).tokens, atol=1e-5, rtol=1e-5)
