@@ -45,7 +45,6 @@ from torch import nn
 
 import vlm_vit.train.checkpoint as ckpt
 import vlm_vit.train.distributed as distributed
-import vlm_vit.train.fsdp as fsdp
 import vlm_vit.train.resume as run_state
 import vlm_vit.train.run_dir as outputs
 from vlm_vit.data.samples import collate_images
@@ -77,6 +76,7 @@ from vlm_vit.train.run_dir import (
     RUN_OUTPUTS,
     _listing,
 )
+from vlm_vit.train.run_export import export_run
 from vlm_vit.train.run_lock import RunLock
 from vlm_vit.train.signals import StopSignals, _ignore_interrupts
 from vlm_vit.train.step import _nothing_trained, _Progress, train_step
@@ -307,21 +307,7 @@ class Trainer:
             log.warning("skipped %d shard samples without an image", without_image)
         if not any(math.isfinite(loss) for loss in progress.losses):
             raise NothingTrainedError(_nothing_trained(progress, self.run_dir))
-        # A sharded objective that holds a plain encoder has it written from the final
-        # checkpoint one block at a time; any other is gathered whole (every rank takes
-        # part), then written.
-        sharded = fsdp.is_sharded(self.objective)
-        streamed = sharded and outputs.plain_encoder_objective(self.objective)
-        state = fsdp.full_state(self.objective) if sharded and not streamed else None
-        if context.is_main and streamed:
-            from vlm_vit.train.consolidate import consolidate
-
-            log.info("saved the encoder to %s, one block at a time from %s", consolidate(
-                self.run_dir, self.run_dir / ENCODER_DIR, progress.step),
-                ckpt.sharded_checkpoint_path(self.run_dir, progress.step))
-        elif context.is_main:
-            outputs.export(self.objective, self.run_dir, log, state)
-        distributed.barrier(context)
+        export_run(self.objective, self.run_dir, progress.step, context, log)
         return TrainResult(progress.step, list(progress.losses), progress.skipped_steps,
                            progress.undecodable_images, sorted(progress.undecodable_paths),
                            self.run_dir, without_image, truncated)
