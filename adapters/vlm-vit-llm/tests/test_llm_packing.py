@@ -235,11 +235,16 @@ def test_gradient_accumulation_is_exact(tokenizer, pack, reduction):
 
 
 def test_packed_rows_split_whole(tokenizer):
+    """Micro-batches hold whole rows; asked for more parts than rows, rows of several
+    records are split, so the parts are as many as asked while there are records (every
+    rank of a data-parallel run then runs as many micro-batches)."""
     mm = build(tokenizer, "llama", "full")
     batch = packed(batch_of(mm), mm, max_length=48)
-    parts = batch.tensor_split(8)  # more parts asked than rows: one per row
-    assert len(parts) == len(batch.rows)
-    assert sorted(i for p in parts for i in p.input_ids) == sorted(batch.input_ids)
-    for part in parts:
-        assert part.rows == [list(range(len(part)))]
-        assert part.whole == batch.whole
+    assert len(batch.rows) < len(batch) <= 8
+    for sections in (len(batch.rows), len(batch), 8):
+        parts = batch.tensor_split(sections)
+        assert len(parts) == min(sections, len(batch))
+        assert sorted(i for p in parts for i in p.input_ids) == sorted(batch.input_ids)
+        for part in parts:
+            assert part.rows == [list(range(len(part)))]
+            assert part.whole == batch.whole

@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from vlm_vit.commands import add_strategy_arguments
 from vlm_vit_llm.packing_args import PackingOptions, add_packing_arguments, packing_from_args
 
 STAGES = (1, 2)
@@ -82,6 +83,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--device", default="auto")
     train.add_argument("--grad-checkpointing", action="store_true",
                        help="recompute activations in backward (LLM and encoder): less memory")
+    add_strategy_arguments(train)
     train.add_argument("--num-workers", type=int, default=2)
     train.add_argument("--checkpoint-every", type=int, default=500, metavar="N",
                        help="steps between checkpoints (default %(default)s; Ctrl-C or "
@@ -250,7 +252,7 @@ def _train(args: argparse.Namespace) -> int:
         precision=args.precision or ("bf16" if cuda else "fp32"),
         grad_checkpointing=args.grad_checkpointing, group_by_length=args.group_by_length,
         checkpoint_every=args.checkpoint_every, seed=args.seed, num_workers=args.num_workers,
-        device=args.device)
+        device=args.device, strategy=args.strategy, cpu_offload=args.cpu_offload)
     command = shlex.join(["vlm-vit", *sys.argv[1:]]) if sys.argv[1:2] == ["llm"] else None
     result = Trainer(objective, dataset, config, args.out, collate=collate, command=command,
                      progress=not args.quiet).fit(resume=args.resume, overwrite=args.overwrite)

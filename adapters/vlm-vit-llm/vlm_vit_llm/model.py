@@ -20,7 +20,7 @@ import numbers
 import re
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from vlm_vit import ImageProcessor, VisionEncoder, VisionTower
 from vlm_vit.card import PLACEHOLDER, model_card, write_card
 from vlm_vit.files import MODEL_FILES, atomic_directory, atomic_write, read_json
 from vlm_vit.integrity import MANIFEST_NAME, read_manifest, verify_files, write_manifest
+from vlm_vit_llm.parallel import idle_image_features
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,10 @@ class MultimodalBatch:
         record_index: `[B, L]`, the prompt each token belongs to (-1 on padding).
         packing: None for one prompt per row (padded); for packed rows (`prepare(pack=...)`,
             `vlm_vit_llm.packing`), the attention path that confines each record.
+        idle_features: `[M, D]`, a blank image's tokens when a batch without images must
+            still run the tower (`vlm_vit_llm.parallel.idle_image_features`): `embed` adds
+            them times 0.0, which changes no value but joins the tower to the graph; else
+            None.
     """
 
     input_ids: torch.Tensor
@@ -73,6 +78,7 @@ class MultimodalBatch:
     labels: torch.Tensor | None = None
     record_index: torch.Tensor | None = None
     packing: str | None = None
+    idle_features: torch.Tensor | None = None
 
 
 class MultimodalLM(nn.Module):
@@ -252,6 +258,7 @@ class MultimodalLM(nn.Module):
                 counts.append(self.tower.num_image_tokens(tuple(pixels[-1].shape[1:])))
                 owners.append(prompt)
         features = self.image_features(pixels) if pixels else []  # one tower call
+        idle = None if pixels else idle_image_features(self)  # see vlm_vit_llm.parallel
 
         sequences, label_rows, image_counts = [], [], iter(counts)
         for prompt, ids in enumerate(token_ids):
@@ -288,8 +295,9 @@ class MultimodalLM(nn.Module):
 
         width = self.llm.get_input_embeddings().embedding_dim
         if pack is not None:
-            return self._packed(sequences, label_rows, pack, features, owners,
-                                with_labels=targets is not None or token_labels is not None)
+            return replace(self._packed(sequences, label_rows, pack, features, owners,
+                                        with_labels=targets is not None
+                                        or token_labels is not None), idle_features=idle)
         batch, length = len(sequences), longest
         input_ids = torch.full((batch, length), self.pad_token_id, dtype=torch.long)
         labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
@@ -310,7 +318,7 @@ class MultimodalLM(nn.Module):
             position_ids=position_ids.to(device), image_mask=image_mask.to(device),
             image_features=image_features.to(device),
             labels=labels.to(device) if targets is not None or token_labels is not None
-            else None, record_index=record_index.to(device))
+            else None, record_index=record_index.to(device), idle_features=idle)
 
     def _packed(self, sequences: list[list[int]], label_rows: list[list[int]],
                 pack: Sequence[Sequence[int]], features: list[torch.Tensor],
@@ -405,6 +413,8 @@ class MultimodalLM(nn.Module):
     def embed(self, batch: MultimodalBatch) -> torch.Tensor:
         """The LLM's input embeddings with the image tokens spliced in, `[B, L, D]`."""
         embeds = self.llm.get_input_embeddings()(batch.input_ids)
+        if batch.idle_features is not None:  # adds exactly zero; the tower joins the graph
+            embeds = embeds + 0.0 * batch.idle_features.sum().to(embeds.dtype)
         if batch.image_features.shape[0] == 0:
             return embeds
         return embeds.masked_scatter(batch.image_mask.unsqueeze(-1),

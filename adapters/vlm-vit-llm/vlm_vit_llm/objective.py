@@ -26,6 +26,7 @@ from torch import nn
 
 from vlm_vit import VisionEncoder
 from vlm_vit_llm.model import MultimodalLM, _split_peft
+from vlm_vit_llm.parallel import whole_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -177,9 +178,25 @@ class BridgeObjective(nn.Module):
 
     # -- the end of a run ---------------------------------------------------------------------
 
-    def export(self, run_dir: str | Path) -> Path:
-        """Writes the whole multimodal model to `run_dir/model` (the trainer calls this)."""
-        return self.mm.save_pretrained(Path(run_dir) / MODEL_DIR)
+    def export(self, run_dir: str | Path,
+               state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+        """Writes the whole multimodal model to `run_dir/model` (the trainer calls this).
+
+        Args:
+            run_dir: the run directory.
+            state_dict: for an objective sharded over processes (FSDP2), its whole state
+                gathered onto this rank (every parameter, frozen ones too, under
+                `nn.Module.state_dict`'s names): the model is written from it, as an
+                unsharded run writes its own. None: from the live module.
+
+        Raises:
+            ValueError: when `state_dict` lacks a parameter (naming it).
+        """
+        directory = Path(run_dir) / MODEL_DIR
+        if state_dict is None:
+            return self.mm.save_pretrained(directory)
+        with whole_parameters(self, state_dict):
+            return self.mm.save_pretrained(directory)
 
 
 def frozen_fingerprint(tensors: dict[str, torch.Tensor]) -> tuple[list[str], torch.Tensor]:

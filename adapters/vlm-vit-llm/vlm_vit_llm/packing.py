@@ -62,6 +62,20 @@ def pack_rows(lengths: Sequence[int], max_length: int) -> list[list[int]]:
     return first_fit_decreasing(list(lengths), max_length)
 
 
+def split_rows(rows: Sequence[Sequence[int]], count: int) -> list[list[int]]:
+    """A packing plan with its fullest row halved (records kept in order) until it has
+    `count` rows or one record in each; a record alone fits wherever it fitted with others.
+    Micro-batches take whole rows, so this lets a batch split into `count` of them."""
+    rows = [list(row) for row in rows]
+    while len(rows) < count:
+        fullest = max(range(len(rows)), key=lambda index: len(rows[index]))
+        row = rows[fullest]
+        if len(row) < 2:
+            break
+        rows[fullest:fullest + 1] = [row[:len(row) // 2], row[len(row) // 2:]]
+    return rows
+
+
 def layout_rows(sequences: Sequence[Sequence[int]], labels: Sequence[Sequence[int]],
                 rows: Sequence[Sequence[int]], pad_id: int, *, one_row: bool = False
                 ) -> dict[str, torch.Tensor]:

@@ -37,7 +37,7 @@ from vlm_vit.pretrain.base import ObjectiveOutput
 from vlm_vit_llm.chat import bounded_turns, chat_template, tokenize_conversation
 from vlm_vit_llm.model import IGNORE_INDEX, MultimodalLM, target_ids
 from vlm_vit_llm.objective import BridgeObjective
-from vlm_vit_llm.packing import LOSS_REDUCTIONS, loss_terms, loss_units, pack_rows
+from vlm_vit_llm.packing import LOSS_REDUCTIONS, loss_terms, loss_units, pack_rows, split_rows
 from vlm_vit_llm.records import BadRecord, ConversationRecords, Turn, parse_record
 
 
@@ -322,8 +322,11 @@ class ConversationBatch:
 
     def tensor_split(self, sections: int) -> list[ConversationBatch]:
         """`sections` near-equal parts in order, as `torch.tensor_split` does: of the
-        records, or of the packed rows (whole rows; fewer parts when there are fewer rows)."""
-        units = self.rows if self.rows is not None else [[index] for index in range(len(self))]
+        records, or of the packed rows (whole rows; with fewer rows than `sections`, rows of
+        several records are first split, so there are fewer parts only when there are fewer
+        records: under data parallelism every rank then runs as many micro-batches)."""
+        units = ([[index] for index in range(len(self))] if self.rows is None
+                 else split_rows(self.rows, sections))
         size, extra = divmod(len(units), sections)
         parts, start = [], 0
         for part in range(sections):
