@@ -89,8 +89,9 @@ def apply_lora(
     `"attn"` (`attn.qkv`, `attn.proj`), `"attn_qv"` (the query and value slices of the fused
     `attn.qkv`: LoRA on qkv whose lora_B rows D..2D, the key slice, start at zero and have
     their gradient zeroed by a hook, so the key output never changes), `"mlp"` (`mlp.fc1`,
-    `mlp.fc2`, and SwiGLU's `mlp.fc1_g`, `mlp.fc1_x`), `"all"` (every Linear in the blocks). A list names modules exactly, by full
-    name (`"encoder.blocks.0.attn.qkv"`, `"pooler.0"`), anywhere in the model.
+    `mlp.fc2`, and SwiGLU's `mlp.fc1_g`, `mlp.fc1_x`), `"all"` (every Linear in the blocks).
+    A list names modules exactly, by full name (`"encoder.blocks.0.attn.qkv"`,
+    `"pooler.0"`), anywhere in the model.
 
     Args:
         model: a `VisionEncoder`, a `VisionTower`, or an objective holding an encoder.
