@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--grad-checkpointing", action="store_true")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--cpu-offload", action="store_true")
+    parser.add_argument("--grad-accumulation", type=int, default=1)
     parser.add_argument("--fail-rank", type=int, default=None, help="raises at its 2nd step")
     parser.add_argument("--kill-in-save", type=int, default=None, metavar="STEP",
                         help="rank 0 SIGKILLs itself while saving STEP's checkpoint, after "
@@ -40,7 +41,7 @@ def main() -> None:
     settings = config(steps=args.steps, checkpoint_every=args.checkpoint_every,
                       keep_checkpoints=0, strategy=args.strategy, precision=args.precision,
                       grad_checkpointing=args.grad_checkpointing, batch_size=args.batch_size,
-                      cpu_offload=args.cpu_offload)
+                      cpu_offload=args.cpu_offload, grad_accumulation=args.grad_accumulation)
     Trainer(objective, image_folder(args.data), settings, args.run_dir,
             progress=False).fit(resume=args.resume)
 

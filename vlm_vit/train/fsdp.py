@@ -135,9 +135,20 @@ def local_number(value: torch.Tensor) -> float:
 
 
 def full_state(objective: nn.Module) -> dict[str, torch.Tensor]:
-    """The sharded objective's whole state dict, gathered onto rank 0's CPU (the other ranks
-    get an empty dict); every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    """The sharded objective's whole state: every parameter and buffer under
+    `nn.Module.state_dict`'s names (not what an objective's own `state_dict()` checkpoints:
+    the LLM bridge's holds only what trains), gathered onto rank 0's CPU one tensor at a time
+    (the other ranks get an empty dict); every rank calls it."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
-    return get_model_state_dict(objective, options=StateDictOptions(full_state_dict=True,
-                                                                    cpu_offload=True))
+    main = dist.get_rank() == 0
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in nn.Module.state_dict(objective).items():
+        if isinstance(tensor, DTensor):
+            if tensor.device.type != tensor.device_mesh.device_type:  # offloaded to the CPU
+                tensor = tensor.to(tensor.device_mesh.device_type)
+            tensor = tensor.full_tensor()
+        if main:
+            state[name] = tensor.detach().cpu()
+    return state

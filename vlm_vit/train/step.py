@@ -73,8 +73,10 @@ def train_step(model: nn.Module, objective: nn.Module, batch: Any, optimization:
     # is skipped on every rank.
     fewest = int(distributed.all_reduce(torch.tensor([count], dtype=torch.float64),
                                         context, "min").item())
+    # Every rank runs as many micro-batches (collectives) as the rank with the fewest images.
     rank_loss, objective_metrics = (
-        _forward_backward(model, images, labels, optimization.scaler, config, context)
+        _forward_backward(model, images, labels, optimization.scaler, config, context,
+                          min(config.grad_accumulation, fewest))
         if fewest > 0 else (torch.zeros((), dtype=torch.float64), {}))
     # (loss summed over ranks, images, undecodable, ranks asked to stop) in one
     # all-reduce, so every rank agrees on stopping after this step.
@@ -111,14 +113,16 @@ def train_step(model: nn.Module, objective: nn.Module, batch: Any, optimization:
 
 def _forward_backward(model: nn.Module, images: torch.Tensor, labels: torch.Tensor | None,
                       scaler: torch.amp.GradScaler, config: TrainConfig,
-                      context: DistributedContext) -> tuple[torch.Tensor, dict[str, float]]:
-    """Accumulates the gradient of the batch's mean loss over its micro-batches; returns the
-    loss (a float64 scalar on the CPU) and the objective's metrics, both batch means."""
+                      context: DistributedContext,
+                      sections: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """Accumulates the gradient of the batch's mean loss over `sections` micro-batches (the
+    same number on every rank); returns the loss (a float64 scalar on the CPU) and the
+    objective's metrics, both batch means."""
     count = len(images)
     images = images.to(context.device, non_blocking=True)
     # Micro-batches hold ~equal shares; each loss is weighted by its share, so the
     # accumulated gradient is that of the mean loss over the whole batch.
-    pieces = images.tensor_split(min(config.grad_accumulation, count))
+    pieces = images.tensor_split(sections)
     # Labelled batches (fine-tuning) hand each micro-batch its labels.
     label_pieces = (labels.to(context.device).tensor_split(len(pieces))
                     if labels is not None else [None] * len(pieces))

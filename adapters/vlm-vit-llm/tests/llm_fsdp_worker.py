@@ -70,8 +70,6 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    if spec.get("whole_state_gather", True):
-        use_whole_state_gather()
     for run in spec["runs"]:
         if run.get("split"):
             train(spec, run, run["split"], resume=False)
@@ -79,30 +77,6 @@ def main() -> None:
         if dist.get_rank() == 0:
             (Path(run["run_dir"]) / "losses.json").write_text(json.dumps(losses))
     dist.destroy_process_group()
-
-
-def use_whole_state_gather() -> None:
-    """`vlm_vit.train.fsdp.full_state` as the core should have it: the whole module's state
-    (`nn.Module.state_dict`), not what an objective's own `state_dict()` checkpoints, which
-    for the bridge leaves out the frozen base the export needs. Remove once the core gathers
-    so itself."""
-    import vlm_vit.train.fsdp as fsdp
-
-    def full_state(objective: torch.nn.Module) -> dict[str, torch.Tensor]:
-        from torch.distributed.tensor import DTensor
-
-        main_rank = dist.get_rank() == 0
-        state = {}
-        for name, tensor in torch.nn.Module.state_dict(objective).items():
-            if isinstance(tensor, DTensor):
-                if tensor.device.type != tensor.device_mesh.device_type:  # CPU-offloaded
-                    tensor = tensor.to(tensor.device_mesh.device_type)
-                tensor = tensor.full_tensor()
-            if main_rank:
-                state[name] = tensor.detach().cpu()
-        return state
-
-    fsdp.full_state = full_state
 
 
 if __name__ == "__main__":
