@@ -1,7 +1,8 @@
 """The encoder's mechanisms beyond the paper's block (issue 33): LayerScale, RMSNorm, SwiGLU,
-registers and the hybrid ResNet patch embedding, each a validated config field whose default
-is the paper's ViT. Every one keeps packing, `feature_layers`' early stop, explicit attention
-maps, save/load, LoRA presets and export working."""
+registers, the hybrid ResNet patch embedding and 2D RoPE (without a position table), each a
+validated config field whose default is the paper's ViT. Every one keeps packing,
+`feature_layers`' early stop, explicit attention maps, save/load, LoRA presets and export
+working."""
 
 import pytest
 import torch
@@ -25,6 +26,10 @@ MECHANISMS = {
     "hybrid": dict(hybrid_layers=(1, 1)),
     "all_but_hybrid": dict(layer_scale_init=0.1, norm="rmsnorm", mlp="swiglu", act="silu",
                            num_register_tokens=2),
+    # Qwen2-VL's tower: RoPE only, no class token, no final norm
+    "rope": dict(pos_embed="none", rope_theta=10000.0, class_token=False, final_norm=False),
+    # Pixtral's frequencies; a class token (not rotated) beside RoPE and a learned table
+    "rope_alternating_cls": dict(rope_theta=100.0, rope_frequencies="alternating"),
 }
 SIZES = [(24, 24), (40, 16), (32, 32)]  # a multiple of 8: the hybrid's stride too
 
@@ -103,7 +108,7 @@ def test_save_and_load(tmp_path, name):
         assert torch.equal(loaded(x).tokens, encoder(x).tokens)
 
 
-@pytest.mark.parametrize("name", ["all_but_hybrid", "hybrid"])
+@pytest.mark.parametrize("name", ["all_but_hybrid", "hybrid", "rope"])
 def test_export_with_a_dynamic_size(name):
     from vlm_vit.export import export_program
 
@@ -165,6 +170,15 @@ def test_config_stride_is_the_backbones(stages):
     (dict(hybrid_layers=(1, 0)), "hybrid_layers"),
     (dict(hybrid_layers=3), "hybrid_layers"),
     (dict(hybrid_layers=(1, 65)), "hybrid_layers"),
+    (dict(pos_embed="sincos"), "pos_embed 'sincos' is not one of learned, none"),
+    (dict(rope_theta=0), "rope_theta must be null or a finite number > 0, got 0"),
+    (dict(rope_theta="1e4"), "rope_theta"),
+    (dict(rope_theta=float("inf")), "rope_theta"),
+    (dict(rope_theta=1e4, rope_frequencies="interleaved"),
+     "rope_frequencies 'interleaved' is not one of shared, alternating"),
+    (dict(rope_theta=1e4, width=24, heads=4),
+     r"2D RoPE needs a head dimension divisible by 4 .*width 24 / heads 4 = 6"),
+    (dict(rope_theta=1e4, width=32, heads=16), r"width 32 / heads 16 = 2$"),
 ])
 def test_bad_mechanism_configs_are_one_clear_error(changes, message):
     with pytest.raises(ConfigError, match=message):
@@ -197,3 +211,45 @@ def test_load_encoder_checks_the_sizes_of_every_mechanism(tmp_path, name):
     assert size_problems(encoder.config, state) == []
     wider = EncoderConfig(**{**encoder.config.to_dict(), "mlp_width": 96})
     assert any("mlp_width 96 but the weights hold 64" in p for p in size_problems(wider, state))
+
+
+def test_rope_has_no_parameters_and_rotates_in_every_block():
+    torch.manual_seed(0)
+    plain = perturbed(VisionEncoder(tiny_config(pos_embed="none", class_token=False)))
+    rope = VisionEncoder(tiny_config(pos_embed="none", class_token=False, rope_theta=1e4))
+    assert set(rope.state_dict()) == set(plain.state_dict())
+    assert "pos_embed" not in rope.state_dict()
+    rope.load_state_dict(plain.state_dict())
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        # without any position, moving whole patches moves the tokens alike; RoPE breaks that
+        rolled = x.roll(8, dims=-1)  # every patch one column right, the last one wrapped
+
+        def roll_tokens(tokens):  # (1, 16, D) on the 4x4 grid, rolled one column
+            return tokens.reshape(1, 4, 4, -1).roll(1, dims=2).reshape(tokens.shape)
+
+        torch.testing.assert_close(plain(rolled).tokens, roll_tokens(plain(x).tokens),
+                                   atol=1e-5, rtol=1e-5)
+        assert (rope(rolled).tokens - roll_tokens(rope(x).tokens)).abs().max() > 1e-2
+
+
+def test_rope_logits_depend_only_on_the_offset_inside_the_encoder():
+    # two images whose content is the same up to a shift of whole patches give the same
+    # attention logits between the patches they share: the position enters only as offsets
+    encoder = encoder_for("rope").eval()
+    image = torch.randn(1, 3, 40, 40)
+    with torch.no_grad():
+        weights = {}
+        for name, crop in {"top_left": image[..., :32, :32], "shifted": image[..., 8:, 8:]}.items():
+            x, grid = encoder.prepare_tokens(crop)
+            block = encoder.blocks[0]
+            rope = encoder.rope.for_grids([grid])
+            weights[name] = block.attn(block.norm1(x), need_weights=True, rope=rope)[1][0]
+    # patch (r, c) of "shifted" is patch (r + 1, c + 1) of "top_left": compare the 3x3 overlap
+    index = torch.arange(16).reshape(4, 4)
+    shared_top_left, shared_shifted = index[1:, 1:].flatten(), index[:3, :3].flatten()
+    logits = {name: w.log() for name, w in weights.items()}  # log-softmax: logits up to a row shift
+    ours = logits["top_left"][:, shared_top_left][:, :, shared_top_left]
+    theirs = logits["shifted"][:, shared_shifted][:, :, shared_shifted]
+    centred = [t - t.mean(-1, keepdim=True) for t in (ours, theirs)]
+    torch.testing.assert_close(centred[0], centred[1], atol=1e-4, rtol=1e-4)

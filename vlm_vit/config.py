@@ -19,6 +19,8 @@ ACTIVATIONS = ("gelu", "quick_gelu", "gelu_tanh", "silu")
 POS_RESIZE_MODES = ("bicubic", "bilinear")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("mlp", "swiglu")
+POS_EMBEDS = ("learned", "none")
+ROPE_FREQUENCIES = ("shared", "alternating")
 # The hybrid's ResNet (`layers.hybrid_stem`): at most 4 stages (a whole R50), each of at most
 # 64 blocks (the deepest BiT stage, R152's, has 36).
 MAX_HYBRID_STAGES, MAX_HYBRID_BLOCKS = 4, 64
@@ -42,13 +44,14 @@ MAX_GRID_TOKENS = 1024 * 1024  # patches per image at `image_size`: a 1024 x 102
 MAX_NORM_EPS = 1.0  # LayerNorm eps in (0, 1]; 1e-12 .. 1e-5 in practice
 BOOLEAN_FIELDS = ("class_token", "pre_norm", "final_norm", "qkv_bias", "patch_bias",
                   "pos_resize_antialias")
-CHOICES = {"act": ACTIVATIONS, "pos_resize_mode": POS_RESIZE_MODES, "norm": NORMS, "mlp": MLPS}
+CHOICES = {"act": ACTIVATIONS, "pos_resize_mode": POS_RESIZE_MODES, "norm": NORMS, "mlp": MLPS,
+           "pos_embed": POS_EMBEDS, "rope_frequencies": ROPE_FREQUENCIES}
 
 
 # The mechanism fields at the paper's block: what a writer of a plain-ViT layout (CLIP,
 # SigLIP, open_clip) needs them to be.
 PAPER_MECHANISMS: dict[str, Any] = dict(layer_scale_init=None, norm="layernorm", mlp="mlp",
-                                        hybrid_layers=None)
+                                        hybrid_layers=None, pos_embed="learned", rope_theta=None)
 
 
 class ConfigError(ValueError):
@@ -156,6 +159,12 @@ class EncoderConfig:
     # The hybrid (paper 3.1): patches cut from a ResNet's feature map, these blocks per stage
     # ((3, 4, 9) for R50+ViT-B/16); patch_size is then the ResNet's stride, `hybrid_stride`.
     hybrid_layers: tuple[int, ...] | None = None
+    pos_embed: str = "learned"  # the learned table E_pos (eq. 1), or none (RoPE-only towers)
+    # 2D RoPE on q and k in every block, this frequency base (10000 in Pixtral and Qwen2-VL);
+    # null for none. Rows and columns turn at the same head_dim/4 frequencies ("shared",
+    # Qwen2-VL) or take the even and odd ones of head_dim/2 ("alternating", Pixtral).
+    rope_theta: float | None = None
+    rope_frequencies: str = "shared"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -170,7 +179,8 @@ class EncoderConfig:
         number in (0, 1]; the booleans must be booleans and `act` / `pos_resize_mode` /
         `norm` / `mlp` one of their names; `layer_scale_init` null or a finite number > 0;
         `mlp` swiglu with `act` silu; `hybrid_layers` null or 1 to 4 stages of 1..64 blocks,
-        with `patch_size` the ResNet's stride.
+        with `patch_size` the ResNet's stride; `pos_embed` learned or none; `rope_theta` null
+        or a finite number > 0, with a head dimension (width / heads) divisible by 4.
 
         Raises:
             ConfigError: (a ValueError) for the first field that is off, naming the field,
@@ -193,6 +203,7 @@ class EncoderConfig:
             raise ConfigError("heads", self.heads, f"a divisor of width {self.width}",
                               problem=f"width {self.width} is not divisible by heads "
                               f"{self.heads}")
+        self._validate_rope()
         height, width = self.image_size
         if height % self.patch_size or width % self.patch_size:
             raise ConfigError("image_size", list(self.image_size),
@@ -233,6 +244,21 @@ class EncoderConfig:
                               problem=f"hybrid_layers {self.hybrid_layers} make a ResNet of "
                               f"stride {stride}: patch_size must be {stride}, got "
                               f"{self.patch_size}")
+
+    def _validate_rope(self) -> None:
+        """`rope_theta`, and a head dimension 2D RoPE can split (see `validate`)."""
+        theta = self.rope_theta
+        if theta is None:
+            return
+        if not (is_real(theta) and theta > 0):
+            raise ConfigError("rope_theta", theta, "null or a finite number > 0")
+        self.rope_theta = float(theta)
+        head_dim = self.width // self.heads
+        if head_dim % 4:
+            raise ConfigError("heads", self.heads, "heads giving a head dimension divisible by 4",
+                              problem=f"2D RoPE needs a head dimension divisible by 4 (a quarter "
+                              f"each for rows and columns in both rotation halves): width "
+                              f"{self.width} / heads {self.heads} = {head_dim}")
 
     @property
     def grid(self) -> tuple[int, int]:

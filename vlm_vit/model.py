@@ -47,10 +47,11 @@ class Block(nn.Module):
         self.ls2 = layers.build_layer_scale(width, config.layer_scale_init)
 
     def forward(
-        self, x: torch.Tensor, need_weights: bool = False, segments: Segments | None = None
+        self, x: torch.Tensor, need_weights: bool = False, segments: Segments | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...] | None]:
         attended, weights = self.attn(self.norm1(x), need_weights=need_weights,
-                                      segments=segments)
+                                      segments=segments, rope=rope)
         x = add_residual(x, self.ls1(attended))
         x = add_residual(x, self.ls2(self.mlp(self.norm2(x))))
         return x, weights
@@ -89,8 +90,12 @@ class VisionEncoder(NativeFormat, nn.Module):
         self.reg_token = (nn.Parameter(torch.zeros(1, config.num_register_tokens, width))
                           if config.num_register_tokens else None)
         # E_pos covers the class token (if any) and the patches; registers have no position.
-        rows, cols = config.grid
-        self.pos_embed = nn.Parameter(torch.zeros(1, int(config.class_token) + rows * cols, width))
+        # A RoPE tower may have none: positions then enter only as q and k's rotation.
+        entries = int(config.class_token) + config.grid[0] * config.grid[1]
+        self.pos_embed = nn.Parameter(torch.zeros(1, entries, width)) \
+            if config.pos_embed == "learned" else None
+        self.rope = layers.build_rope(width // config.heads, config.rope_theta,
+                                      config.rope_frequencies)
         self.norm_pre = layers.build_norm(config.norm, width, config.norm_eps) if config.pre_norm \
             else None
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
@@ -98,7 +103,7 @@ class VisionEncoder(NativeFormat, nn.Module):
             else None
         self._pos_cache: dict[tuple, torch.Tensor] = {}  # resized tables per grid, not saved
         self.gradient_checkpointing = False  # set by the trainer to trade compute for memory
-        if not self.pos_embed.is_meta:  # a meta model is a shell for loaded weights
+        if not self.blocks[0].attn.qkv.weight.is_meta:  # a meta model is a shell for weights
             self.init_weights()
 
     @property
@@ -107,7 +112,8 @@ class VisionEncoder(NativeFormat, nn.Module):
 
     def init_weights(self) -> None:
         """timm's initialisation: truncated normal 0.02 for tables and Linears, zero biases."""
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        if self.pos_embed is not None:
+            nn.init.trunc_normal_(self.pos_embed, std=0.02)
         for token in (self.cls_token, self.reg_token):
             if token is not None:
                 nn.init.normal_(token, std=1e-6)
@@ -182,15 +188,17 @@ class VisionEncoder(NativeFormat, nn.Module):
             if mask_token is None or mask_token.shape[-1] != width:
                 raise ValueError(f"a mask needs a mask_token of width {width}")
             x = torch.where(mask[..., None], mask_token.to(x.dtype).reshape(1, 1, width), x)
-        table = self.position_table(grid).to(x.dtype)
         cls_entries = int(self.cls_token is not None)
-        x = x + table[:, cls_entries:]
+        table = None if self.pos_embed is None else self.position_table(grid).to(x.dtype)
+        if table is not None:
+            x = x + table[:, cls_entries:]
         if keep is not None:
             _check_indices(keep, (batch, keep.shape[-1]), patches, "keep")
             x = torch.gather(x, 1, keep[..., None].expand(-1, -1, width))  # (B, K, D)
         prefix = []
         if self.cls_token is not None:
-            prefix.append((self.cls_token + table[:, :1]).expand(batch, -1, -1))
+            cls_token = self.cls_token if table is None else self.cls_token + table[:, :1]
+            prefix.append(cls_token.expand(batch, -1, -1))
         if self.reg_token is not None:
             prefix.append(self.reg_token.expand(batch, -1, -1))
         if prefix:
@@ -256,11 +264,13 @@ class VisionEncoder(NativeFormat, nn.Module):
             return self.forward_packed(pixel_values, feature_layers=feature_layers,
                                        output_hidden_states=output_hidden_states,
                                        output_attentions=output_attentions)
+        if keep is not None and self.rope is not None:
+            raise ValueError("keep (MAE's visible patches) is not supported with 2D RoPE")
         x, grid = self.prepare_tokens(pixel_values, mask=mask, mask_token=mask_token,
                                       source_index=source_index, keep=keep)
         run = self.run_blocks(x, feature_layers=feature_layers,
                               output_hidden_states=output_hidden_states,
-                              output_attentions=output_attentions)
+                              output_attentions=output_attentions, grids=[grid])
         tokens = run.tokens
         return EncoderOutput(
             tokens=tokens,
@@ -313,6 +323,7 @@ class VisionEncoder(NativeFormat, nn.Module):
         output_hidden_states: bool = False,
         output_attentions: bool = False,
         segments: Segments | None = None,
+        grids: list[tuple[int, int]] | tuple[tuple[int, int], ...] | None = None,
     ) -> BlocksOutput:
         """Eqs. 2 to 4 on prepared tokens `[B, T, D]` (z_0 before the pre-norm).
 
@@ -320,6 +331,7 @@ class VisionEncoder(NativeFormat, nn.Module):
             x: the tokens; with `segments`, `[1, T, D]` holding several images end to end.
             feature_layers, output_hidden_states, output_attentions: as in `forward`.
             segments: the images of a packed sequence; attention stays within each.
+            grids: each image's patch grid (one for a batch), for 2D RoPE's angles.
         """
         if isinstance(feature_layers, int):
             feature_layers = [feature_layers]
@@ -333,13 +345,16 @@ class VisionEncoder(NativeFormat, nn.Module):
         hidden_states = [x] if output_hidden_states else None
         attentions = [] if output_attentions else None
         kept = {0: x} if 0 in wanted else {}
+        rope = None if self.rope is None else \
+            self.rope.for_grids(grids, self.num_prefix_tokens, device=x.device)
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for index, block in enumerate(self.blocks[:run_to], start=1):
             if checkpointing:  # recompute activations in backward; non-reentrant, so LoRA works
-                x, weights = checkpoint(block, x, output_attentions, segments,
+                x, weights = checkpoint(block, x, output_attentions, segments, rope,
                                         use_reentrant=False)
             else:
-                x, weights = block(x, need_weights=output_attentions, segments=segments)
+                x, weights = block(x, need_weights=output_attentions, segments=segments,
+                                   rope=rope)
             if hidden_states is not None:
                 hidden_states.append(x)
             if attentions is not None:
@@ -360,6 +375,9 @@ class VisionEncoder(NativeFormat, nn.Module):
     def resize_image(self, image_size: int | tuple[int, int]) -> None:
         """Makes `image_size` the native size, resizing the position table once (paper 3.2)."""
         new = EncoderConfig.from_dict({**self.config.to_dict(), "image_size": image_size})
+        if self.pos_embed is None:  # nothing to resize: RoPE takes any grid
+            self.config = new
+            return
         with torch.no_grad():
             table = resample_pos_embed(
                 self.pos_embed.data, self.config.grid, new.grid,

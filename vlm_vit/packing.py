@@ -45,7 +45,8 @@ class PackableEncoder(Protocol):
     def run_blocks(self, x: torch.Tensor, *,
                    feature_layers: list[int] | tuple[int, ...] | int | None = None,
                    output_hidden_states: bool = False, output_attentions: bool = False,
-                   segments: Segments | None = None) -> BlocksOutput: ...
+                   segments: Segments | None = None,
+                   grids: list[tuple[int, int]] | None = None) -> BlocksOutput: ...
 
 
 class PackedImages(tuple):
@@ -139,7 +140,8 @@ def encode_packed(
     x = torch.cat(parts, dim=1)  # (1, total, D)
     run = encoder.run_blocks(x, feature_layers=feature_layers,
                              output_hidden_states=output_hidden_states,
-                             output_attentions=output_attentions, segments=segments)
+                             output_attentions=output_attentions, segments=segments,
+                             grids=grids)
 
     def flat(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[0]  # (total, D)

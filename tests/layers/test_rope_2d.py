@@ -1,5 +1,5 @@
-"""2D RoPE against transformers' Qwen2-VL vision rotary functions on the same grid, its shift
-property, and its refusals."""
+"""2D RoPE against transformers' Qwen2-VL and Pixtral vision rotary functions on the same
+grid, its shift property for both frequency layouts, and its refusals."""
 
 import pytest
 import torch
@@ -58,9 +58,28 @@ def _logit(rope, q, k, position_q, position_k):
     return (rotated_q.double() * rotated_k.double()).sum(-1)  # one logit per head
 
 
-def test_attention_logits_depend_only_on_the_relative_offset():
+def test_pixtral_frequencies_are_the_alternating_layout():
+    from transformers import PixtralVisionConfig
+    from transformers.models.pixtral.modeling_pixtral import PixtralVisionRotaryEmbedding
+
+    config = PixtralVisionConfig(hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS)
+    theirs = PixtralVisionRotaryEmbedding(config)
+    positions = grid_positions((3, 5))
+    their_cos, their_sin = theirs(torch.empty(0), positions)
+    cos, sin = Rope2D(HEAD_DIM, theta=config.rope_parameters["rope_theta"],
+                      frequencies="alternating")(positions)
+    # measured 0: the same float32 products
+    torch.testing.assert_close(cos, their_cos, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, their_sin, rtol=0, atol=1e-6)
+    # ... and not Qwen2-VL's, whose columns turn at the rows' frequencies
+    shared, _ = Rope2D(HEAD_DIM, theta=config.rope_parameters["rope_theta"])(positions)
+    assert (shared - their_cos).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("frequencies", ["shared", "alternating"])
+def test_attention_logits_depend_only_on_the_relative_offset(frequencies):
     torch.manual_seed(0)
-    rope = Rope2D(HEAD_DIM)
+    rope = Rope2D(HEAD_DIM, frequencies=frequencies)
     q, k = torch.randn(2, HEADS, HEAD_DIM).unbind(0)
     for _ in range(20):
         position_q, position_k = torch.randint(0, 24, (2, 2)).unbind(0)
@@ -97,6 +116,8 @@ def test_rope_keeps_the_input_dtype():
 def test_a_head_dim_not_divisible_by_4_is_refused(head_dim):
     with pytest.raises(ValueError, match=rf"divisible by 4.*head_dim {head_dim}\b"):
         Rope2D(head_dim)
+    with pytest.raises(ValueError, match=r"frequencies 'interleaved' are not shared or alt"):
+        Rope2D(HEAD_DIM, frequencies="interleaved")
 
 
 def test_a_merger_on_an_odd_grid_is_refused():

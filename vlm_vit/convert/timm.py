@@ -204,9 +204,9 @@ class TimmFormat:
 
         Raises:
             ValueError: for what timm's factory cannot build from a config file: RMSNorm,
-                SwiGLU or the hybrid (`CODE_ONLY`), a norm eps other than 1e-5 above 1e-6
-                (smaller ones are built as 1e-6), or a patch bias that is not the opposite
-                of pre-norm (timm ties the two).
+                SwiGLU or the hybrid (`CODE_ONLY`), 2D RoPE or no position table, a norm eps
+                other than 1e-5 above 1e-6 (smaller ones are built as 1e-6), or a patch bias
+                that is not the opposite of pre-norm (timm ties the two).
         """
         destination = Path(destination)
         config = encoder.config
@@ -253,6 +253,10 @@ def timm_architecture(config: EncoderConfig) -> str:
     if code_only:
         raise ValueError(f"timm's factory cannot build {', '.join(code_only)} from a config "
                          "file (its VisionTransformer takes them as modules)")
+    if config.rope_theta is not None or config.pos_embed != "learned":
+        raise ValueError(f"timm's VisionTransformer has no 2D RoPE and always a learned position "
+                         f"table; this encoder has rope_theta={config.rope_theta!r}, "
+                         f"pos_embed={config.pos_embed!r}")
     if config.patch_bias == config.pre_norm:
         raise ValueError(f"timm ties the patch embedding's bias to pre-norm (bias = not "
                          f"pre_norm); this encoder has patch_bias={config.patch_bias} with "

@@ -6,10 +6,11 @@ from vlm_vit.layers.mlp import Mlp, build_activation, build_mlp
 from vlm_vit.layers.norm import build_norm
 from vlm_vit.layers.patch_embed import PatchEmbed, build_patch_embed
 from vlm_vit.layers.pos_embed import resample_pos_embed, sincos_2d_pos_embed
+from vlm_vit.layers.rope_2d import Rope2D, apply_rope, build_rope
 from vlm_vit.layers.varlen import Segments, varlen_attention
 
 __all__ = [
-    "Attention", "LayerScale", "Mlp", "PatchEmbed", "Segments", "build_activation",
-    "build_layer_scale", "build_mlp", "build_norm", "build_patch_embed", "resample_pos_embed",
-    "sincos_2d_pos_embed", "varlen_attention",
+    "Attention", "LayerScale", "Mlp", "PatchEmbed", "Rope2D", "Segments", "apply_rope",
+    "build_activation", "build_layer_scale", "build_mlp", "build_norm", "build_patch_embed",
+    "build_rope", "resample_pos_embed", "sincos_2d_pos_embed", "varlen_attention",
 ]

@@ -6,7 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_vit.layers.rope_2d import apply_rope
 from vlm_vit.layers.varlen import Segments, varlen_attention
+
+Angles = tuple[torch.Tensor, torch.Tensor]  # RoPE's cos and sin, `[T, head_dim]` each
 
 
 class Attention(nn.Module):
@@ -14,7 +17,8 @@ class Attention(nn.Module):
 
     The fast path is `scaled_dot_product_attention`; when the attention maps are asked for,
     the same weights compute them explicitly (softmax in float32), so a model built for speed
-    can still be inspected without being rebuilt.
+    can still be inspected without being rebuilt. Given RoPE angles, q and k are rotated
+    (`rope_2d.apply_rope`) before either path.
     """
 
     def __init__(self, width: int, heads: int, qkv_bias: bool = True) -> None:
@@ -27,7 +31,8 @@ class Attention(nn.Module):
         self.proj = nn.Linear(width, width)
 
     def forward(
-        self, x: torch.Tensor, need_weights: bool = False, segments: Segments | None = None
+        self, x: torch.Tensor, need_weights: bool = False, segments: Segments | None = None,
+        rope: Angles | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...] | None]:
         """Attends every token to every token (of its own image, with `segments`).
 
@@ -36,6 +41,7 @@ class Attention(nn.Module):
             need_weights: also return the attention maps.
             segments: the images of a packed sequence (`vlm_vit.layers.varlen`): attention
                 stays within each; the projections still run once on all T tokens.
+            rope: cos and sin `[T, head_dim]` per token (`rope_2d.Rope2D.for_grids`), or None.
 
         Returns:
             The output `[B, T, D]` and the maps `[B, heads, T, T]` (with `segments`: one
@@ -47,11 +53,15 @@ class Attention(nn.Module):
                 raise ValueError(f"a packed sequence is [1, T, D], got {list(x.shape)}")
             # (T, 3, heads, head_dim) -> three (T, heads, head_dim)
             q, k, v = self.qkv(x[0]).reshape(tokens, 3, self.heads, self.head_dim).unbind(1)
+            if rope is not None:  # (T, head_dim) -> (T, 1, head_dim) over the heads
+                q, k = (apply_rope(t, rope[0][:, None], rope[1][:, None]) for t in (q, k))
             out, maps = varlen_attention(q, k, v, segments, need_weights)
             return self.proj(out.reshape(1, tokens, width)), maps
         # (B, T, 3, heads, head_dim) -> (3, B, heads, T, head_dim)
         qkv = self.qkv(x).reshape(batch, tokens, 3, self.heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        if rope is not None:  # (T, head_dim) broadcasts over (B, heads)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         weights = None
         if need_weights:
             scores = (q.float() @ k.float().transpose(-2, -1)) * self.head_dim**-0.5

@@ -4,9 +4,15 @@ so their dot product, the attention logit, depends only on the offset between tw
 
 The head dimension is split in two halves that `rotate_half` pairs up (channel i with
 i + head_dim/2); within each half the first quarter of the channels turns with the row and the
-second quarter with the column, at head_dim/4 frequencies theta^(-4j/head_dim) shared by both
-axes. This is Qwen2-VL's layout (`VisionRotaryEmbedding(head_dim // 2)` and `rot_pos_emb`),
-not EVA-02's interleaved one, so Qwen2-VL and Qwen2.5-VL weights need no permutation.
+second quarter with the column. The frequencies come in two layouts (`Rope2D(frequencies=)`):
+
+- "shared" (Qwen2-VL, Qwen2.5-VL): both axes turn at the head_dim/4 frequencies
+  theta^(-4j/head_dim) (`Qwen2VLVisionRotaryEmbedding`);
+- "alternating" (Pixtral): of the head_dim/2 frequencies theta^(-2i/head_dim), rows take the
+  even ones and columns the odd ones (`PixtralVisionRotaryEmbedding`'s `inv_freq[0::2]`,
+  `inv_freq[1::2]`), so the columns turn slower by theta^(-2/head_dim).
+
+Neither is EVA-02's interleaved pairing, so these weights need no permutation.
 
 Token order: a tower with a 2x2 patch merger (Qwen2-VL's `spatial_merge_size`) lists its
 patches window by window (the four patches of each 2x2 window together, windows row-major),
@@ -45,42 +51,55 @@ def merge_window_order(grid: tuple[int, int], merge_size: int) -> torch.Tensor:
     return index.permute(0, 2, 1, 3).flatten()
 
 
-def grid_positions(grid: tuple[int, int], merge_size: int = 1) -> torch.Tensor:
+def grid_positions(grid: tuple[int, int], merge_size: int = 1,
+                   device: torch.device | str | None = None) -> torch.Tensor:
     """(row, col) of every patch, in row-major order or, with `merge_size` > 1, in the
-    merge-window order; `[rows * cols, 2]` int64."""
+    merge-window order; `[rows * cols, 2]` int64 on `device`."""
     rows, cols = grid
-    row, col = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    row, col = torch.meshgrid(torch.arange(rows, device=device),
+                              torch.arange(cols, device=device), indexing="ij")
     positions = torch.stack([row.flatten(), col.flatten()], dim=-1)  # (N, 2), row-major
     if merge_size == 1:
         return positions
-    return positions[merge_window_order(grid, merge_size)]
+    return positions[merge_window_order(grid, merge_size).to(positions.device)]
 
 
 class Rope2D(nn.Module):
     """The angles of axial 2D RoPE, as cosines and sines per token.
 
-    Holds no parameters (its frequencies are a non-persistent buffer), so adding it to a model
-    changes no checkpoint.
+    Holds no parameters and no buffers, so adding it to a model changes no checkpoint; the
+    frequencies are computed in float32 on each call (a few numbers), on the positions' device,
+    so neither a meta-device build nor a cast of the model to bfloat16 touches them.
 
     Args:
         head_dim: channels per head; a multiple of 4 (a quarter per axis and rotation half).
-        theta: the frequency base (10000 in Qwen2-VL and Qwen2.5-VL).
+        theta: the frequency base (10000 in Qwen2-VL, Qwen2.5-VL and Pixtral).
+        frequencies: "shared" or "alternating" (see the module docstring).
 
     Raises:
-        ValueError: when `head_dim` is not a positive multiple of 4.
+        ValueError: when `head_dim` is not a positive multiple of 4, or for another layout.
     """
 
-    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
+    def __init__(self, head_dim: int, theta: float = 10000.0,
+                 frequencies: str = "shared") -> None:
         super().__init__()
         if head_dim <= 0 or head_dim % 4:
             raise ValueError(
                 f"2D RoPE needs a head dimension divisible by 4 (a quarter each for rows and "
                 f"columns in both rotation halves), got head_dim {head_dim}"
             )
-        self.head_dim = head_dim
-        self.theta = theta
-        exponents = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
-        self.register_buffer("inv_freq", 1.0 / theta**exponents, persistent=False)  # (hd/4,)
+        if frequencies not in ("shared", "alternating"):
+            raise ValueError(f"RoPE frequencies {frequencies!r} are not shared or alternating")
+        self.head_dim, self.theta, self.frequencies = head_dim, theta, frequencies
+
+    def inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The frequencies of rows and columns, float32 `[2, head_dim/4]`."""
+        head_dim = self.head_dim
+        if self.frequencies == "shared":
+            exponents = torch.arange(0, head_dim // 2, 2, dtype=torch.float32, device=device)
+            return (1.0 / self.theta ** (exponents / (head_dim // 2))).expand(2, -1)
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+        return (1.0 / self.theta**exponents).reshape(-1, 2).T  # (2, hd/4): even, odd
 
     def forward(
         self, positions: torch.Tensor, num_prefix_tokens: int = 0
@@ -96,8 +115,8 @@ class Rope2D(nn.Module):
         Returns:
             cos, sin: float32 `[prefix + N, head_dim]`.
         """
-        # (N, 2, 1) * (hd/4,) -> (N, 2, hd/4) -> (N, hd/2): row angles, then column angles
-        angles = (positions[..., None].float() * self.inv_freq).flatten(-2)
+        # (N, 2, 1) * (2, hd/4) -> (N, 2, hd/4) -> (N, hd/2): row angles, then column angles
+        angles = (positions[..., None].float() * self.inv_freq(positions.device)).flatten(-2)
         angles = torch.cat([angles, angles], dim=-1)  # (N, hd): the same for both halves
         cos, sin = angles.cos(), angles.sin()
         if num_prefix_tokens:
@@ -105,8 +124,33 @@ class Rope2D(nn.Module):
             sin = torch.cat([sin.new_zeros(num_prefix_tokens, self.head_dim), sin])
         return cos, sin
 
+    def for_grids(self, grids: list[tuple[int, int]] | tuple[tuple[int, int], ...],
+                  num_prefix_tokens: int = 0, device: torch.device | str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cosines and sines for images laid end to end, each `[prefix, row-major patches]`
+        (the encoder's token order): `[sum(prefix + rows * cols), head_dim]` each. Every
+        image counts its rows and columns from 0, so packing mixed sizes changes no angle.
+
+        Raises:
+            ValueError: for no grids (a caller that did not say where its tokens lie).
+        """
+        if not grids:
+            raise ValueError("2D RoPE needs each image's patch grid (grids=[(rows, cols), ...])")
+        parts = [self(grid_positions(grid, device=device), num_prefix_tokens)
+                 for grid in grids]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([cos for cos, _ in parts]), torch.cat([sin for _, sin in parts])
+
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, theta={self.theta}"
+        return f"head_dim={self.head_dim}, theta={self.theta}, frequencies={self.frequencies}"
+
+
+def build_rope(head_dim: int, theta: float | None,
+               frequencies: str = "shared") -> Rope2D | None:
+    """The encoder's 2D RoPE (`EncoderConfig.rope_theta`, `rope_frequencies`); None when
+    `theta` is None."""
+    return None if theta is None else Rope2D(head_dim, theta, frequencies)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
