@@ -86,6 +86,16 @@ def timm_dinov2_registers(folder):
     return folder
 
 
+def pixtral(folder):
+    """A tiny `PixtralVisionModel` (2D RoPE, RMSNorm, SwiGLU, no class token), saved by
+    transformers."""
+    config = transformers.PixtralVisionConfig(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
+        head_dim=64, image_size=32, patch_size=8, hidden_act="silu")
+    perturbed(transformers.PixtralVisionModel(config)).save_pretrained(folder / "pixtral")
+    return folder / "pixtral"
+
+
 SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("hf_clip"),
            "timm (ours)": written_by_us("timm"), "open_clip (ours)": written_by_us("open_clip"),
            # the issue's reproduction: a CLIPVisionModel with no projection
@@ -100,7 +110,9 @@ SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("h
            # issue 33: LayerScale and registers (DINOv2), the hybrid's ResNet stem
            "hf Dinov2Model": saved_by_transformers("Dinov2Model", "Dinov2Config"),
            "timm dinov2 registers": timm_dinov2_registers,
-           "google npz hybrid": google_hybrid_npz}
+           "google npz hybrid": google_hybrid_npz,
+           # issue 33: 2D RoPE without a position table
+           "hf PixtralVisionModel": pixtral}
 # Pairs the target's architecture cannot hold, and the reason the refusal must give.
 # (Paper-style towers, with no pre-norm, do not fit CLIP's layouts; the hf-clip writer writes
 # CLIP, not SigLIP.)
@@ -113,6 +125,10 @@ CANNOT.update({(source, target): "layer_scale_init"
                for target in ("open_clip", "hf_clip")})
 CANNOT.update({("google npz hybrid", target): "hybrid_layers"
                for target in ("open_clip", "hf_clip", "timm")})
+# Pixtral (RoPE, RMSNorm, SwiGLU with SiLU) fits none of the writable layouts but our own.
+CANNOT.update({("hf PixtralVisionModel", "timm"): "norm='rmsnorm'",
+               ("hf PixtralVisionModel", "open_clip"): "rope_theta=10000.0",
+               ("hf PixtralVisionModel", "hf_clip"): "rope_theta=10000.0"})
 # Sources whose processor crops as torchvision does (open_clip's reader records OpenAI's):
 # transformers cannot reproduce that, so hf-clip output needs an explicit --crop-rounding floor.
 ROUNDING_CROPS = {"native", "timm (ours)", "open_clip (ours)"}

@@ -8,6 +8,7 @@ Each is a pure `state_dict -> state_dict` function built from a declarative key 
 from vlm_vit.convert import (  # noqa: F401  (importing registers the formats)
     hf_clip,
     hf_dinov2,
+    hf_pixtral,
     hf_vit,
     jax_npz,
     native,
