@@ -30,6 +30,9 @@ MECHANISMS = {
     "rope": dict(pos_embed="none", rope_theta=10000.0, class_token=False, final_norm=False),
     # Pixtral's frequencies; a class token (not rotated) beside RoPE and a learned table
     "rope_alternating_cls": dict(rope_theta=100.0, rope_frequencies="alternating"),
+    # and its Conv3d patch embedding over 2 frames
+    "qwen2_vl": dict(pos_embed="none", rope_theta=10000.0, class_token=False,
+                     final_norm=False, temporal_patch_size=2, patch_bias=False),
 }
 SIZES = [(24, 24), (40, 16), (32, 32)]  # a multiple of 8: the hybrid's stride too
 
@@ -108,7 +111,7 @@ def test_save_and_load(tmp_path, name):
         assert torch.equal(loaded(x).tokens, encoder(x).tokens)
 
 
-@pytest.mark.parametrize("name", ["all_but_hybrid", "hybrid", "rope"])
+@pytest.mark.parametrize("name", ["all_but_hybrid", "hybrid", "rope", "qwen2_vl"])
 def test_export_with_a_dynamic_size(name):
     from vlm_vit.export import export_program
 
@@ -179,6 +182,10 @@ def test_config_stride_is_the_backbones(stages):
     (dict(rope_theta=1e4, width=24, heads=4),
      r"2D RoPE needs a head dimension divisible by 4 .*width 24 / heads 4 = 6"),
     (dict(rope_theta=1e4, width=32, heads=16), r"width 32 / heads 16 = 2$"),
+    (dict(temporal_patch_size=0), r"temporal_patch_size must be a positive int \(1..16\)"),
+    (dict(temporal_patch_size=2.0), "temporal_patch_size"),
+    (dict(temporal_patch_size=2, hybrid_layers=(1, 1)),
+     "temporal_patch_size and hybrid_layers are two patch embeddings"),
 ])
 def test_bad_mechanism_configs_are_one_clear_error(changes, message):
     with pytest.raises(ConfigError, match=message):

@@ -41,6 +41,12 @@ def tower_for(name, encoder_options, feature_layer=None):
                        drop_prefix=not needs_class).eval()
 
 
+def scaled(size, tower):
+    """`size` times the grid multiple the pooler needs (the patch merger's 2x2 windows)."""
+    multiple = getattr(tower.pooler, "grid_multiple", 1)
+    return (size[0] * multiple, size[1] * multiple)
+
+
 @pytest.mark.parametrize("name", available_poolers())
 @pytest.mark.parametrize("encoder", sorted(ENCODERS))
 @pytest.mark.parametrize("size", [(32, 32), (24, 40)])
@@ -52,6 +58,7 @@ def test_token_count_equals_the_tensor(name, encoder, size):
             assert "encoder has none" in str(error)
             return
     tower = tower_for(name, ENCODERS[encoder])
+    size = scaled(size, tower)
     with torch.no_grad():
         out = tower(torch.randn(2, 3, *size))
     count = tower.num_image_tokens(size)
@@ -68,7 +75,7 @@ def test_packed_images_pool_as_each_alone(name, encoder, feature_layer):
     except ValueError as error:  # poolers that read the class token, on encoders without one
         assert "encoder has none" in str(error)
         return
-    sizes = [(32, 32), (24, 40), (48, 16), (8, 32)]
+    sizes = [scaled(size, tower) for size in [(32, 32), (24, 40), (48, 16), (8, 32)]]
     generator = torch.Generator().manual_seed(2)
     images = [torch.randn(3, h, w, generator=generator) for h, w in sizes]
     with torch.no_grad():

@@ -24,6 +24,7 @@ ROPE_FREQUENCIES = ("shared", "alternating")
 # The hybrid's ResNet (`layers.hybrid_stem`): at most 4 stages (a whole R50), each of at most
 # 64 blocks (the deepest BiT stage, R152's, has 36).
 MAX_HYBRID_STAGES, MAX_HYBRID_BLOCKS = 4, 64
+MAX_TEMPORAL_PATCH = 16  # frames per tube; Qwen2-VL and Qwen2.5-VL use 2, ViViT up to 8
 
 # The sizes a config may give, (low, high) inclusive. They are far above every released ViT
 # (the largest, ViT-22B of Dehghani et al. 2023: width 6144, depth 48, MLP 24576, 48 heads)
@@ -51,7 +52,8 @@ CHOICES = {"act": ACTIVATIONS, "pos_resize_mode": POS_RESIZE_MODES, "norm": NORM
 # The mechanism fields at the paper's block: what a writer of a plain-ViT layout (CLIP,
 # SigLIP, open_clip) needs them to be.
 PAPER_MECHANISMS: dict[str, Any] = dict(layer_scale_init=None, norm="layernorm", mlp="mlp",
-                                        hybrid_layers=None, pos_embed="learned", rope_theta=None)
+                                        hybrid_layers=None, pos_embed="learned", rope_theta=None,
+                                        temporal_patch_size=None)
 
 
 class ConfigError(ValueError):
@@ -165,6 +167,9 @@ class EncoderConfig:
     # Qwen2-VL) or take the even and odd ones of head_dim/2 ("alternating", Pixtral).
     rope_theta: float | None = None
     rope_frequencies: str = "shared"
+    # A Conv3d patch embedding over this many frames (Qwen2-VL: 2), so images and video share
+    # a tower; an image is its frame repeated (`layers.temporal_patch_embed`). null: Conv2d.
+    temporal_patch_size: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -180,7 +185,8 @@ class EncoderConfig:
         `norm` / `mlp` one of their names; `layer_scale_init` null or a finite number > 0;
         `mlp` swiglu with `act` silu; `hybrid_layers` null or 1 to 4 stages of 1..64 blocks,
         with `patch_size` the ResNet's stride; `pos_embed` learned or none; `rope_theta` null
-        or a finite number > 0, with a head dimension (width / heads) divisible by 4.
+        or a finite number > 0, with a head dimension (width / heads) divisible by 4;
+        `temporal_patch_size` null or 1..16, not with the hybrid.
 
         Raises:
             ConfigError: (a ValueError) for the first field that is off, naming the field,
@@ -229,6 +235,14 @@ class EncoderConfig:
             raise ConfigError("act", self.act, "silu with mlp swiglu",
                               problem=f"mlp 'swiglu' gates with SiLU: act must be 'silu', got "
                               f"{self.act!r}")
+        frames = self.temporal_patch_size
+        if frames is not None:
+            self.temporal_patch_size = check_int("temporal_patch_size", frames, 1,
+                                                 MAX_TEMPORAL_PATCH)
+            if self.hybrid_layers is not None:
+                raise ConfigError("temporal_patch_size", frames, "null with hybrid_layers",
+                                  problem="temporal_patch_size and hybrid_layers are two patch "
+                                  "embeddings: choose one")
         if self.hybrid_layers is None:
             return
         layers = self.hybrid_layers

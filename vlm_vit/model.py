@@ -85,7 +85,8 @@ class VisionEncoder(NativeFormat, nn.Module):
         self.config = config
         width = config.width
         self.patch_embed = layers.build_patch_embed(
-            config.patch_size, config.in_channels, width, config.patch_bias, config.hybrid_layers)
+            config.patch_size, config.in_channels, width, config.patch_bias, config.hybrid_layers,
+            config.temporal_patch_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, width)) if config.class_token else None
         self.reg_token = (nn.Parameter(torch.zeros(1, config.num_register_tokens, width))
                           if config.num_register_tokens else None)
@@ -118,7 +119,7 @@ class VisionEncoder(NativeFormat, nn.Module):
             if token is not None:
                 nn.init.normal_(token, std=1e-6)
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Conv2d)):
+            if isinstance(module, (nn.Linear, nn.Conv2d, nn.Conv3d)):
                 nn.init.trunc_normal_(module.weight, std=0.02)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)

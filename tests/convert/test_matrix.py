@@ -96,6 +96,20 @@ def pixtral(folder):
     return folder / "pixtral"
 
 
+def qwen2_vl(folder):
+    """A tiny `Qwen2VisionTransformerPretrainedModel` (Conv3d over 2 frames, 2D RoPE, a 2x2
+    merger), saved by transformers."""
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+        Qwen2VisionTransformerPretrainedModel,
+    )
+
+    config = Qwen2VLVisionConfig(depth=2, embed_dim=128, hidden_size=64, num_heads=2,
+                                 patch_size=8, temporal_patch_size=2, spatial_merge_size=2)
+    perturbed(Qwen2VisionTransformerPretrainedModel(config)).save_pretrained(folder / "qwen")
+    return folder / "qwen"
+
+
 SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("hf_clip"),
            "timm (ours)": written_by_us("timm"), "open_clip (ours)": written_by_us("open_clip"),
            # the issue's reproduction: a CLIPVisionModel with no projection
@@ -112,7 +126,9 @@ SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("h
            "timm dinov2 registers": timm_dinov2_registers,
            "google npz hybrid": google_hybrid_npz,
            # issue 33: 2D RoPE without a position table
-           "hf PixtralVisionModel": pixtral}
+           "hf PixtralVisionModel": pixtral,
+           # issue 33: Qwen2-VL's vision tower (its merger read as the patch_merger pooler)
+           "hf Qwen2-VL vision": qwen2_vl}
 # Pairs the target's architecture cannot hold, and the reason the refusal must give.
 # (Paper-style towers, with no pre-norm, do not fit CLIP's layouts; the hf-clip writer writes
 # CLIP, not SigLIP.)
@@ -129,6 +145,8 @@ CANNOT.update({("google npz hybrid", target): "hybrid_layers"
 CANNOT.update({("hf PixtralVisionModel", "timm"): "norm='rmsnorm'",
                ("hf PixtralVisionModel", "open_clip"): "rope_theta=10000.0",
                ("hf PixtralVisionModel", "hf_clip"): "rope_theta=10000.0"})
+CANNOT.update({("hf Qwen2-VL vision", target): "rope_theta=10000.0"
+               for target in ("timm", "open_clip", "hf_clip")})
 # Sources whose processor crops as torchvision does (open_clip's reader records OpenAI's):
 # transformers cannot reproduce that, so hf-clip output needs an explicit --crop-rounding floor.
 ROUNDING_CROPS = {"native", "timm (ours)", "open_clip (ours)"}

@@ -23,6 +23,13 @@ def build(name):
         return build_pooler(name, in_dim=IN_DIM)  # out_dim must stay the input width
 
 
+def fitted(pooler, grid):
+    """`grid` scaled by the sides the pooler needs (`grid_multiple`: the patch merger's 2x2
+    windows), so every pooler meets the same shapes of grid."""
+    multiple = getattr(pooler, "grid_multiple", 1)
+    return (grid[0] * multiple, grid[1] * multiple)
+
+
 def tokens_for(grid, prefix, batch=3, requires_grad=False):
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(batch, prefix + grid[0] * grid[1], IN_DIM, generator=generator)
@@ -36,6 +43,7 @@ def test_shape_matches_the_declared_count(name, grid, prefix):
     pooler = build(name).eval()
     if getattr(pooler, "requires_class_token", False) and prefix == 0:
         pytest.skip("needs a class token")
+    grid = fitted(pooler, grid)
     out = pooler(tokens_for(grid, prefix), num_prefix_tokens=prefix, grid=grid)
     count = pooler.num_output_tokens(grid, num_prefix_tokens=prefix)
     out_dim = pooler.out_dim
@@ -46,13 +54,14 @@ def test_shape_matches_the_declared_count(name, grid, prefix):
 @pytest.mark.parametrize("name", available_poolers())
 def test_samples_do_not_depend_on_the_batch(name):
     pooler = build(name).eval()
-    x = tokens_for((3, 5), 1)
+    grid = fitted(pooler, (3, 5))
+    x = tokens_for(grid, 1)
     with torch.no_grad():
-        together = pooler(x, num_prefix_tokens=1, grid=(3, 5))
-        alone = pooler(x[:1], num_prefix_tokens=1, grid=(3, 5))
+        together = pooler(x, num_prefix_tokens=1, grid=grid)
+        alone = pooler(x[:1], num_prefix_tokens=1, grid=grid)
         changed = x.clone()
         changed[1:] = torch.randn_like(changed[1:])
-        others_changed = pooler(changed, num_prefix_tokens=1, grid=(3, 5))
+        others_changed = pooler(changed, num_prefix_tokens=1, grid=grid)
     torch.testing.assert_close(alone[0], together[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(others_changed[0], together[0], atol=1e-5, rtol=1e-5)
 
@@ -60,8 +69,9 @@ def test_samples_do_not_depend_on_the_batch(name):
 @pytest.mark.parametrize("name", available_poolers())
 def test_gradients_reach_parameters_and_tokens(name):
     pooler = build(name).train()
-    x = tokens_for((4, 4), 1, requires_grad=True)
-    pooler(x, num_prefix_tokens=1, grid=(4, 4)).square().sum().backward()
+    grid = fitted(pooler, (4, 4))
+    x = tokens_for(grid, 1, requires_grad=True)
+    pooler(x, num_prefix_tokens=1, grid=grid).square().sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
     for param_name, param in pooler.named_parameters():
         assert param.grad is not None and param.grad.abs().sum() > 0, param_name
@@ -71,7 +81,8 @@ def test_gradients_reach_parameters_and_tokens(name):
 def test_runs_under_bf16_autocast(name):
     pooler = build(name).eval()
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
-        out = pooler(tokens_for((3, 5), 1), num_prefix_tokens=1, grid=(3, 5))
+        grid = fitted(pooler, (3, 5))
+        out = pooler(tokens_for(grid, 1), num_prefix_tokens=1, grid=grid)
     assert torch.isfinite(out.float()).all()
     assert out.shape[-1] == pooler.out_dim
 
@@ -89,7 +100,7 @@ def test_packed_tokens_pool_as_each_image_alone(name, prefix):
     pooler = build(name).eval()
     if getattr(pooler, "requires_class_token", False) and prefix == 0:
         pytest.skip("needs a class token")
-    grids = [(4, 4), (3, 5), (1, 2), (2, 1)]
+    grids = [fitted(pooler, grid) for grid in [(4, 4), (3, 5), (1, 2), (2, 1)]]
     images = [tokens_for(grid, prefix, batch=1) for grid in grids]
     packed = torch.cat([image[0] for image in images])  # [total, D]
     with torch.no_grad():

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from vlm_vit.layers.hybrid_stem import HybridPatchEmbed
+from vlm_vit.layers.temporal_patch_embed import TemporalPatchEmbed
 
 
 class PatchEmbed(nn.Module):
@@ -54,14 +55,18 @@ class PatchEmbed(nn.Module):
 
 
 def build_patch_embed(patch_size: int, in_channels: int, width: int, bias: bool = True,
-                      hybrid_layers: tuple[int, ...] | None = None) -> nn.Module:
-    """The encoder's patch embedding: `PatchEmbed`, or with `hybrid_layers` the hybrid's
+                      hybrid_layers: tuple[int, ...] | None = None,
+                      temporal_patch_size: int | None = None) -> nn.Module:
+    """The encoder's patch embedding: `PatchEmbed`; with `hybrid_layers` the hybrid's
     ResNet of those stages and a 1x1 projection (`HybridPatchEmbed`, whose stride must be
-    `patch_size`). Both return `[B, N, D]` and the grid.
+    `patch_size`); with `temporal_patch_size` a Conv3d over that many frames
+    (`TemporalPatchEmbed`, images as a repeated frame). Each returns `[B, N, D]` and the grid.
 
     Raises:
         ValueError: for a hybrid whose stride is not `patch_size`.
     """
+    if temporal_patch_size is not None:
+        return TemporalPatchEmbed(patch_size, in_channels, width, temporal_patch_size, bias)
     if hybrid_layers is None:
         return PatchEmbed(patch_size, in_channels, width, bias=bias)
     embed = HybridPatchEmbed(width, hybrid_layers, in_channels, bias=bias)

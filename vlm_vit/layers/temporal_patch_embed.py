@@ -18,8 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_vit.layers.patch_embed import PatchEmbed
-
 
 def inflate_patch_kernel(weight: torch.Tensor, temporal_patch_size: int) -> torch.Tensor:
     """A 2D patch kernel `[D, C, P, P]` as a Conv3d kernel `[D, C, T, P, P]` (W / T per frame)."""
@@ -52,8 +50,14 @@ class TemporalPatchEmbed(nn.Module):
         self.proj = nn.Conv3d(in_channels, width, kernel, stride=kernel, bias=bias)
 
     def grid(self, height: int, width: int) -> tuple[int, int]:
-        """The patch grid (rows, cols), by the same rule as `PatchEmbed.grid`."""
-        return PatchEmbed.grid(self, height, width)
+        """The patch grid (rows, cols), by `PatchEmbed.grid`'s rule (not imported from there:
+        `patch_embed.py` builds this module), or a ValueError naming the bad side."""
+        p = self.patch_size
+        if height % p or width % p or height <= 0 or width <= 0:
+            raise ValueError(
+                f"image size {height}x{width} is not a positive multiple of patch size {p}"
+            )
+        return height // p, width // p
 
     def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         """Embeds images `[B, C, H, W]`, each as a clip of itself repeated T times.

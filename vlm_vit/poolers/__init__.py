@@ -1,6 +1,13 @@
 """Poolers and projectors: encoder tokens to what a pipeline wants (see `base.py`)."""
 
-from vlm_vit.poolers import attention_pool, mlp, perceiver, pixel_shuffle, simple  # noqa: F401
+from vlm_vit.poolers import (  # noqa: F401
+    attention_pool,
+    mlp,
+    patch_merger,
+    perceiver,
+    pixel_shuffle,
+    simple,
+)
 from vlm_vit.poolers.base import (
     POOLERS,
     Pooler,

@@ -1,0 +1,140 @@
+"""Hugging Face `Qwen2VisionTransformerPretrainedModel` directories (model_type
+"qwen2_vl_vision"; the vision tower of Qwen2-VL, Wang et al. 2024).
+
+The tower is the paper's pre-norm block (LayerNorm eps 1e-6, fused `attn.qkv`, `mlp.fc1` /
+`fc2` with QuickGELU: our own names already) over a Conv3d patch embedding of
+`temporal_patch_size` frames without bias, with 2D RoPE (Qwen2-VL's shared row/column
+frequencies) and neither a position table, a class token nor a final norm. Its 2x2
+`merger` (a LayerNorm per patch, four neighbours concatenated, Linear, GELU, Linear to the
+LLM's width) becomes the `patch_merger` pooler.
+
+Qwen2-VL lists an image's patches window by window (the 2x2 merge windows, row-major); ours
+stay row-major and carry their own (row, col) angles, which gives each token the same
+attention, and the merger gathers each window itself. So our hidden states are
+transformers' permuted by `layers.rope_2d.merge_window_order`.
+
+What the file fixes, recorded in `Converted.rules`:
+
+* `image_size` is 16 patches a side: the tower has no native size (no position table) and
+  takes any grid the merger divides;
+* the processor resizes at native resolution to multiples of patch x merge (28 pixels) within
+  Qwen2-VL's `smart_resize` bounds (3,136 to 1,003,520 pixels), CLIP's mean and std.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vlm_vit.config import EncoderConfig, is_real
+from vlm_vit.convert.base import (
+    Checkpoint,
+    Converted,
+    NativePooler,
+    check_block_count,
+    held_blocks,
+    register_format,
+)
+from vlm_vit.convert.hf_common import activation
+from vlm_vit.convert.hf_pixtral import rope_theta
+from vlm_vit.convert.keymap import rename
+from vlm_vit.processor import NORMALIZATION, ImageProcessor
+
+MODEL_TYPES = ("qwen2_vl_vision",)
+PREFIXES = ("visual.", "model.visual.")  # inside Qwen2VLForConditionalGeneration
+CONFIG_FILE = "config.json"
+NORM_EPS = 1e-6  # LayerNorm(embed_dim, eps=1e-6) in Qwen2VLVisionBlock and PatchMerger
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 1280  # Qwen2VLImageProcessor's smart_resize bounds
+
+# transformers' Qwen2VLVisionConfig defaults, for config files written before a key existed.
+HF_DEFAULTS: dict[str, Any] = dict(
+    depth=32, embed_dim=1280, hidden_size=3584, hidden_act="quick_gelu", mlp_ratio=4,
+    num_heads=16, in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+    rope_parameters={"rope_theta": 10000.0, "rope_type": "axial"},
+)
+
+_BLOCK = "blocks.{}."
+KEY_MAP = {
+    "patch_embed.proj.weight": "patch_embed.proj.weight",
+    **{_BLOCK + f"{module}.{kind}": _BLOCK + f"{module}.{kind}"
+       for module in ("norm1", "norm2", "attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+       for kind in ("weight", "bias")},
+}
+MERGER = "merger."  # ln_q, mlp.0, mlp.2: the `patch_merger` pooler's own names
+BLOCK_PATTERN = r"blocks\.(\d+)\."
+
+
+def strip_prefix(tensors: dict) -> dict:
+    """The vision tower's tensors, without the prefix of the model that holds it."""
+    for prefix in PREFIXES:
+        if any(key.startswith(prefix + "patch_embed.") for key in tensors):
+            return {key.removeprefix(prefix): tensor for key, tensor in tensors.items()
+                    if key.startswith(prefix)}
+    return dict(tensors)
+
+
+def encoder_config(hf: dict[str, Any], source: object = CONFIG_FILE) -> EncoderConfig:
+    """Our architecture from a Qwen2VLVisionConfig dict (its defaults filled in).
+
+    Raises:
+        ValueError: for settings vlm-vit refuses, naming `source` and the key.
+    """
+    hf = {**HF_DEFAULTS, **hf}
+    width, ratio, patch = hf["embed_dim"], hf["mlp_ratio"], hf["patch_size"]
+    if not (is_real(ratio) and ratio > 0) or not isinstance(width, int):
+        raise ValueError(f"{source}: mlp_ratio must be a positive number, got {ratio!r}")
+    fields = dict(width=width, depth=hf["depth"], heads=hf["num_heads"],
+                  mlp_width=int(width * ratio), in_channels=hf["in_channels"],
+                  patch_size=patch, temporal_patch_size=hf["temporal_patch_size"])
+    try:
+        return EncoderConfig(
+            **fields, image_size=patch * 16 if isinstance(patch, int) else patch,
+            act=activation(hf["hidden_act"], source), norm_eps=NORM_EPS, class_token=False,
+            final_norm=False, patch_bias=False, pos_embed="none",
+            rope_theta=rope_theta(hf, source), rope_frequencies="shared")
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
+
+
+def merger_pooler(tensors: dict, config: EncoderConfig, hf: dict[str, Any]) -> NativePooler:
+    """The `merger.*` weights as the `patch_merger` pooler (out: the LLM's `hidden_size`)."""
+    weights = {key.removeprefix(MERGER): tensor for key, tensor in tensors.items()
+               if key.startswith(MERGER)}
+    merge = hf.get("spatial_merge_size", HF_DEFAULTS["spatial_merge_size"])
+    out_dim = hf.get("hidden_size", HF_DEFAULTS["hidden_size"])
+    return NativePooler("patch_merger", config.width, out_dim, {"merge_size": merge}, weights)
+
+
+class HfQwen2VLVisionFormat:
+    """`Qwen2VisionTransformerPretrainedModel` saved by `save_pretrained`."""
+
+    name = "hf_qwen2_vl"
+
+    def matches(self, checkpoint: Checkpoint) -> bool:
+        return checkpoint.config is not None and \
+            checkpoint.config.get("model_type") in MODEL_TYPES
+
+    def to_native(self, checkpoint: Checkpoint) -> Converted:
+        hf = {**HF_DEFAULTS, **checkpoint.config}
+        config = encoder_config(hf, checkpoint.path / CONFIG_FILE)
+        tensors = strip_prefix(checkpoint.tensors)
+        check_block_count(config.depth, held_blocks(tensors, BLOCK_PATTERN), checkpoint.path,
+                          CONFIG_FILE)
+        state = rename(tensors, KEY_MAP, config.depth, ignore=[r"merger\."],
+                       source=checkpoint.path)
+        merge = hf["spatial_merge_size"]
+        mean, std = NORMALIZATION["clip"]
+        processor = ImageProcessor(
+            resize_mode="native", resample="bicubic", patch_multiple=config.patch_size * merge,
+            min_output_pixels=MIN_PIXELS, max_output_pixels=MAX_PIXELS, mean=mean, std=std)
+        rules = [f"2D RoPE (theta {config.rope_theta:g}), no position table; image_size "
+                 f"{config.image_size[0]} is nominal",
+                 f"merger: patch_merger pooler, {merge}x{merge} windows to width "
+                 f"{hf['hidden_size']}",
+                 f"Conv3d patch embedding over {config.temporal_patch_size} frames; an image "
+                 "is its frame repeated"]
+        return Converted(config=config, state=state, pooler=merger_pooler(tensors, config, hf),
+                         processor=processor, rules=rules, source=checkpoint.path,
+                         config_file=CONFIG_FILE)
+
+
+register_format(HfQwen2VLVisionFormat())
