@@ -112,3 +112,17 @@ def test_importing_the_analysis_does_not_import_matplotlib():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "False\n"
+
+
+@pytest.mark.parametrize("mechanism", ["rope", "hybrid", "qwen2_vl"])
+def test_towers_without_a_table_or_an_rgb_patch_convolution_are_analysed(mechanism, photos,
+                                                                         tmp_path):
+    """A RoPE tower has no position table to compare, a hybrid's and a video tower's patch
+    embedding is no RGB filter bank: those parts are null, the rest is measured."""
+    from tests.test_mechanisms import encoder_for
+
+    encoder = encoder_for(mechanism).eval()
+    result = analyze(encoder, photos[:1], tmp_path, draw=False)
+    assert (result["position_similarity"] is None) == (encoder.pos_embed is None)
+    assert (result["embedding_filters"] is None) == (mechanism != "rope")
+    assert len(result["mean_attention_distance"]) == encoder.config.depth

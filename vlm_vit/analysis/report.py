@@ -124,19 +124,20 @@ def analyze(
     attention = _attention_over_images(encoder, images, processor, out_dir, draw=draw,
                                        progress=progress)
     uniform = float(patch_distances(attention.grid, config.patch_size).double().mean())
-    with torch.no_grad():
-        positions = patch_position_embeddings(encoder.pos_embed, config.grid, config.class_token)
-        similarity = position_similarity(positions.float().cpu())
-        components, explained = embedding_filters(encoder.patch_embed.proj.weight.float().cpu(),
-                                                  filter_count)
+    similarity, components, explained = _tables(encoder, filter_count)
     written = attention.figures
     if draw:
         figures.plot_mean_attention_distance(attention.distance.numpy(),
                                              out_dir / DISTANCE_FIGURE, uniform=uniform)
-        figures.plot_position_similarity(similarity.numpy(), config.grid,
-                                         out_dir / POSITION_FIGURE)
-        figures.plot_embedding_filters(components.numpy(), out_dir / FILTERS_FIGURE)
-        written = [DISTANCE_FIGURE, POSITION_FIGURE, FILTERS_FIGURE, *written]
+        drawn = [DISTANCE_FIGURE]
+        if similarity is not None:
+            figures.plot_position_similarity(similarity.numpy(), config.grid,
+                                             out_dir / POSITION_FIGURE)
+            drawn.append(POSITION_FIGURE)
+        if components is not None:
+            figures.plot_embedding_filters(components.numpy(), out_dir / FILTERS_FIGURE)
+            drawn.append(FILTERS_FIGURE)
+        written = [*drawn, *written]
 
     result = _result(encoder, attention, uniform, similarity, components, explained, written)
     with atomic_write(out_dir / JSON_NAME, "w") as handle:
@@ -181,10 +182,31 @@ def _attention_over_images(encoder: VisionEncoder, images: list[Any],
     return _Attention(names, distance_sum / count, share_sum / count, grid, rollouts, written)
 
 
+def _tables(encoder: VisionEncoder, filter_count: int
+            ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The position table's similarity (None for a tower without one: RoPE) and the patch
+    embedding's principal filters with their explained variance (None unless it is one
+    convolution over the pixels, `[D, C, P, P]`: not a hybrid's 1x1 over ResNet features or a
+    video tower's Conv3d)."""
+    config = encoder.config
+    similarity = components = explained = None
+    with torch.no_grad():
+        if getattr(encoder, "pos_embed", None) is not None:
+            positions = patch_position_embeddings(encoder.pos_embed, config.grid,
+                                                  config.class_token)
+            similarity = position_similarity(positions.float().cpu())
+        proj = getattr(encoder.patch_embed, "proj", None)
+        weight = getattr(proj, "weight", None)
+        if weight is not None and weight.ndim == 4 and weight.shape[1] == config.in_channels:
+            components, explained = embedding_filters(weight.float().cpu(), filter_count)
+    return similarity, components, explained
+
+
 def _result(encoder: VisionEncoder, attention: _Attention, uniform: float,
-            similarity: torch.Tensor, components: torch.Tensor, explained: torch.Tensor,
-            written: list[str]) -> dict[str, Any]:
-    """What `analysis.json` holds (see `analyze`)."""
+            similarity: torch.Tensor | None, components: torch.Tensor | None,
+            explained: torch.Tensor | None, written: list[str]) -> dict[str, Any]:
+    """What `analysis.json` holds (see `analyze`); the position similarity and the filters
+    are null for a tower that has no position table or no RGB patch convolution."""
     config = encoder.config
     return {
         "images": attention.names,
@@ -201,8 +223,9 @@ def _result(encoder: VisionEncoder, attention: _Attention, uniform: float,
             "identity_weight": IDENTITY_WEIGHT,
             "maps": attention.rollouts,
         },
-        "position_similarity": {"grid": list(config.grid), "matrix": _numbers(similarity)},
-        "embedding_filters": {"components": _numbers(components),
-                              "explained_variance_ratio": _numbers(explained)},
+        "position_similarity": None if similarity is None else {
+            "grid": list(config.grid), "matrix": _numbers(similarity)},
+        "embedding_filters": None if components is None else {
+            "components": _numbers(components), "explained_variance_ratio": _numbers(explained)},
         "figures": written,
     }
