@@ -69,3 +69,50 @@ def test_a_folder_with_encoders_inside_names_them(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and hint in err[0], err
     assert main(["info", str(tmp_path / "mm" / "tower")]) == 0
+
+
+# Issue 33: each mechanism set, named from the config's fields (the tiny sizes are arbitrary).
+FAMILIES = [
+    ({}, "paper ViT", []),
+    (dict(pre_norm=True, act="quick_gelu"), "CLIP-style", []),
+    (dict(layer_scale_init=1e-5, num_register_tokens=4), "DINOv2-style",
+     ["LayerScale", "4 registers"]),
+    (dict(pos_embed="none", rope_theta=10000, rope_frequencies="alternating", norm="rmsnorm",
+          mlp="swiglu", act="silu", class_token=False), "Pixtral-style",
+     ["RoPE (alternating, θ=10000)", "RMSNorm", "SwiGLU", "no position table"]),
+    (dict(pos_embed="none", rope_theta=10000, temporal_patch_size=2, class_token=False),
+     "Qwen2-VL-style", ["Conv3d over 2 frames", "RoPE (shared, θ=10000)", "no position table"]),
+    (dict(rope_theta=10000, mlp="swiglu", act="silu"), "EVA-02-style",
+     ["RoPE (shared, θ=10000)", "SwiGLU"]),
+    (dict(rope_theta=100), "RoPE ViT", ["RoPE (shared, θ=100)"]),
+    (dict(norm="rmsnorm"), "ViT", ["RMSNorm"]),
+    (dict(hybrid_layers=(3, 4, 9), patch_size=16), "hybrid ViT (paper 3.1)",
+     ["hybrid R50 (3,4,9) stem"]),
+    (dict(hybrid_layers=(2, 2), patch_size=8), "hybrid ViT (paper 3.1)",
+     ["hybrid ResNet (2,2) stem"]),
+]
+
+
+@pytest.mark.parametrize("fields, family, mechanisms", FAMILIES,
+                         ids=[family for _, family, _ in FAMILIES])
+def test_info_names_the_family_and_its_mechanisms(fields, family, mechanisms):
+    from vlm_vit.cli.info import describe, family_line
+
+    config = tiny_config(**fields)
+    report = describe(config, [(32, 32)])
+    assert (report["family"], report["mechanisms"]) == (family, mechanisms)
+    assert family_line(config) == (f"{family}: {', '.join(mechanisms)}" if mechanisms
+                                   else family)
+
+
+def test_info_prints_the_family_line(tmp_path, capsys):
+    VisionEncoder(tiny_config(layer_scale_init=1e-5, num_register_tokens=4)).save_pretrained(
+        tmp_path)
+    assert main(["info", str(tmp_path), "--image-size", "32"]) == 0
+    assert "  DINOv2-style: LayerScale, 4 registers\n" in capsys.readouterr().out
+    assert main(["info", "r50+vit-b/16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["family"] == "hybrid ViT (paper 3.1)"
+    assert report["mechanisms"] == ["hybrid R50 (3,4,9) stem"]
+    assert main(["info", "vit-b/16"]) == 0
+    assert "\n  paper ViT\n" in capsys.readouterr().out

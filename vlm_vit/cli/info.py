@@ -83,8 +83,68 @@ def _sizes(config: EncoderConfig, requested: list[list[int]] | None) -> list[tup
     return sorted({config.image_size, *common})
 
 
+# The ResNet stems the hybrid's stage counts name (BiT's R50 cut after its third stage, the
+# paper's R50+ViT-B/16, section 3.1 and Table 5).
+RESNET_NAMES = {(3, 4, 9): "R50"}
+
+
+def mechanisms(config: EncoderConfig) -> list[str]:
+    """What `config` adds to the paper's block, in words, e.g. ``["LayerScale",
+    "4 registers"]``; empty for the paper's ViT. Read from the fields alone."""
+    found = []
+    if config.hybrid_layers is not None:
+        layers = config.hybrid_layers
+        resnet = RESNET_NAMES.get(layers, "ResNet")
+        found.append(f"hybrid {resnet} ({','.join(map(str, layers))}) stem")
+    if config.temporal_patch_size is not None:
+        frames = config.temporal_patch_size
+        found.append(f"Conv3d over {frames} frame{'s' if frames > 1 else ''}")
+    if config.rope_theta is not None:
+        found.append(f"RoPE ({config.rope_frequencies}, θ={config.rope_theta:g})")
+    if config.layer_scale_init is not None:
+        found.append("LayerScale")
+    if config.num_register_tokens:
+        count = config.num_register_tokens
+        found.append(f"{count} register{'s' if count > 1 else ''}")
+    if config.norm == "rmsnorm":
+        found.append("RMSNorm")
+    if config.mlp == "swiglu":
+        found.append("SwiGLU")
+    if config.pos_embed == "none":
+        found.append("no position table")
+    return found
+
+
+def family(config: EncoderConfig) -> str:
+    """The family whose mechanisms `config` has, in words ("DINOv2-style", "paper ViT"),
+    judged from the fields (never a model name): the first rule that holds of the hybrid,
+    a temporal patch embedding, RoPE's frequency layout, LayerScale, pre-norm."""
+    rules = [
+        (config.hybrid_layers is not None, "hybrid ViT (paper 3.1)"),
+        (config.temporal_patch_size is not None, "Qwen2-VL-style"),
+        (config.rope_theta is not None and config.rope_frequencies == "alternating",
+         "Pixtral-style"),
+        (config.rope_theta is not None and config.pos_embed == "learned"
+         and config.mlp == "swiglu", "EVA-02-style"),
+        (config.rope_theta is not None, "RoPE ViT"),
+        (config.layer_scale_init is not None, "DINOv2-style"),
+        (config.pre_norm, "CLIP-style"),
+    ]
+    named = next((name for holds, name in rules if holds), None)
+    if named is not None:
+        return named
+    return "ViT" if mechanisms(config) else "paper ViT"
+
+
+def family_line(config: EncoderConfig) -> str:
+    """`family` and `mechanisms` in one line: "DINOv2-style: LayerScale, 4 registers"."""
+    found = mechanisms(config)
+    return f"{family(config)}: {', '.join(found)}" if found else family(config)
+
+
 def describe(config: EncoderConfig, sizes: list[tuple[int, int]]) -> dict:
-    """Parameters and, per resolution, the grid, token count and GFLOPs of one image."""
+    """Parameters, the family and its mechanisms (`family_line`) and, per resolution, the
+    grid, token count and GFLOPs of one image."""
     with torch.device("meta"):  # counts without allocating the weights
         parameters = sum(p.numel() for p in VisionEncoder(config).parameters())
     rows = []
@@ -94,7 +154,8 @@ def describe(config: EncoderConfig, sizes: list[tuple[int, int]]) -> dict:
         rows.append({"image_size": [height, width], "grid": list(grid),
                      "tokens": grid[0] * grid[1] + config.num_prefix_tokens,
                      "patch_tokens": grid[0] * grid[1], "gflops": 2 * macs / 1e9})
-    return {"config": config.to_dict(), "parameters": parameters, "resolutions": rows}
+    return {"config": config.to_dict(), "family": family(config),
+            "mechanisms": mechanisms(config), "parameters": parameters, "resolutions": rows}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     c = config
     print(f"{args.model}: {report['parameters']:,} parameters")
+    print(f"  {family_line(c)}")
     print(f"  width {c.width}, depth {c.depth}, heads {c.heads}, mlp {c.mlp_width}, "
           f"patch {c.patch_size}, native {c.image_size[0]}x{c.image_size[1]}")
     print(f"  class token {'yes' if c.class_token else 'no'}, registers "
