@@ -186,6 +186,16 @@ def test_config_stride_is_the_backbones(stages):
     (dict(temporal_patch_size=2.0), "temporal_patch_size"),
     (dict(temporal_patch_size=2, hybrid_layers=(1, 1)),
      "temporal_patch_size and hybrid_layers are two patch embeddings"),
+    (dict(window_size=5, class_token=False),
+     "window_size 5 patches is larger than the 4x4 patch grid at image_size 32x32"),
+    (dict(window_size=0, class_token=False), r"window_size must be a positive int \(1..4\)"),
+    (dict(window_size=2), "a class or register token lies in no window"),
+    (dict(window_size=2, class_token=False, num_register_tokens=1), "register token"),
+    (dict(full_attention_blocks=(1,)), "full_attention_blocks needs window_size"),
+    (dict(window_size=2, class_token=False, full_attention_blocks=(3,)),
+     r"full_attention_blocks must be distinct block indices in 0..2, got \(3,\)"),
+    (dict(window_size=2, class_token=False, full_attention_blocks=(1, 1)),
+     "full_attention_blocks"),
 ])
 def test_bad_mechanism_configs_are_one_clear_error(changes, message):
     with pytest.raises(ConfigError, match=message):

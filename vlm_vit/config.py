@@ -53,7 +53,7 @@ CHOICES = {"act": ACTIVATIONS, "pos_resize_mode": POS_RESIZE_MODES, "norm": NORM
 # SigLIP, open_clip) needs them to be.
 PAPER_MECHANISMS: dict[str, Any] = dict(layer_scale_init=None, norm="layernorm", mlp="mlp",
                                         hybrid_layers=None, pos_embed="learned", rope_theta=None,
-                                        temporal_patch_size=None)
+                                        temporal_patch_size=None, window_size=None)
 
 
 class ConfigError(ValueError):
@@ -170,6 +170,10 @@ class EncoderConfig:
     # A Conv3d patch embedding over this many frames (Qwen2-VL: 2), so images and video share
     # a tower; an image is its frame repeated (`layers.temporal_patch_embed`). null: Conv2d.
     temporal_patch_size: int | None = None
+    # Window attention (Qwen2.5-VL): blocks attend within windows of this many patches a side,
+    # tiled from the top-left corner (Qwen2.5-VL's 112 pixels / patch 14 = 8); null: none.
+    window_size: int | None = None
+    full_attention_blocks: tuple[int, ...] = ()  # blocks (from 0) that attend globally
 
     def __post_init__(self) -> None:
         self.validate()
@@ -186,7 +190,9 @@ class EncoderConfig:
         `mlp` swiglu with `act` silu; `hybrid_layers` null or 1 to 4 stages of 1..64 blocks,
         with `patch_size` the ResNet's stride; `pos_embed` learned or none; `rope_theta` null
         or a finite number > 0, with a head dimension (width / heads) divisible by 4;
-        `temporal_patch_size` null or 1..16, not with the hybrid.
+        `temporal_patch_size` null or 1..16, not with the hybrid; `window_size` null or a
+        positive int no larger than the grid at `image_size` on both sides, without class or
+        register tokens; `full_attention_blocks` distinct block indices, only with a window.
 
         Raises:
             ConfigError: (a ValueError) for the first field that is off, naming the field,
@@ -223,6 +229,35 @@ class EncoderConfig:
                               problem=f"image_size {height}x{width} with patch size "
                               f"{self.patch_size} is a {rows}x{cols} grid of {rows * cols} "
                               f"patches, more than {MAX_GRID_TOKENS}")
+        self._validate_windows()
+
+    def _validate_windows(self) -> None:
+        """`window_size` and `full_attention_blocks` (see `validate`)."""
+        window, full = self.window_size, self.full_attention_blocks
+        if not (isinstance(full, (tuple, list)) and all(is_int(i) and 0 <= i < self.depth
+                                                        for i in full)
+                and len(set(full)) == len(full)):
+            raise ConfigError("full_attention_blocks", full,
+                              f"distinct block indices in 0..{self.depth - 1}")
+        self.full_attention_blocks = tuple(sorted(int(i) for i in full))
+        if window is None:
+            if full:
+                raise ConfigError("full_attention_blocks", full, "empty without window_size",
+                                  problem="full_attention_blocks needs window_size: without a "
+                                  "window every block attends globally")
+            return
+        rows, cols = self.grid
+        if is_int(window) and window > max(rows, cols):
+            raise ConfigError("window_size", window, f"at most the grid side {max(rows, cols)}",
+                              problem=f"window_size {window} patches is larger than the "
+                              f"{rows}x{cols} patch grid at image_size {self.image_size[0]}x"
+                              f"{self.image_size[1]}: one window would be global attention")
+        self.window_size = check_int("window_size", window, 1, max(rows, cols))
+        if self.num_prefix_tokens:
+            raise ConfigError("window_size", window, "null with a class or register token",
+                              problem="window attention windows the patch grid: a class or "
+                              "register token lies in no window (class_token false, "
+                              "num_register_tokens 0)")
 
     def _validate_mechanisms(self) -> None:
         """`layer_scale_init`, `mlp`'s activation and `hybrid_layers` (see `validate`)."""
@@ -305,6 +340,7 @@ class EncoderConfig:
         data["image_size"] = list(self.image_size)
         if self.hybrid_layers is not None:
             data["hybrid_layers"] = list(self.hybrid_layers)
+        data["full_attention_blocks"] = list(self.full_attention_blocks)
         return data
 
     @classmethod
