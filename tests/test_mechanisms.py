@@ -1,5 +1,6 @@
 """The encoder's mechanisms beyond the paper's block (issue 33): LayerScale, RMSNorm, SwiGLU,
-registers, the hybrid ResNet patch embedding and 2D RoPE (without a position table), each a
+registers, the hybrid ResNet patch embedding, 2D RoPE (without a position table) and window
+attention, each a
 validated config field whose default is the paper's ViT. Every one keeps packing,
 `feature_layers`' early stop, explicit attention maps, save/load, LoRA presets and export
 working."""
@@ -33,6 +34,11 @@ MECHANISMS = {
     # and its Conv3d patch embedding over 2 frames
     "qwen2_vl": dict(pos_embed="none", rope_theta=10000.0, class_token=False,
                      final_norm=False, temporal_patch_size=2, patch_bias=False),
+    # Qwen2.5-VL's: RMSNorm, SwiGLU, 2x2-patch windows in blocks 0 and 2, block 1 global
+    "qwen2_5_vl": dict(pos_embed="none", rope_theta=10000.0, class_token=False,
+                       final_norm=False, temporal_patch_size=2, patch_bias=False,
+                       norm="rmsnorm", mlp="swiglu", act="silu", window_size=2,
+                       full_attention_blocks=(1,)),
 }
 SIZES = [(24, 24), (40, 16), (32, 32)]  # a multiple of 8: the hybrid's stride too
 
@@ -270,3 +276,31 @@ def test_rope_logits_depend_only_on_the_offset_inside_the_encoder():
     theirs = logits["shifted"][:, shared_shifted][:, :, shared_shifted]
     centred = [t - t.mean(-1, keepdim=True) for t in (ours, theirs)]
     torch.testing.assert_close(centred[0], centred[1], atol=1e-4, rtol=1e-4)
+
+
+def test_window_attention_stays_in_its_windows_except_in_full_blocks():
+    encoder = encoder_for("qwen2_5_vl").eval()
+    image = torch.randn(1, 3, 32, 48)  # a 4x6 grid: six 2x2 windows
+    with torch.no_grad():
+        out = encoder(image, output_attentions=True)
+    rows, cols = torch.meshgrid(torch.arange(4), torch.arange(6), indexing="ij")
+    window = (rows // 2 * 3 + cols // 2).flatten()  # each token's window, row-major
+    outside = window[:, None] != window[None, :]
+    windowed, full, last = (maps[0] for maps in out.attentions)  # (heads, 24, 24) each
+    for maps in (windowed, last):
+        assert torch.all(maps[:, outside] == 0) and torch.all(maps[:, ~outside] > 0)
+        torch.testing.assert_close(maps.sum(-1), torch.ones(4, 24))
+    assert torch.all(full > 0)
+
+
+def test_a_window_covering_the_grid_is_global_attention():
+    encoder = encoder_for("qwen2_5_vl").eval()
+    plain = VisionEncoder(EncoderConfig(**{**encoder.config.to_dict(), "window_size": None,
+                                            "full_attention_blocks": ()})).eval()
+    plain.load_state_dict(encoder.state_dict())
+    image = torch.randn(1, 3, 16, 16)  # a 2x2 grid: one window
+    with torch.no_grad():
+        torch.testing.assert_close(encoder(image).tokens, plain(image).tokens,
+                                   atol=1e-6, rtol=1e-6)
+        wide = torch.randn(1, 3, 16, 32)  # 2x4: two windows, so not global any more
+        assert (encoder(wide).tokens - plain(wide).tokens).abs().max() > 1e-3

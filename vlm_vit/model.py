@@ -49,9 +49,10 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, need_weights: bool = False, segments: Segments | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        windows: layers.Windows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...] | None]:
         attended, weights = self.attn(self.norm1(x), need_weights=need_weights,
-                                      segments=segments, rope=rope)
+                                      segments=segments, rope=rope, windows=windows)
         x = add_residual(x, self.ls1(attended))
         x = add_residual(x, self.ls2(self.mlp(self.norm2(x))))
         return x, weights
@@ -348,14 +349,19 @@ class VisionEncoder(NativeFormat, nn.Module):
         kept = {0: x} if 0 in wanted else {}
         rope = None if self.rope is None else \
             self.rope.for_grids(grids, self.num_prefix_tokens, device=x.device)
+        windows = layers.build_windows(  # Qwen2.5-VL's window attention, or None
+            self.config.window_size, grids, x.shape[0] * x.shape[1],
+            batch=x.shape[0] if segments is None else 1,
+            backend="auto" if segments is None else segments.backend, device=x.device)
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for index, block in enumerate(self.blocks[:run_to], start=1):
+            local = None if index - 1 in self.config.full_attention_blocks else windows
             if checkpointing:  # recompute activations in backward; non-reentrant, so LoRA works
-                x, weights = checkpoint(block, x, output_attentions, segments, rope,
+                x, weights = checkpoint(block, x, output_attentions, segments, rope, local,
                                         use_reentrant=False)
             else:
                 x, weights = block(x, need_weights=output_attentions, segments=segments,
-                                   rope=rope)
+                                   rope=rope, windows=local)
             if hidden_states is not None:
                 hidden_states.append(x)
             if attentions is not None:

@@ -7,7 +7,7 @@ import torch
 from vlm_vit.layers.attention import Attention
 from vlm_vit.layers.rope_2d import Rope2D, apply_rope, grid_positions, merge_window_order
 from vlm_vit.layers.varlen import Segments, varlen_attention
-from vlm_vit.layers.window_segments import window_partition
+from vlm_vit.layers.window_segments import build_windows, window_attention, window_partition
 
 PATCH = 14
 CASES = [((8, 12), 4, 2), ((10, 6), 4, 2), ((12, 8), 8, 2), ((5, 7), 3, 1)]
@@ -70,10 +70,14 @@ def test_windowed_attention_equals_qwen2_5_vl_eager(grid, window, merge_size):
     assert (ours.proj(whole.reshape(tokens, -1)) - expected).abs().max() > 1e-3
 
 
-def test_a_window_larger_than_the_grid_is_refused():
-    with pytest.raises(ValueError, match=r"window 8x8 is larger than the patch grid 4x6"):
-        window_partition((4, 6), 8, merge_size=2)
-    assert window_partition((4, 12), 8, merge_size=2).lengths == (32, 16)  # strips are fine
+def test_a_window_larger_than_the_grid_is_one_window_as_in_qwen2_5_vl():
+    # Qwen2.5-VL's processor takes images down to 4x4 patches under its 8-patch windows
+    for grid in [(4, 6), (4, 4), (2, 2)]:
+        partition = window_partition(grid, 8, merge_size=2)
+        their_order, cu_window_seqlens = _qwen_window(grid, 8, 2)
+        assert partition.lengths == (grid[0] * grid[1],) == tuple(cu_window_seqlens.diff())
+        assert torch.equal(partition.order, their_order)
+    assert window_partition((4, 12), 8, merge_size=2).lengths == (32, 16)  # strips
 
 
 def test_a_window_off_the_merge_size_and_an_odd_grid_are_refused():
@@ -93,3 +97,61 @@ def test_the_merge_order_changes_only_the_order_inside_each_window(grid, window)
                     strict=True):
         assert sorted(a.tolist()) == sorted(b.tolist())
     assert not torch.equal(merged.order, plain.order)
+
+
+@pytest.mark.parametrize(("grid", "window", "merge_size"), CASES[:3])
+def test_the_attention_module_with_windows_equals_qwen2_5_vl_eager(grid, window, merge_size):
+    # what the encoder runs: row-major tokens in, row-major out, windows gathered inside
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionAttention
+
+    heads, head_dim = 2, 8
+    vision = Qwen2_5_VLConfig().vision_config
+    vision.hidden_size, vision.num_heads = heads * head_dim, heads
+    vision._attn_implementation = "eager"
+    torch.manual_seed(1)
+    theirs = Qwen2_5_VLVisionAttention(vision).eval()
+    ours = Attention(heads * head_dim, heads)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(1, grid[0] * grid[1], heads * head_dim)
+    rope = Rope2D(head_dim)
+    their_order, cu_window_seqlens = _qwen_window(grid, window, merge_size)
+    cos, sin = rope(grid_positions(grid))
+    with torch.no_grad():
+        expected = theirs(x[0, their_order], cu_seqlens=cu_window_seqlens,
+                          position_embeddings=(cos[their_order], sin[their_order]))
+        windows = build_windows(window, [grid], x.shape[1])
+        fast, _ = ours(x, rope=(cos, sin), windows=windows)
+        explicit, maps = ours(x, rope=(cos, sin), windows=windows, need_weights=True)
+    torch.testing.assert_close(fast[0, their_order], expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(explicit, fast, rtol=0, atol=1e-6)
+    assert maps.shape == (1, heads, x.shape[1], x.shape[1])
+
+
+def test_windows_of_a_pack_group_by_length_and_equal_one_call_per_window():
+    grids = [(5, 5), (2, 3), (4, 4)]  # 2x2 windows, and edge ones of 2 and 1 tokens
+    total = sum(r * c for r, c in grids)
+    windows = build_windows(2, grids, total, backend="segments")
+    assert list(windows.lengths) == sorted(windows.lengths, reverse=True)
+    assert [length for _, _, length in windows.runs] == [4, 2, 1]
+    assert sorted(windows.order.tolist()) == list(range(total))
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(total, 2, 8, generator=generator) for _ in range(3))
+    out, _ = window_attention(q, k, v, windows)
+    # the same windows one SDPA call each, in the partition's own order
+    expected = torch.empty_like(q)
+    for index in windows.order.split(windows.lengths):
+        part, _ = varlen_attention(q[index], k[index], v[index], Segments((len(index),)))
+        expected[index] = part
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    explicit, maps = window_attention(q, k, v, windows, need_weights=True)
+    torch.testing.assert_close(explicit, out, rtol=0, atol=1e-6)
+    assert [m.shape[-1] for m in maps] == [25, 6, 16]
+
+
+def test_windows_refuse_a_missing_grid_and_a_partial_sequence():
+    with pytest.raises(ValueError, match="needs each image's patch grid"):
+        build_windows(2, None, 16)
+    with pytest.raises(ValueError, match="got 12 tokens"):
+        build_windows(2, [(4, 4)], 12)
+    assert build_windows(None, [(4, 4)], 16) is None

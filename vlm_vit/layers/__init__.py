@@ -8,9 +8,11 @@ from vlm_vit.layers.patch_embed import PatchEmbed, build_patch_embed
 from vlm_vit.layers.pos_embed import resample_pos_embed, sincos_2d_pos_embed
 from vlm_vit.layers.rope_2d import Rope2D, apply_rope, build_rope
 from vlm_vit.layers.varlen import Segments, varlen_attention
+from vlm_vit.layers.window_segments import Windows, build_windows
 
 __all__ = [
     "Attention", "LayerScale", "Mlp", "PatchEmbed", "Rope2D", "Segments", "apply_rope",
     "build_activation", "build_layer_scale", "build_mlp", "build_norm", "build_patch_embed",
-    "build_rope", "resample_pos_embed", "sincos_2d_pos_embed", "varlen_attention",
+    "Windows", "build_rope", "build_windows", "resample_pos_embed", "sincos_2d_pos_embed",
+    "varlen_attention",
 ]

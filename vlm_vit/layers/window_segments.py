@@ -8,19 +8,24 @@ the same windows). Inside a window the tokens keep the merge-window order of
 `rope_2d.merge_window_order`, so the reordering and a 2x2 patch merger agree: Qwen2.5-VL's
 `window_index` permutes whole merge windows and never splits one.
 
-The order is applied once after the patch embedding (to tokens and RoPE angles alike) and
-undone once at the end: blocks with full attention take the image as one segment, for which
-the order does not matter.
+The encoder keeps its tokens row-major; a windowed block gathers q, k and v into window
+order (`Windows.order`), attends within each window and scatters the output back, so every
+hidden state stays row-major and blocks with full attention are untouched. Windows are
+grouped by length (every image of a packed sequence together), so on a CPU the many
+full-size windows run as one batched SDPA call.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import groupby, pairwise
 
 import torch
+import torch.nn.functional as F
 
+from vlm_vit.layers.pos_embed import is_symbolic
 from vlm_vit.layers.rope_2d import merge_window_order
-from vlm_vit.layers.varlen import Segments
+from vlm_vit.layers.varlen import Segments, varlen_attention
 
 
 @dataclass(frozen=True)
@@ -61,21 +66,15 @@ def window_partition(
         The `WindowPartition`.
 
     Raises:
-        ValueError: for a window below 1 or not a multiple of `merge_size`, a grid the merger
-            does not divide, or a window larger than the grid on both sides (one window, which
-            is global attention under another name: give those blocks full attention).
+        ValueError: for a window below 1 or not a multiple of `merge_size`, or a grid the
+            merger does not divide. A window larger than the grid is one window over the whole
+            image, as in Qwen2.5-VL (whose processor takes images down to 4x4 patches).
     """
     rows, cols = grid
     if window < 1 or window % merge_size:
         raise ValueError(
             f"attention window {window} must be a positive multiple of the merge size "
             f"{merge_size}"
-        )
-    if window > rows and window > cols:
-        raise ValueError(
-            f"attention window {window}x{window} is larger than the patch grid {rows}x{cols}: "
-            "it would be one window (global attention); use a smaller window or full "
-            "attention"
         )
     unit_tokens = merge_window_order(grid, merge_size).reshape(-1, merge_size**2)  # (units, m*m)
     unit_rows, unit_cols, side = rows // merge_size, cols // merge_size, window // merge_size
@@ -85,3 +84,120 @@ def window_partition(
                for left in range(0, unit_cols, side)]
     order = unit_tokens[torch.cat(windows)].flatten()
     return WindowPartition(order, tuple(len(w) * merge_size**2 for w in windows))
+
+
+@dataclass(frozen=True)
+class Windows:
+    """The windows of a whole sequence (a batch or a packed list of images, end to end).
+
+    Attributes:
+        order: `[T]` int64; `tokens[order]` lists each window's tokens together, the windows
+            grouped by length.
+        lengths: tokens per window, in that order.
+        window_ids: `[T]` int64, each token's window (in sequence order), for explicit maps.
+        images: the images' segments, for maps per image.
+        backend: the attention backend (`varlen.BACKENDS`).
+    """
+
+    order: torch.Tensor
+    lengths: tuple[int, ...]
+    window_ids: torch.Tensor
+    images: Segments
+    backend: str = "auto"
+    runs: tuple[tuple[int, int, int], ...] = field(init=False)  # (start, count, length)
+
+    def __post_init__(self) -> None:
+        runs, start = [], 0
+        for length, group in groupby(self.lengths):
+            count = len(list(group))
+            runs.append((start, count, length))
+            start += count * length
+        object.__setattr__(self, "runs", tuple(runs))
+
+
+def build_windows(window: int | None, grids, tokens: int, *, batch: int = 1,
+                  backend: str = "auto", device: torch.device | str | None = None
+                  ) -> Windows | None:
+    """The windows of `batch` copies of `grids` laid end to end (None without a window).
+
+    Args:
+        window: the window side in patches (`EncoderConfig.window_size`), or None.
+        grids: each image's (rows, cols); its tokens are row-major, with no prefix.
+        tokens: the sequence's length, which must be the grids' patches times `batch`.
+        batch: copies of the grids (a `[B, T, D]` batch is B copies of one grid).
+        backend: as in `varlen.Segments`.
+        device: where the index tensors go.
+
+    Raises:
+        ValueError: for no grids, tokens that are not the grids' patches (MAE's `keep`), or a
+            symbolic grid (export with a dynamic size).
+    """
+    if window is None:
+        return None
+    if not grids:
+        raise ValueError("window attention needs each image's patch grid (grids=[...])")
+    if any(is_symbolic(grid) for grid in grids):
+        raise ValueError("window attention is not exportable with a dynamic size yet: export "
+                         "with dynamic=False")
+    grids = list(grids) * batch
+    if tokens != sum(rows * cols for rows, cols in grids):
+        raise ValueError(f"window attention needs every patch of grids {grids} in order, got "
+                         f"{tokens} tokens (MAE's keep is not supported with windows)")
+    pieces, window_ids, offset, windows_seen = [], [], 0, 0
+    for grid in grids:
+        partition = window_partition(grid, window)
+        parts = (partition.order + offset).split(partition.lengths)
+        pieces.extend(parts)
+        ids = torch.empty(grid[0] * grid[1], dtype=torch.int64)
+        for number, part in enumerate(parts):
+            ids[part - offset] = windows_seen + number
+        window_ids.append(ids)
+        offset, windows_seen = offset + grid[0] * grid[1], windows_seen + len(parts)
+    pieces.sort(key=len, reverse=True)  # stable: equal windows together, in sequence order
+    return Windows(torch.cat(pieces).to(device), tuple(len(p) for p in pieces),
+                   torch.cat(window_ids).to(device),
+                   Segments(tuple(r * c for r, c in grids), backend), backend)
+
+
+def window_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, windows: Windows,
+    need_weights: bool = False,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """Attention within each window of `windows`.
+
+    Args:
+        q, k, v: `[T, heads, head_dim]` in sequence order (row-major per image).
+        windows: from `build_windows`.
+        need_weights: also return each image's maps, `[heads, L_i, L_i]` in its token order,
+            zero between tokens of different windows (computed explicitly, softmax in float32).
+
+    Returns:
+        The output `[T, heads, head_dim]` in sequence order, and the maps when asked.
+    """
+    if need_weights:
+        out, maps = torch.empty_like(q), []
+        for start, stop in pairwise(windows.images.offsets):
+            # (L, heads, head_dim) -> (heads, L, head_dim)
+            qs, ks, vs = (t[start:stop].transpose(0, 1).float() for t in (q, k, v))
+            ids = windows.window_ids[start:stop]
+            scores = (qs @ ks.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (heads, L, L)
+            weights = scores.masked_fill(ids[:, None] != ids[None, :], float("-inf")).softmax(-1)
+            out[start:stop] = (weights @ vs).transpose(0, 1).to(q.dtype)
+            maps.append(weights)
+        return out, tuple(maps)
+    q, k, v = (t[windows.order] for t in (q, k, v))  # (T, heads, head_dim), window order
+    segments = Segments(windows.lengths, windows.backend)
+    if segments.resolve(q) == "segments":
+        # one SDPA call per run of equal windows: (count, heads, length, head_dim)
+        parts = []
+        for start, count, length in windows.runs:
+            stop = start + count * length
+            qs, ks, vs = (t[start:stop].unflatten(0, (count, length)).transpose(1, 2)
+                          for t in (q, k, v))
+            parts.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).flatten(0, 1))
+        attended = torch.cat(parts) if len(parts) > 1 else parts[0]
+    else:
+        attended, _ = varlen_attention(q, k, v, segments)
+    out = torch.empty_like(attended)
+    out[windows.order] = attended  # back to sequence order
+    return out, None
