@@ -110,6 +110,15 @@ def qwen2_vl(folder):
     return folder / "qwen"
 
 
+def timm_eva02(folder):
+    """A tiny `eva02_tiny_patch14_224`-shaped timm Eva, saved as timm's hub layout."""
+    from .test_timm_eva import save_eva
+
+    folder.mkdir(parents=True, exist_ok=True)
+    return save_eva(folder, "eva02_tiny_patch14_224", img_size=32, patch_size=8, embed_dim=128,
+                    ref_feat_shape=(4, 4))[0]
+
+
 SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("hf_clip"),
            "timm (ours)": written_by_us("timm"), "open_clip (ours)": written_by_us("open_clip"),
            # the issue's reproduction: a CLIPVisionModel with no projection
@@ -128,7 +137,9 @@ SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("h
            # issue 33: 2D RoPE without a position table
            "hf PixtralVisionModel": pixtral,
            # issue 33: Qwen2-VL's vision tower (its merger read as the patch_merger pooler)
-           "hf Qwen2-VL vision": qwen2_vl}
+           "hf Qwen2-VL vision": qwen2_vl,
+           # issue 33: timm's EVA-02 (RoPE, packed SwiGLU, q/v biases)
+           "timm eva02": timm_eva02}
 # Pairs the target's architecture cannot hold, and the reason the refusal must give.
 # (Paper-style towers, with no pre-norm, do not fit CLIP's layouts; the hf-clip writer writes
 # CLIP, not SigLIP.)
@@ -147,6 +158,9 @@ CANNOT.update({("hf PixtralVisionModel", "timm"): "norm='rmsnorm'",
                ("hf PixtralVisionModel", "hf_clip"): "rope_theta=10000.0"})
 CANNOT.update({("hf Qwen2-VL vision", target): "rope_theta=10000.0"
                for target in ("timm", "open_clip", "hf_clip")})
+CANNOT.update({("timm eva02", "timm"): "mlp='swiglu'",
+               **{("timm eva02", target): "rope_theta=10000.0"
+                  for target in ("open_clip", "hf_clip")}})
 # Sources whose processor crops as torchvision does (open_clip's reader records OpenAI's):
 # transformers cannot reproduce that, so hf-clip output needs an explicit --crop-rounding floor.
 ROUNDING_CROPS = {"native", "timm (ours)", "open_clip (ours)"}

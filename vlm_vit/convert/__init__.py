@@ -15,6 +15,7 @@ from vlm_vit.convert import (  # noqa: F401  (importing registers the formats)
     native,
     open_clip,
     timm,
+    timm_eva,
 )
 from vlm_vit.convert.base import (
     FORMATS,

@@ -45,6 +45,8 @@ from vlm_vit.processor import ImageProcessor
 # Dropped on purpose: a classifier head (not part of the encoder) and its pooled norm.
 logger = logging.getLogger(__name__)
 IGNORED = ("head.", "fc_norm.")
+# timm's Eva (`timm_eva`): q and v biases apart from qkv, or separate q/k/v projections.
+EVA_ATTENTION = ("blocks.0.attn.q_bias", "blocks.0.attn.q_proj.")
 CONFIG_FILE = "config.json"
 # Where timm's config.json gives an EncoderConfig field, for errors.
 TIMM_FIELDS = {"heads": "model_args.num_heads", "image_size": "model_args.img_size",
@@ -152,8 +154,9 @@ class TimmFormat:
 
     def matches(self, checkpoint: Checkpoint) -> bool:
         native = bool(checkpoint.config) and checkpoint.config.get("model_type") == MODEL_TYPE
-        return not native and {"patch_embed.proj.weight", "pos_embed",
-                                "blocks.0.attn.qkv.weight"} <= set(checkpoint.tensors)
+        return not native and not checkpoint.has_prefix(*EVA_ATTENTION) and {
+            "patch_embed.proj.weight", "pos_embed", "blocks.0.attn.qkv.weight"
+        } <= set(checkpoint.tensors)
 
     def to_native(self, checkpoint: Checkpoint) -> Converted:
         tensors = checkpoint.tensors

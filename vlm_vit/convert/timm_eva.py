@@ -1,0 +1,300 @@
+"""timm's `Eva` state dicts (`timm.models.eva`): EVA-02 (Fang et al. 2023) and EVA-01.
+
+An EVA-02 block is the pre-norm block with 2D RoPE on q and k, a SwiGLU MLP and optional
+LayerScale; its attention has q and v biases and none for k. Converting it:
+
+- the fused `qkv.weight` (or `q_proj`/`k_proj`/`v_proj`) and `q_bias`, `v_bias` become our
+  `qkv` with a zero k bias (the same function: timm adds a zero buffer);
+- timm's RoPE (`RotaryEmbeddingCat`) turns channel pairs (2i, 2i+1) of each head; ours pairs
+  i with i + head_dim/2. Its frequencies are our "shared" layout (head_dim/4 bands
+  theta^(-4j/head_dim), the first half of the pairs with the row, the second with the column),
+  so permuting the rows of q and k in each head (even channels first, then odd) makes the two
+  rotations one; q.k is unchanged because q and k get the same permutation;
+- the packed SwiGLU (`GluMlp`, `fc1` of 2 x hidden, the gate first) splits into `fc1_g` and
+  `fc1_x`; `gamma_1`/`gamma_2` are LayerScale's `ls1`/`ls2`;
+- the position table and register tokens are read as in timm's ViT (`convert.timm`).
+
+Most of an Eva's architecture is code, not tensors (RoPE, SwiGLU, heads): it comes from
+`config.json`'s `model_args` over the registration's own arguments (`ARCHITECTURES`, copied
+from timm's `eva.py`) over `Eva`'s defaults. What our block cannot hold is refused by name:
+the sub-LN inside SwiGLU (`scale_mlp`: eva02 base and large, the EVA-02 CLIP towers), the norm
+inside attention (`scale_attn_inner`), the post-norm block (eva02 enormous), RoPE positions
+rescaled to a reference grid other than the model's own (`ref_feat_shape`: the 336 and 448
+variants), and the other RoPE kinds of timm's `Eva` (PE, DINOv3, mixed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vlm_vit.config import ConfigError, EncoderConfig
+from vlm_vit.convert.base import (
+    Checkpoint,
+    Converted,
+    NativePooler,
+    check_block_count,
+    held_blocks,
+    register_format,
+)
+from vlm_vit.convert.keymap import fuse_qkv, rename
+from vlm_vit.convert.timm import EVA_ATTENTION, _fold_positions, _grid_tokens, _processor
+from vlm_vit.native import MODEL_TYPE
+
+CONFIG_FILE = "config.json"
+BLOCK_PATTERN = r"blocks\.(\d+)\."
+# Dropped on purpose: a classifier head and the norm of the pooled token.
+IGNORED = (r"head\.", r"fc_norm\.")
+
+# `timm.models.eva.Eva`'s defaults for what the tensors do not show.
+EVA_DEFAULTS: dict[str, Any] = dict(
+    img_size=224, num_heads=12, swiglu_mlp=False, swiglu_align_to=0, scale_mlp=False,
+    scale_attn_inner=False, attn_type="eva", qk_norm=False, num_kv_heads=None,
+    attn_only_layer_scale=False, use_rot_pos_emb=False, rope_type="cat", rope_grid_offset=0.0,
+    rope_grid_indexing="ij", rope_temperature=10000.0, rope_rotate_half=False,
+    use_post_norm=False, ref_feat_shape=None, global_pool="avg", attn_head_dim=None,
+)
+_EVA02 = dict(patch_size=14, swiglu_mlp=True, use_rot_pos_emb=True, ref_feat_shape=(16, 16))
+_EVA02_SCALED = dict(_EVA02, scale_mlp=True)
+_EVA02_CLIP = dict(_EVA02_SCALED, scale_attn_inner=True, global_pool="token")
+# The registrations of timm/models/eva.py (timm 1.0), by architecture name: the arguments a
+# state dict does not record.
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "eva_giant_patch14_224": dict(num_heads=16),
+    "eva_giant_patch14_336": dict(num_heads=16, img_size=336),
+    "eva_giant_patch14_560": dict(num_heads=16, img_size=560),
+    "eva_giant_patch14_clip_224": dict(num_heads=16, global_pool="token"),
+    "eva02_tiny_patch14_224": dict(_EVA02, num_heads=3),
+    "eva02_small_patch14_224": dict(_EVA02, num_heads=6),
+    "eva02_base_patch14_224": dict(_EVA02_SCALED, num_heads=12),
+    "eva02_large_patch14_224": dict(_EVA02_SCALED, num_heads=16),
+    "eva02_tiny_patch14_336": dict(_EVA02, num_heads=3, img_size=336),
+    "eva02_small_patch14_336": dict(_EVA02, num_heads=6, img_size=336),
+    "eva02_base_patch14_448": dict(_EVA02_SCALED, num_heads=12, img_size=448),
+    "eva02_large_patch14_448": dict(_EVA02_SCALED, num_heads=16, img_size=448),
+    "eva02_base_patch16_clip_224": dict(_EVA02_CLIP, num_heads=12),
+    "eva02_large_patch14_clip_224": dict(_EVA02_CLIP, num_heads=16),
+    "eva02_large_patch14_clip_336": dict(_EVA02_CLIP, num_heads=16, img_size=336),
+    "eva02_enormous_patch14_clip_224": dict(num_heads=16, use_post_norm=True,
+                                            global_pool="token"),
+}
+# Settings our block cannot hold: (setting, the value we can, why), refused by name.
+UNSUPPORTED = (
+    ("scale_mlp", False, "a norm inside SwiGLU (sub-LN, `mlp.norm`)"),
+    ("scale_attn_inner", False, "a norm inside attention (`attn.norm`)"),
+    ("use_post_norm", False, "the post-norm block"),
+    ("qk_norm", False, "q/k norms"),
+    ("attn_type", "eva", "another attention module"),
+    ("num_kv_heads", None, "grouped-query attention"),
+    ("attn_only_layer_scale", False, "LayerScale on the attention branch only"),
+    ("attn_head_dim", None, "a head width other than width / heads"),
+    ("swiglu_align_to", 0, "SwiGLU widths padded to a multiple"),
+    ("rope_type", "cat", "another RoPE (PE, DINOv3, mixed, M-RoPE)"),
+    ("rope_grid_offset", 0.0, "RoPE positions offset from 0"),
+    ("rope_grid_indexing", "ij", "RoPE with columns before rows"),
+)
+
+KEY_MAP = {
+    **{name: name for name in ("cls_token", "reg_token", "pos_embed", "norm_pre.weight",
+                               "norm_pre.bias", "norm.weight", "norm.bias",
+                               "patch_embed.proj.weight", "patch_embed.proj.bias")},
+    **{f"blocks.{{}}.{source}": f"blocks.{{}}.{target}" for source, target in {
+        **{f"{part}.{kind}": f"{part}.{kind}" for kind in ("weight", "bias")
+           for part in ("norm1", "norm2", "attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc1_g",
+                        "mlp.fc1_x", "mlp.fc2")},
+        "gamma_1": "ls1.gamma", "gamma_2": "ls2.gamma",
+    }.items()},
+}
+
+
+def is_timm_eva(checkpoint: Checkpoint) -> bool:
+    """An Eva state dict: q and v biases apart from the qkv projection, or separate q/k/v
+    projections under timm's names (`timm.EVA_ATTENTION`, which timm's ViT format leaves to
+    this one), or a config.json naming an Eva registration (an Eva without qkv biases has a
+    ViT's tensors: `format="timm_eva"` settles it)."""
+    config = checkpoint.config or {}
+    if config.get("model_type") == MODEL_TYPE or "patch_embed.proj.weight" not in \
+            checkpoint.tensors:
+        return False
+    return checkpoint.has_prefix(*EVA_ATTENTION) or \
+        _architecture(config) in ARCHITECTURES
+
+
+def _architecture(config: dict[str, Any]) -> str:
+    """timm's registration name, without a pretrained tag (`eva02_tiny_patch14_224.mim_in22k`)."""
+    name = config.get("architecture")
+    return name.partition(".")[0] if isinstance(name, str) else ""
+
+
+def eva_settings(config: dict[str, Any] | None, source: object,
+                 rules: list[str]) -> dict[str, Any]:
+    """`Eva`'s arguments: `model_args` over the registration's (`ARCHITECTURES`) over `Eva`'s
+    defaults; with no config.json, eva02's (RoPE, SwiGLU) at the model's own grid.
+
+    Raises:
+        ValueError: for `model_args` that is not an object, naming `source`.
+    """
+    if config is None:
+        rules.append("no config.json: EVA-02's RoPE (theta 10000) and SwiGLU assumed")
+        return {**EVA_DEFAULTS, **_EVA02, "ref_feat_shape": None}
+    model_args = config.get("model_args", {})
+    if not isinstance(model_args, dict):
+        raise ValueError(f"{source}: model_args must be a JSON object, got "
+                         f"{type(model_args).__name__}")
+    architecture = _architecture(config)
+    if architecture not in ARCHITECTURES:
+        rules.append(f"architecture {architecture or 'unnamed'!r} is no Eva registration "
+                     "vlm-vit knows: Eva's defaults and model_args only")
+    return {**EVA_DEFAULTS, **ARCHITECTURES.get(architecture, {}), **model_args}
+
+
+def refuse_unsupported(settings: dict[str, Any], tensors: dict[str, torch.Tensor],
+                       grid: tuple[int, int], source: object) -> None:
+    """Raises for what our block cannot hold (see `UNSUPPORTED`), naming the setting.
+
+    Raises:
+        ValueError: naming `source`, the setting and what it is.
+    """
+    found = dict(settings)
+    found["scale_mlp"] = found["scale_mlp"] or "blocks.0.mlp.norm.weight" in tensors
+    found["scale_attn_inner"] = found["scale_attn_inner"] or "blocks.0.attn.norm.weight" \
+        in tensors
+    for setting, ours, what in UNSUPPORTED:
+        if found[setting] != ours:
+            raise ValueError(f"{source}: timm Eva with {setting}={found[setting]!r} ({what}) "
+                             "is not representable in vlm-vit's block")
+    reference = found["ref_feat_shape"]
+    if found["use_rot_pos_emb"] and reference is not None and tuple(reference) != grid:
+        raise ValueError(f"{source}: timm Eva scales RoPE positions to ref_feat_shape "
+                         f"{tuple(reference)}, not its own {grid[0]}x{grid[1]} grid; vlm-vit's "
+                         "RoPE counts positions on the grid (the 336/448 EVA-02 variants)")
+    if "blocks.0.norm1.weight" in tensors and "blocks.0.norm1.bias" not in tensors:
+        raise ValueError(f"{source}: timm Eva with norms without bias (RmsNorm) is not an "
+                         "EVA-02 vlm-vit reads")
+
+
+def split_packed_swiglu(state: dict[str, torch.Tensor], depth: int) -> None:
+    """timm's `GluMlp` (`fc1` `[2 x hidden, D]`, gate first) as `fc1_g` and `fc1_x` (in place)."""
+    for i in range(depth):
+        for kind in ("weight", "bias"):
+            packed = state.pop(f"blocks.{i}.mlp.fc1.{kind}", None)
+            if packed is not None:
+                gate, value = packed.chunk(2, dim=0)
+                state[f"blocks.{i}.mlp.fc1_g.{kind}"] = gate
+                state[f"blocks.{i}.mlp.fc1_x.{kind}"] = value
+
+
+def fuse_attention(state: dict[str, torch.Tensor], depth: int) -> None:
+    """Eva's `q_bias`/`v_bias` (or `q_proj`/`k_proj`/`v_proj`) as our fused `qkv` with a zero
+    k bias (in place)."""
+    for i in range(depth):
+        attn = f"blocks.{i}.attn."
+        for x in "qkv":
+            for kind in ("weight", "bias"):
+                if (tensor := state.pop(f"{attn}{x}_proj.{kind}", None)) is not None:
+                    state[f"{attn}{x}.{kind}"] = tensor
+        q_bias, v_bias = state.pop(f"{attn}q_bias", None), state.pop(f"{attn}v_bias", None)
+        if q_bias is None and f"{attn}q.bias" in state:  # separate projections
+            q_bias, v_bias = state.pop(f"{attn}q.bias"), state.pop(f"{attn}v.bias")
+        if q_bias is not None:
+            state[f"{attn}qkv.bias"] = torch.cat([q_bias, torch.zeros_like(q_bias), v_bias])
+    fuse_qkv(state, depth)
+
+
+def interleaved_to_half(state: dict[str, torch.Tensor], depth: int, heads: int) -> None:
+    """Permutes the q and k rows of every head from RoPE's interleaved pairs (2i, 2i+1) to
+    our halves (i, i + head_dim/2): even channels first, then odd (in place)."""
+    for i in range(depth):
+        for kind in ("weight", "bias"):
+            name = f"blocks.{i}.attn.qkv.{kind}"
+            if name not in state:
+                continue
+            qkv = state[name]  # (3 * D, ...)
+            width = qkv.shape[0] // 3
+            head_dim = width // heads
+            order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+            rows = (torch.arange(heads)[:, None] * head_dim + order).flatten()  # (D,)
+            rows = torch.cat([rows, rows + width, torch.arange(2 * width, 3 * width)])
+            state[name] = qkv[rows]
+
+
+class TimmEvaFormat:
+    """timm's `Eva` saved as a state dict (timm's hub layout: `model.safetensors` and a
+    config.json with its architecture and model_args)."""
+
+    name = "timm_eva"
+
+    def matches(self, checkpoint: Checkpoint) -> bool:
+        return is_timm_eva(checkpoint)
+
+    def to_native(self, checkpoint: Checkpoint) -> Converted:
+        source = checkpoint.path / CONFIG_FILE if checkpoint.config else checkpoint.path
+        rules: list[str] = []
+        settings = eva_settings(checkpoint.config, source, rules)
+        tensors = checkpoint.tensors
+        depth = held_blocks(tensors, BLOCK_PATTERN)
+        check_block_count(settings.get("depth", depth), depth, checkpoint.path, CONFIG_FILE)
+        patch = tensors["patch_embed.proj.weight"]  # (D, C, P, P)
+        width, patch_size = patch.shape[0], patch.shape[-1]
+        image_size = settings["img_size"]
+        height, width_px = (image_size, image_size) if isinstance(image_size, int) \
+            else tuple(image_size)
+        refuse_unsupported(settings, tensors, (height // patch_size, width_px // patch_size),
+                           source)
+        state = rename(tensors, {**KEY_MAP, **_attention_names()}, depth, ignore=IGNORED,
+                       source=checkpoint.path)
+        registers = state["reg_token"].shape[1] if "reg_token" in state else 0
+        has_table = "pos_embed" in state
+        if has_table:
+            grid_tokens = _grid_tokens(state["pos_embed"].shape[1], int("cls_token" in state),
+                                       registers)
+            _fold_positions(state, grid_tokens, rules)
+        fuse_attention(state, depth)
+        if settings["swiglu_mlp"]:
+            split_packed_swiglu(state, depth)
+        heads = settings["num_heads"]
+        rope = settings["use_rot_pos_emb"]
+        if rope and not settings["rope_rotate_half"] and isinstance(heads, int) and heads > 0 \
+                and width % heads == 0:
+            interleaved_to_half(state, depth, heads)
+            rules.append("RoPE's interleaved channel pairs permuted to rotate-half order in q "
+                         "and k")
+        if "fc_norm.weight" in tensors:
+            rules.append("fc_norm (the norm of the pooled token) dropped with the head")
+        mlp = "swiglu" if settings["swiglu_mlp"] else "mlp"
+        hidden = state[f"blocks.0.mlp.{'fc1_g' if mlp == 'swiglu' else 'fc1'}.weight"]
+        scale = None
+        if "blocks.0.ls1.gamma" in state:
+            scale = settings.get("init_values") or 1e-5
+            rules.append(f"LayerScale (gamma_1, gamma_2), init {scale:g}")
+        try:
+            config = EncoderConfig(
+                image_size=(height, width_px), patch_size=patch_size, width=width, depth=depth,
+                heads=heads, mlp_width=hidden.shape[0], in_channels=patch.shape[1],
+                class_token="cls_token" in state, num_register_tokens=registers,
+                pre_norm="norm_pre.weight" in state, final_norm="norm.weight" in state,
+                qkv_bias="blocks.0.attn.qkv.bias" in state,
+                patch_bias="patch_embed.proj.bias" in state,
+                act="silu" if mlp == "swiglu" else "gelu", norm_eps=1e-6,
+                layer_scale_init=scale, mlp=mlp, pos_embed="learned" if has_table else "none",
+                rope_theta=settings["rope_temperature"] if rope else None,
+                rope_frequencies="shared")
+        except ConfigError as error:
+            raise error.located(source) from None
+        pool = "cls" if settings["global_pool"] == "token" and config.class_token else "mean"
+        return Converted(config=config, state=state,
+                         pooler=NativePooler(pool, width, None, {}, {}),
+                         processor=_processor(checkpoint.config, config, source), rules=rules,
+                         source=checkpoint.path,
+                         config_file=CONFIG_FILE if checkpoint.config else "the shapes")
+
+
+def _attention_names() -> dict[str, str]:
+    """Eva's attention tensors kept under their own names for `fuse_attention`."""
+    names = ["q_bias", "v_bias", *(f"{x}_proj.{kind}" for x in "qkv"
+                                   for kind in ("weight", "bias"))]
+    return {f"blocks.{{}}.attn.{name}": f"blocks.{{}}.attn.{name}" for name in names}
+
+
+register_format(TimmEvaFormat())
