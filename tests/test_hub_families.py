@@ -1,0 +1,100 @@
+"""Issue 33's families load by Hub name from an offline cache exactly as by path: HF Dinov2,
+Pixtral and Qwen2-VL's vision tower saved by transformers, timm's DINOv2 with registers and
+timm's EVA-02 in timm's hub layout (config.json with the architecture and model_args)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlm_vit import load_encoder, load_processor, load_tower
+from vlm_vit.convert import detect_format
+from vlm_vit.files import write_safetensors
+from vlm_vit.loading import read_checkpoint
+from vlm_vit.testing import perturbed
+
+from .test_hub import cache, put_in_cache  # noqa: F401  (cache is a fixture)
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("timm")
+
+
+def save_dinov2(folder: Path) -> Path:
+    config = transformers.Dinov2Config(hidden_size=32, num_hidden_layers=2,
+                                       num_attention_heads=4, mlp_ratio=2, image_size=32,
+                                       patch_size=8)
+    perturbed(transformers.Dinov2Model(config)).save_pretrained(folder)
+    return folder
+
+
+def save_pixtral(folder: Path) -> Path:
+    config = transformers.PixtralVisionConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+        head_dim=8, image_size=32, patch_size=8, hidden_act="silu")
+    perturbed(transformers.PixtralVisionModel(config)).save_pretrained(folder)
+    return folder
+
+
+def save_qwen2_vl(folder: Path) -> Path:
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+        Qwen2VisionTransformerPretrainedModel,
+    )
+
+    config = Qwen2VLVisionConfig(depth=2, embed_dim=32, hidden_size=16, num_heads=2,
+                                 patch_size=8, temporal_patch_size=2, spatial_merge_size=2)
+    perturbed(Qwen2VisionTransformerPretrainedModel(config)).save_pretrained(folder)
+    return folder
+
+
+def save_timm_dinov2_registers(folder: Path) -> Path:
+    """vit_small_patch14_reg4_dinov2's arguments at tiny size, as timm's hub layout."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    args = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, init_values=1e-5,
+                reg_tokens=4, no_embed_class=True, num_classes=0)
+    torch.manual_seed(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_safetensors(perturbed(VisionTransformer(**args)).state_dict(),
+                      folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(
+        {"architecture": "vit_small_patch14_reg4_dinov2", "num_classes": 0, "model_args": args,
+         "pretrained_cfg": {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225],
+                            "input_size": [3, 32, 32]}}))
+    return folder
+
+
+def save_timm_eva02(folder: Path) -> Path:
+    from .convert.test_timm_eva import save_eva
+
+    folder.mkdir(parents=True, exist_ok=True)
+    return save_eva(folder, "eva02_tiny_patch14_224", img_size=32, patch_size=8,
+                    ref_feat_shape=(4, 4))[0]
+
+
+FAMILIES = {"hf_dinov2": ("facebook/dinov2-tiny", save_dinov2),
+            "hf_pixtral": ("mistral-community/pixtral-tiny", save_pixtral),
+            "hf_qwen2_vl": ("Qwen/qwen2-vl-vision-tiny", save_qwen2_vl),
+            "timm": ("timm/vit_small_patch14_reg4_dinov2.tiny", save_timm_dinov2_registers),
+            "timm_eva": ("timm/eva02_tiny_patch14_224.tiny", save_timm_eva02)}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_new_family_loads_by_name_as_by_path(tmp_path, cache, family):  # noqa: F811
+    repo_id, save = FAMILIES[family]
+    snapshot = put_in_cache(cache, repo_id, save(tmp_path / family))
+    assert detect_format(read_checkpoint(snapshot)).name == family
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    by_path = load_encoder(snapshot).eval()
+    for name in (repo_id, f"hf-hub:{repo_id}", f"{repo_id}@main"):
+        by_name = load_encoder(name).eval()
+        assert by_name.config == by_path.config
+        with torch.no_grad():
+            assert torch.equal(by_name(x).tokens, by_path(x).tokens)
+    assert load_processor(repo_id) == load_processor(snapshot)
+    tower, tower_by_path = load_tower(repo_id).eval(), load_tower(snapshot).eval()
+    with torch.no_grad():
+        assert torch.equal(tower(x), tower_by_path(x))
