@@ -101,6 +101,10 @@ def mechanisms(config: EncoderConfig) -> list[str]:
         found.append(f"Conv3d over {frames} frame{'s' if frames > 1 else ''}")
     if config.rope_theta is not None:
         found.append(f"RoPE ({config.rope_frequencies}, θ={config.rope_theta:g})")
+    if config.window_size is not None:
+        full = config.full_attention_blocks
+        found.append(f"{config.window_size}x{config.window_size} window attention"
+                     + (f" (global in blocks {','.join(map(str, full))})" if full else ""))
     if config.layer_scale_init is not None:
         found.append("LayerScale")
     if config.num_register_tokens:
