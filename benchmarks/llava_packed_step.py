@@ -7,7 +7,10 @@ second and peak memory, stage 1 (projector only) and stage 2 (LoRA on the LLM).
 Four arms train on the same records, on identical weights, one optimizer step per batch:
 
 - `packed`: ours, each batch's records packed into rows of at most `--max-length` tokens
-  (`ConversationBatch(rows=...)`, attention confined per record: `vlm_vit_llm.packing`).
+  (`ConversationBatch(rows=...)`, attention confined per record: `vlm_vit_llm.packing`). On
+  an sdpa LLM the path is `varlen_sdpa` (`vlm_vit_llm.varlen_attention`): the rows run end to
+  end in one row without padding, one causal SDPA per record; `--packed-attention
+  position_ids` measures transformers' packed-sequence path (a dense mask per padded row).
 - `padded`: ours, the same batches, one record per row padded to the longest.
 - `grouped`: ours padded, batches of similar lengths (`GlobalBatchSampler(lengths=...)`, what
   `--group-by-length` uses; text-only records apart), the same records in other batches.
@@ -134,6 +137,7 @@ def build(args: argparse.Namespace, folder: Path, stage: int):
         hf.model.language_model = peft.get_peft_model(hf.model.language_model, peft.LoraConfig(
             r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     hf.model.multi_modal_projector.requires_grad_(True)
+    mm.set_packed_attention(args.packed_attention)  # None: the best; checked and logged
     return mm.train(), hf.train()
 
 
@@ -229,7 +233,8 @@ def child(args: argparse.Namespace) -> None:
 def shape_of(args: argparse.Namespace) -> list[str]:
     return ["--llm-width", str(args.llm_width), "--llm-layers", str(args.llm_layers),
             "--batches", str(args.batches), "--batch-size", str(args.batch_size),
-            "--max-length", str(args.max_length), "--seed", str(args.seed)]
+            "--max-length", str(args.max_length), "--seed", str(args.seed),
+            *(["--packed-attention", args.packed_attention] if args.packed_attention else [])]
 
 
 def main() -> None:
@@ -243,6 +248,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2], choices=[1, 2])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--packed-attention", default=None,
+                        help="force the packed arm's attention path (vlm_vit_llm.packing.PATHS)")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
     parser.add_argument("--keep-denormals", action="store_true")
     parser.add_argument("--stage", type=int, default=1, help=argparse.SUPPRESS)
@@ -267,6 +274,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as scratch:
             mm, hf = build(args, Path(scratch), stage)
             llm_parameters = sum(p.numel() for p in mm.llm.parameters())
+            path = mm.packed_attention()
             batches, supervised, lengths = arm_batches(mm, args)
             difference = logits_difference(mm, hf, batches["padded"][0])
             seconds = alternate(steps(mm, hf, batches), args.repeats)
@@ -274,7 +282,8 @@ def main() -> None:
                     for name, arm in batches.items()}
             del mm, hf
         rates = {name: supervised / seconds[name] for name in ARMS}
-        entry = {"llm_parameters": llm_parameters, "supervised_tokens": supervised,
+        entry = {"llm_parameters": llm_parameters, "packed_attention": path,
+                 "supervised_tokens": supervised,
                  "record_tokens": sum(lengths), "max_abs_logit_difference": difference,
                  "rows": rows, "pass_seconds": seconds, "supervised_tokens_per_s": rates,
                  "speed_packed_over_padded": rates["packed"] / rates["padded"],
@@ -304,6 +313,7 @@ def main() -> None:
     print(f"  record lengths (text + image tokens): {result['length_histogram']}")
     for stage, entry in result["stages"].items():
         print(f"  stage {stage} ({entry['supervised_tokens']} supervised tokens a pass; "
+              f"packed attention {entry['packed_attention']}; "
               f"max logit diff ours/HF {entry['max_abs_logit_difference']:.1e})")
         for name in ARMS:
             memory = entry.get("peak_memory_mib", {}).get(name)

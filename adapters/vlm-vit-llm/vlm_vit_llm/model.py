@@ -325,11 +325,11 @@ class MultimodalLM(nn.Module):
                 owners: list[int], with_labels: bool) -> MultimodalBatch:
         """`prepare`'s packed rows: the prompts laid out as `pack` says, their image tokens
         reordered to match (still from the one tower call)."""
-        from vlm_vit_llm.packing import layout_rows
+        from vlm_vit_llm.packing import ONE_ROW_PATHS, layout_rows
 
         path = self.packed_attention()
         layout = layout_rows(sequences, label_rows, pack, self.pad_token_id,
-                             one_row=path == "flash_attention_2")
+                             one_row=path in ONE_ROW_PATHS)
         order = [index for row in pack for index in row]
         per_prompt: list[list[torch.Tensor]] = [[] for _ in sequences]
         for owner, tokens in zip(owners, features, strict=True):

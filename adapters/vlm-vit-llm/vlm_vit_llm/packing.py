@@ -7,15 +7,22 @@
 A packed row holds whole records end to end, then padding. Positions restart at 0 for every
 record (the padding is a record of its own, with no label), the first token of every record
 has no label (no record learns to predict the next record's first token), and attention is
-confined to each record by one of three paths, chosen once per model and logged:
+confined to each record by one of four paths, chosen once per model and logged:
 
 - `flash_attention_2`: the LLM runs transformers' FlashAttention-2 (CUDA, `flash_attn`
   installed). All rows are laid end to end in one row without padding; transformers finds
   each record from the restarting `position_ids` and calls the varlen kernel.
+- `varlen_sdpa`: an LLM on transformers' sdpa runs `vlm_vit_llm.varlen_attention` instead
+  (registered with transformers' attention interface): one causal SDPA per record, its
+  boundaries given as FlashAttention's `cu_seq_lens_q` (once per batch), no mask. Rows are
+  laid end to end in one row without padding, as for the varlen kernel, so attention costs
+  the sum of the records' squares and no token is padding. Padded calls on the same LLM run
+  transformers' sdpa unchanged.
 - `position_ids`: transformers' packed-sequence path for sdpa and eager: `attention_mask=None`,
   the restarting `position_ids` and `use_cache=False`. transformers detects packing from the
   positions only in exactly that case; with the cache on (the default) records silently
   attend to each other (logits off by 0.12-0.25 on a tiny Llama, transformers 5.24).
+  transformers builds a dense `[R, 1, L, L]` mask from the positions: every row costs L^2.
 - `block_mask`: a `[R, 1, L, L]` additive block-diagonal causal mask, for a model whose masks
   do not come from transformers' `create_causal_mask`.
 
@@ -35,11 +42,13 @@ import torch
 from torch import nn
 
 from vlm_vit.train.token_budget import first_fit_decreasing
+from vlm_vit_llm import varlen_attention
 
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # as vlm_vit_llm.model (imported there from here would be circular)
-PATHS = ("flash_attention_2", "position_ids", "block_mask")
+PATHS = ("flash_attention_2", "varlen_sdpa", "position_ids", "block_mask")
+ONE_ROW_PATHS = ("flash_attention_2", "varlen_sdpa")  # all rows end to end, no padding
 LOSS_REDUCTIONS = ("token", "record")
 # The check's tolerance on logits, relative to their largest magnitude: a leak moves them by
 # tenths; float32 kernels agree to ~1e-6, half-precision ones to ~1e-2.
@@ -142,8 +151,11 @@ def choose_packed_attention(llm: nn.Module) -> str:
     implementation = str(getattr(config, "_attn_implementation", None) or "eager")
     if "flash" in implementation:  # transformers' flash_attention_2 / hub flash kernels
         return "flash_attention_2"
-    if getattr(base, "_supports_attention_backend", False) and implementation in ("sdpa",
-                                                                                  "eager"):
+    if not getattr(base, "_supports_attention_backend", False):
+        return "block_mask"
+    if implementation in ("sdpa", varlen_attention.NAME) and _full_attention_only(config):
+        return "varlen_sdpa"
+    if implementation in ("sdpa", "eager", varlen_attention.NAME):
         return "position_ids"
     return "block_mask"
 
@@ -163,6 +175,8 @@ def packed_llm_inputs(path: str, position_ids: torch.Tensor, record_index: torch
                               "use_cache": False}  # the cache would hide the packing
     if path == "block_mask":
         inputs["attention_mask"] = block_causal_mask(record_index, dtype)
+    if path == "varlen_sdpa":
+        inputs.update(varlen_attention.record_boundaries(position_ids))
     return inputs
 
 
@@ -191,6 +205,7 @@ def run_packed(llm: nn.Module, inputs_embeds: torch.Tensor, position_ids: torch.
             raise ValueError(f"{name}={llm_kwargs[name]!r} cannot go with packed rows: the "
                              "packing sets the positions and the attention itself")
         llm_kwargs.pop(name, None)
+    _set_implementation(llm, path)
     inputs = packed_llm_inputs(path, position_ids, record_index, inputs_embeds.dtype)
     return llm(inputs_embeds=inputs_embeds, **inputs, **llm_kwargs)
 
@@ -212,10 +227,10 @@ def check_packed_attention(llm: nn.Module, path: str, lengths: tuple[int, int] =
     generator = torch.Generator().manual_seed(0)
     vocab = min(embeddings.num_embeddings, 1000)
     records = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
-    rows = [[0, 1]] if path == "flash_attention_2" else [[0, 1], [2]]
+    rows = [[0, 1]] if path in ONE_ROW_PATHS else [[0, 1], [2]]
     sequences = records + ([records[1]] if len(rows) > 1 else [])
     layout = layout_rows(sequences, sequences, rows, pad_id=0,
-                         one_row=path == "flash_attention_2")
+                         one_row=path in ONE_ROW_PATHS)
     # Padding beside the lone record: the second row is longer than its record.
     was_training = llm.training
     llm.eval()
@@ -248,6 +263,26 @@ def check_packed_attention(llm: nn.Module, path: str, lengths: tuple[int, int] =
     logger.info("packed attention on %s: %s (checked against records alone: max logit "
                 "difference %.2g)", name, path, worst)
     return worst
+
+
+def _set_implementation(llm: nn.Module, path: str) -> None:
+    """Puts an sdpa LLM on `varlen_attention` for the `varlen_sdpa` path, and back on sdpa
+    for the others (the padded path runs the same either way). The LLM keeps it: gradient
+    checkpointing recomputes the forward after this call has returned."""
+    base = _base_model(llm)
+    config = getattr(base, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    wanted = varlen_attention.register() if path == "varlen_sdpa" else \
+        "sdpa" if current == varlen_attention.NAME else current
+    if wanted != current:
+        base.set_attn_implementation(wanted)
+
+
+def _full_attention_only(config: Any) -> bool:
+    """Whether every layer attends to all earlier tokens (no sliding window, no chunks)."""
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    return all(kind == "full_attention" for kind in layer_types) and not (
+        getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))
 
 
 def _base_model(llm: nn.Module) -> nn.Module:
