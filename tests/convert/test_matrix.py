@@ -110,6 +110,22 @@ def qwen2_vl(folder):
     return folder / "qwen"
 
 
+def qwen2_5_vl(folder):
+    """A tiny `Qwen2_5_VisionTransformerPretrainedModel` (RMSNorm, SwiGLU, 2-patch windows
+    but in block 1, an RMSNorm merger), saved by transformers."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+        Qwen2_5_VisionTransformerPretrainedModel,
+    )
+
+    config = Qwen2_5_VLVisionConfig(depth=2, hidden_size=128, intermediate_size=192,
+                                    out_hidden_size=64, num_heads=2, patch_size=8,
+                                    temporal_patch_size=2, spatial_merge_size=2, window_size=16,
+                                    fullatt_block_indexes=[1])
+    perturbed(Qwen2_5_VisionTransformerPretrainedModel(config)).save_pretrained(folder / "qwen25")
+    return folder / "qwen25"
+
+
 def timm_eva02(folder):
     """A tiny `eva02_tiny_patch14_224`-shaped timm Eva, saved as timm's hub layout."""
     from .test_timm_eva import save_eva
@@ -138,6 +154,8 @@ SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("h
            "hf PixtralVisionModel": pixtral,
            # issue 33: Qwen2-VL's vision tower (its merger read as the patch_merger pooler)
            "hf Qwen2-VL vision": qwen2_vl,
+           # issue 33: Qwen2.5-VL's (window attention, RMSNorm, SwiGLU, an RMSNorm merger)
+           "hf Qwen2.5-VL vision": qwen2_5_vl,
            # issue 33: timm's EVA-02 (RoPE, packed SwiGLU, q/v biases)
            "timm eva02": timm_eva02}
 # Pairs the target's architecture cannot hold, and the reason the refusal must give.
@@ -158,6 +176,9 @@ CANNOT.update({("hf PixtralVisionModel", "timm"): "norm='rmsnorm'",
                ("hf PixtralVisionModel", "hf_clip"): "rope_theta=10000.0"})
 CANNOT.update({("hf Qwen2-VL vision", target): "rope_theta=10000.0"
                for target in ("timm", "open_clip", "hf_clip")})
+CANNOT.update({("hf Qwen2.5-VL vision", "timm"): "norm='rmsnorm'",
+               **{("hf Qwen2.5-VL vision", target): "rope_theta=10000.0"
+                  for target in ("open_clip", "hf_clip")}})
 CANNOT.update({("timm eva02", "timm"): "mlp='swiglu'",
                **{("timm eva02", target): "rope_theta=10000.0"
                   for target in ("open_clip", "hf_clip")}})

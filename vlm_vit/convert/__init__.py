@@ -9,6 +9,7 @@ from vlm_vit.convert import (  # noqa: F401  (importing registers the formats)
     hf_clip,
     hf_dinov2,
     hf_pixtral,
+    hf_qwen2_5_vl,
     hf_qwen2_vl,
     hf_vit,
     jax_npz,

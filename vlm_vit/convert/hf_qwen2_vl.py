@@ -95,13 +95,22 @@ def encoder_config(hf: dict[str, Any], source: object = CONFIG_FILE) -> EncoderC
         raise ValueError(f"{source}: {error}") from None
 
 
-def merger_pooler(tensors: dict, config: EncoderConfig, hf: dict[str, Any]) -> NativePooler:
-    """The `merger.*` weights as the `patch_merger` pooler (out: the LLM's `hidden_size`)."""
+def merger_pooler(tensors: dict, config: EncoderConfig, merge: int, out_dim: int,
+                  **options: Any) -> NativePooler:
+    """The `merger.*` weights as the `patch_merger` pooler (out: the LLM's width)."""
     weights = {key.removeprefix(MERGER): tensor for key, tensor in tensors.items()
                if key.startswith(MERGER)}
-    merge = hf.get("spatial_merge_size", HF_DEFAULTS["spatial_merge_size"])
-    out_dim = hf.get("hidden_size", HF_DEFAULTS["hidden_size"])
-    return NativePooler("patch_merger", config.width, out_dim, {"merge_size": merge}, weights)
+    return NativePooler("patch_merger", config.width, out_dim,
+                        {"merge_size": merge, **options}, weights)
+
+
+def qwen_processor(patch_size: int, merge: int) -> ImageProcessor:
+    """Qwen2-VL's and Qwen2.5-VL's: native resolution, sides multiples of patch x merge,
+    `smart_resize`'s pixel bounds, CLIP's mean and std."""
+    mean, std = NORMALIZATION["clip"]
+    return ImageProcessor(
+        resize_mode="native", resample="bicubic", patch_multiple=patch_size * merge,
+        min_output_pixels=MIN_PIXELS, max_output_pixels=MAX_PIXELS, mean=mean, std=std)
 
 
 class HfQwen2VLVisionFormat:
@@ -122,17 +131,15 @@ class HfQwen2VLVisionFormat:
         state = rename(tensors, KEY_MAP, config.depth, ignore=[r"merger\."],
                        source=checkpoint.path)
         merge = hf["spatial_merge_size"]
-        mean, std = NORMALIZATION["clip"]
-        processor = ImageProcessor(
-            resize_mode="native", resample="bicubic", patch_multiple=config.patch_size * merge,
-            min_output_pixels=MIN_PIXELS, max_output_pixels=MAX_PIXELS, mean=mean, std=std)
+        processor = qwen_processor(config.patch_size, merge)
         rules = [f"2D RoPE (theta {config.rope_theta:g}), no position table; image_size "
                  f"{config.image_size[0]} is nominal",
                  f"merger: patch_merger pooler, {merge}x{merge} windows to width "
                  f"{hf['hidden_size']}",
                  f"Conv3d patch embedding over {config.temporal_patch_size} frames; an image "
                  "is its frame repeated"]
-        return Converted(config=config, state=state, pooler=merger_pooler(tensors, config, hf),
+        pooler = merger_pooler(tensors, config, merge, hf["hidden_size"])
+        return Converted(config=config, state=state, pooler=pooler,
                          processor=processor, rules=rules, source=checkpoint.path,
                          config_file=CONFIG_FILE)
 

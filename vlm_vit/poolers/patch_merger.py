@@ -1,6 +1,7 @@
 """Qwen2-VL's patch merger: each 2x2 window of neighbouring patches becomes one token. Every
 patch is LayerNormed first, then the window's four tokens are concatenated and an MLP maps
 them to the LLM's width (Wang et al. 2024, "Qwen2-VL"; transformers' `PatchMerger`).
+Qwen2.5-VL's merger is the same with an RMSNorm (`norm="rmsnorm"`).
 
 Unlike `pixel_shuffle` (which norms the merged vector), the norm acts per patch before the
 merge, and a grid the window does not divide is refused rather than padded: Qwen2-VL's
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlm_vit.layers.norm import build_norm
 from vlm_vit.layers.rope_2d import merge_window_order
 from vlm_vit.poolers.base import check_count, register_pooler, split_tokens
 
@@ -31,11 +33,12 @@ class PatchMerger(nn.Module):
         in_dim: token width D.
         out_dim: output width (the LLM's hidden size); in_dim when None.
         merge_size: m, the window side (`spatial_merge_size`).
-        eps: the LayerNorm's epsilon (1e-6 in Qwen2-VL).
+        eps: the norm's epsilon (1e-6 in Qwen2-VL and Qwen2.5-VL).
+        norm: "layernorm" (Qwen2-VL) or "rmsnorm" (Qwen2.5-VL).
     """
 
     def __init__(self, in_dim: int, out_dim: int | None = None, merge_size: int = 2,
-                 eps: float = 1e-6):
+                 eps: float = 1e-6, norm: str = "layernorm"):
         super().__init__()
         merge_size = check_count("merge_size", merge_size, MAX_MERGE)
         self.in_dim, self.out_dim, self.merge_size = in_dim, out_dim or in_dim, merge_size
@@ -44,7 +47,7 @@ class PatchMerger(nn.Module):
         if merged > MAX_MERGED_WIDTH:
             raise ValueError(f"patch_merger: in_dim {in_dim} x merge_size {merge_size} squared "
                              f"= {merged} merged channels, more than {MAX_MERGED_WIDTH}")
-        self.ln_q = nn.LayerNorm(in_dim, eps=eps)
+        self.ln_q = build_norm(norm, in_dim, eps)
         self.mlp = nn.Sequential(nn.Linear(merged, merged), nn.GELU(),
                                  nn.Linear(merged, self.out_dim))
 
