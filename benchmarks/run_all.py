@@ -86,6 +86,11 @@ BENCHMARKS = {
         ("ratio_ours_over_timm_bf16", "eager bf16 (autocast) vs timm bf16", ">= 1.0"),
         ("ratio_ours_over_timm_int8", "eager int8 vs timm int8", ""),
         ("ratio_onnxruntime_int8_over_ours_float32", "ONNX Runtime int8 vs our float32", "")]),
+    "window attention": ("window_attention.py", [
+        ("ratio_vlm_vit_over_transformers_sdpa",
+         "Qwen2.5-VL tower speed vs transformers sdpa (per window)", ">= 1.0"),
+        ("ratio_vlm_vit_over_transformers_eager",
+         "Qwen2.5-VL tower speed vs transformers eager (per window)", "")]),
 }
 
 _TINY = ["--depth", "1", "--image-size", "32", "--batch-size", "2", "--repeats", "1"]
@@ -107,6 +112,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         # 10 of vit-l/16's 24 blocks: DDP's two ranks then peak at ~7.7 GB together (all 24
         # would take ~14 GB); bytes per parameter do not depend on the depth.
         "fsdp memory": ["--depth", "10"],
+        "window attention": ["--hf-attention", "sdpa", "eager"],
     },
     "quick": {
         "encode vit-b/16": ["--variant", "vit-s/16", "--anchors", "timm", "--repeats", "5"],
@@ -122,6 +128,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "export cpu": ["--variant", "vit-s/16", "--batch-size", "1", "--repeats", "3"],
         "llava packed step": ["--quick"],
         "fsdp memory": ["--quick"],
+        "window attention": ["--depth", "4", "--repeats", "5"],
     },
     "tiny": {
         "encode vit-b/16": ["--variant", "vit-ti/16", "--anchors", "timm", *_TINY,
@@ -148,6 +155,10 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "llava packed step": ["--quick", "--llm-width", "64", "--llm-layers", "1",
                               "--batches", "1", "--batch-size", "2", "--repeats", "1"],
         "fsdp memory": ["--tiny"],
+        "window attention": ["--width", "64", "--depth", "2", "--heads", "2", "--mlp-width",
+                             "96", "--height", "56", "--image-width", "112",
+                             "--window-pixels", "56", "--hf-attention", "sdpa", "eager",
+                             "--repeats", "1", "--warmup", "0"],
     },
     "gpu": {  # gpu_suite.py: bf16 under autocast, sized to finish in one call of < 8 minutes
         "encode vit-b/16": ["--variant", "vit-b/16", "--anchors", "timm", "--batch-size", "256",

@@ -47,7 +47,7 @@ def run_script(benchmarks, monkeypatch, tmp_path, name: str, extra: tuple = ()) 
 @pytest.mark.parametrize("name", ["encode vit-b/16", "encode clip-vit-b/16",
                                   "encode clip-vit-l/14-336", "llava features", "load",
                                   "mae step", "lora step", "llava step", "scaling",
-                                  "shards vs folder", "export cpu",
+                                  "shards vs folder", "export cpu", "window attention",
                                   pytest.param("llava packed step", marks=pytest.mark.slow)])
 def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
     if name in ("llava step", "llava packed step"):
@@ -68,6 +68,9 @@ def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
         assert max(result["max_abs_difference"].values()) < 1e-4  # truly the same weights
     if name == "llava features":
         assert result["max_abs_difference"] < 1e-4
+    if name == "window attention":  # the same weights, windows cut at the grid's edge
+        assert result["settings"]["grid"] == [4, 8]
+        assert max(result["max_abs_difference"].values()) < 1e-4
     if name == "llava step":
         assert result["max_abs_logit_difference"] < 1e-4
 
