@@ -28,6 +28,14 @@ HERE = Path(__file__).resolve().parent
 README = HERE.parent / "README.md"
 MARKERS = ("<!-- benchmarks:start -->", "<!-- benchmarks:end -->")
 
+_EXPORT_ROWS = [  # export_cpu.py's headline figures, at each size it runs at
+    ("ratio_onnxruntime_over_ours_float32", "ONNX Runtime float32 vs our eager float32",
+     ">= 1.0"),
+    ("ratio_ours_over_timm_float32", "eager float32 vs timm float32", ""),
+    ("ratio_ours_over_timm_bf16", "eager bf16 (autocast) vs timm bf16", ">= 1.0"),
+    ("ratio_ours_over_timm_int8", "eager int8 vs timm int8", ""),
+    ("ratio_onnxruntime_int8_over_ours_float32", "ONNX Runtime int8 vs our float32", "")]
+
 # name -> (script, the JSON fields to headline: (field, how to read it, target))
 BENCHMARKS = {
     "encode vit-b/16": ("encode_vs_timm.py", [
@@ -80,12 +88,9 @@ BENCHMARKS = {
         ("memory_ratio_fsdp_over_ddp", "weights+grads+AdamW per rank, FSDP2 vs DDP", "<= 0.55"),
         ("peak_memory_ratio_fsdp_over_ddp", "peak process memory per rank, FSDP2 vs DDP", ""),
         ("time_ratio_fsdp_over_ddp", "step time, FSDP2 vs DDP", "")]),
-    "export cpu": ("export_cpu.py", [
-        ("ratio_onnxruntime_over_ours_float32", "ONNX Runtime float32 vs our eager float32",
-         ">= 1.0"),
-        ("ratio_ours_over_timm_bf16", "eager bf16 (autocast) vs timm bf16", ">= 1.0"),
-        ("ratio_ours_over_timm_int8", "eager int8 vs timm int8", ""),
-        ("ratio_onnxruntime_int8_over_ours_float32", "ONNX Runtime int8 vs our float32", "")]),
+    "export cpu": ("export_cpu.py", _EXPORT_ROWS),
+    "export cpu batch 1": ("export_cpu.py", _EXPORT_ROWS),
+    "export cpu clip-vit-l/14-336": ("export_cpu.py", _EXPORT_ROWS),
     "window attention": ("window_attention.py", [
         ("ratio_vlm_vit_over_transformers_sdpa",
          "Qwen2.5-VL tower speed vs transformers sdpa (per window)", ">= 1.0"),
@@ -108,6 +113,10 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "packed vs padded": [],
         "shards vs folder": [],
         "export cpu": ["--variant", "vit-b/16", "--batch-size", "8", "--repeats", "3"],
+        "export cpu batch 1": ["--variant", "vit-b/16", "--batch-size", "1", "--repeats", "5"],
+        # batch 1 only: at batch 8 its eight arms take over an hour on a 2-core CPU
+        "export cpu clip-vit-l/14-336": ["--variant", "clip-vit-l/14-336", "--batch-size", "1",
+                                         "--repeats", "3"],
         "llava packed step": [],
         # 10 of vit-l/16's 24 blocks: DDP's two ranks then peak at ~7.7 GB together (all 24
         # would take ~14 GB); bytes per parameter do not depend on the depth.
