@@ -18,13 +18,20 @@ What the file fixes, recorded in `Converted.rules`:
 * the MLP width is `int(hidden_size * mlp_ratio)`, for SwiGLU two thirds of that rounded up to
   a multiple of 8 (`Dinov2SwiGLUFFN`), gated by SiLU whatever `hidden_act` says;
 * pooling is the class token after the final norm (`pooler_output`).
+
+`write` goes the other way: a `Dinov2Model` directory (`Dinov2WithRegistersModel` with
+registers) under the names `save_pretrained` writes, SwiGLU's gate and value fused again into
+`mlp.weights_in`; an encoder without LayerScale gets scales of one (the same function).
 """
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from vlm_vit.config import EncoderConfig, is_real
 from vlm_vit.convert.base import (
@@ -41,8 +48,19 @@ from vlm_vit.convert.hf_common import (
     hf_encoder_config,
     processor_from_hf,
 )
-from vlm_vit.convert.keymap import fuse_qkv, rename
+from vlm_vit.convert.hf_writing import (
+    HF_ACTIVATIONS,
+    detached,
+    mismatches,
+    parameter_free,
+    refuse,
+    write_hf_directory,
+)
+from vlm_vit.convert.keymap import fuse_qkv, rename, split_qkv
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
+from vlm_vit.weights import DEFAULT_MAX_SHARD_SIZE
+
+logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("dinov2", "dinov2_with_registers")
 PREFIXES = ("dinov2.", "dinov2_with_registers.")  # the classification models wrap the model
@@ -187,6 +205,136 @@ class HfDinov2Format:
                          pooler=NativePooler("cls", config.width, None, {}, {}),
                          processor=processor, rules=rules, source=checkpoint.path,
                          config_file=CONFIG_FILE)
+
+
+    def write(self, encoder: nn.Module, destination: str | Path, *,
+              pooler: nn.Module | None = None, processor: ImageProcessor | None = None,
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+        """Writes a directory `Dinov2Model.from_pretrained` (`Dinov2WithRegistersModel`'s
+        with registers) and `AutoModel` read: config.json and the weights, and the processor
+        as `BitImageProcessor`'s preprocessor_config.json.
+
+        Raises:
+            ValueError: naming every field DINOv2 cannot hold (see `WRITE_ARCHITECTURE`), a
+                pooler with weights, or a processor `BitImageProcessor` cannot express;
+                nothing is written then.
+        """
+        parameter_free(pooler, "DINOv2")
+        hf = dinov2_config(encoder)
+        tensors = dinov2_tensors(encoder)
+        settings = None
+        if processor is not None:
+            from vlm_vit.convert.hf_clip import preprocessor_config
+
+            settings = {**preprocessor_config(processor),
+                        "image_processor_type": "BitImageProcessor"}
+        if encoder.config.pos_resize_antialias != (hf["model_type"] != "dinov2"):
+            logger.info("%s resizes its position table bicubically %s antialias; this encoder's "
+                        "other grids differ", hf["architectures"][0],
+                        "with" if hf["model_type"] != "dinov2" else "without")
+        return write_hf_directory(destination, hf, tensors, settings, max_shard_size)
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+# What a DINOv2 model fixes, in EncoderConfig fields; `write` refuses anything else.
+WRITE_ARCHITECTURE = dict(class_token=True, pre_norm=False, final_norm=True, patch_bias=True,
+                          norm="layernorm", hybrid_layers=None, pos_embed="learned",
+                          rope_theta=None, temporal_patch_size=None, window_size=None)
+# Native module -> the name `save_pretrained` writes (each has a weight and a bias).
+_WRITE_MODULES = {
+    "patch_embed.proj": "embeddings.patch_embeddings.projection",
+    "norm": "layernorm",
+    **{"blocks.{}." + ours: _LAYER + theirs for ours, theirs in {
+        "norm1": "norm1", "norm2": "norm2",
+        "attn.q": "attention.attention.query", "attn.k": "attention.attention.key",
+        "attn.v": "attention.attention.value", "attn.proj": "attention.output.dense",
+        "mlp.fc1": "mlp.fc1", "mlp.weights_in": "mlp.weights_in",
+    }.items()},
+}
+WRITE_KEY_MAP = {
+    "cls_token": "embeddings.cls_token",
+    "pos_embed": "embeddings.position_embeddings",
+    "reg_token": "embeddings.register_tokens",
+    "mask_token": "embeddings.mask_token",  # what save_pretrained writes; unused here (zeros)
+    "blocks.{}.ls1.gamma": _LAYER + "layer_scale1.lambda1",
+    "blocks.{}.ls2.gamma": _LAYER + "layer_scale2.lambda1",
+    **{f"{ours}.{kind}": f"{theirs}.{kind}"
+       for ours, theirs in _WRITE_MODULES.items() for kind in ("weight", "bias")},
+}
+
+
+def mlp_ratio_for(config: EncoderConfig) -> float | None:
+    """The `mlp_ratio` that gives `config`'s MLP width (a whole one where it can), or None."""
+    swiglu = config.mlp == "swiglu"
+    candidates = [*range(1, 9), config.mlp_width / config.width,
+                  config.mlp_width * 3 / 2 / config.width]
+    for ratio in candidates:
+        fields = {"hidden_size": config.width, "mlp_ratio": ratio, "use_swiglu_ffn": swiglu}
+        if mlp_width(fields, CONFIG_FILE) == config.mlp_width:
+            return ratio
+    return None
+
+
+def dinov2_config(encoder: nn.Module) -> dict[str, Any]:
+    """The `config.json` of a DINOv2 model holding `encoder`.
+
+    Raises:
+        ValueError: naming every field DINOv2 cannot hold.
+    """
+    config = encoder.config
+    problems = mismatches(config, WRITE_ARCHITECTURE, "DINOv2")
+    if config.image_size[0] != config.image_size[1]:
+        problems.append(f"image_size={config.image_size} (DINOv2's position table is square)")
+    ratio = mlp_ratio_for(config)
+    if ratio is None:
+        problems.append(f"mlp_width={config.mlp_width} (DINOv2's is int(hidden_size x "
+                        "mlp_ratio), for SwiGLU two thirds of it rounded up to a multiple of 8)")
+    refuse(problems, "DINOv2")
+    registers = config.num_register_tokens
+    return {
+        "architectures": ["Dinov2WithRegistersModel" if registers else "Dinov2Model"],
+        "model_type": "dinov2_with_registers" if registers else "dinov2",
+        "hidden_size": config.width, "num_hidden_layers": config.depth,
+        "num_attention_heads": config.heads, "mlp_ratio": ratio,
+        "hidden_act": HF_ACTIVATIONS[config.act], "layer_norm_eps": config.norm_eps,
+        "image_size": config.image_size[0], "patch_size": config.patch_size,
+        "num_channels": config.in_channels, "qkv_bias": config.qkv_bias,
+        "layerscale_value": config.layer_scale_init or 1.0,
+        "use_swiglu_ffn": config.mlp == "swiglu",
+        **({"num_register_tokens": registers} if registers else {}),
+        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+        "drop_path_rate": 0.0, "initializer_range": 0.02, "apply_layernorm": True,
+        "reshape_hidden_states": True,
+        "dtype": str(encoder.pos_embed.dtype).removeprefix("torch."),
+    }
+
+
+def fuse_swiglu(state: dict[str, torch.Tensor], depth: int) -> None:
+    """The inverse of `split_swiglu`: `fc1_g` then `fc1_x` as `mlp.weights_in` (in place)."""
+    for i in range(depth):
+        for kind in ("weight", "bias"):
+            parts = [state.pop(f"blocks.{i}.mlp.{x}.{kind}") for x in ("fc1_g", "fc1_x")]
+            state[f"blocks.{i}.mlp.weights_in.{kind}"] = torch.cat(parts)
+
+
+def dinov2_tensors(encoder: nn.Module) -> dict[str, torch.Tensor]:
+    """The encoder's weights under the names `save_pretrained` writes (a pure function)."""
+    config = encoder.config
+    state = detached(encoder)
+    split_qkv(state, config.depth)
+    if config.mlp == "swiglu":
+        fuse_swiglu(state, config.depth)
+    width = config.width
+    reference = state["cls_token"]
+    for i in range(config.depth):  # no LayerScale: scales of one are the same function
+        for name in (f"blocks.{i}.ls1.gamma", f"blocks.{i}.ls2.gamma"):
+            state.setdefault(name, reference.new_ones(width))
+    state["mask_token"] = reference.new_zeros(1, width)
+    fc2 = "mlp.weights_out" if config.mlp == "swiglu" else "mlp.fc2"
+    key_map = {**WRITE_KEY_MAP, **{f"blocks.{{}}.mlp.fc2.{kind}": f"{_LAYER}{fc2}.{kind}"
+                                   for kind in ("weight", "bias")}}
+    return rename(state, key_map, config.depth, source="the encoder")
 
 
 register_format(HfDinov2Format())
