@@ -8,11 +8,15 @@ resized with ``torch.nn.functional.interpolate`` (antialiased) to keep their pre
 ``resize_mode="native"`` keeps each image's aspect ratio instead (NaViT, Qwen2-VL): no
 crop, each side rounded to a multiple of ``patch_multiple`` within a pixel budget (see
 ``native_size``), so a list of images becomes a list of differently sized tensors.
+
+``tiling`` (AnyRes, LLaVA-NeXT / OneVision, ``anyres.py``) turns each image into its views,
+``[1 + tiles, 3, t, t]``, also a list.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -26,6 +30,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from vlm_vit.files import atomic_write, read_json
+from vlm_vit.processor.anyres import Tiling, as_tiling, tile_views
 from vlm_vit.processor.decode import (
     Decoder,
     ImageTooLargeError,
@@ -99,6 +104,9 @@ class ImageProcessor:
             patch wide, or, scaled to cover ``size``, become a strip of millions of pixels
             before the crop). A squash resize ends at ``size`` whatever the input's shape,
             and takes any.
+        tiling: AnyRes (a ``Tiling``, or its ``to_dict`` form): each image becomes its base
+            view and tiles, ``[1 + rows * cols, 3, t, t]`` (``size`` must be ``(t, t)``; not
+            with native mode; ``max_aspect_ratio`` unused: the pinpoints bound the output).
 
     Raises:
         ValueError: on construction, for a field of the wrong type or out of its range,
@@ -117,6 +125,7 @@ class ImageProcessor:
     min_output_pixels: int | None = None
     max_output_pixels: int | None = None
     max_aspect_ratio: float = 200.0
+    tiling: Tiling | None = None
 
     def __post_init__(self) -> None:
         size = (self.size, self.size) if _is_int(self.size) else self.size
@@ -146,7 +155,12 @@ class ImageProcessor:
                 or not all(_is_int(c) and 0 <= c <= 255 for c in background):
             raise ValueError(f"background must be 3 ints in 0..255, got {self.background!r}")
         max_aspect_ratio = self._check_native_fields()
-        for name, value in [("size", size), ("mean", mean), ("std", std),
+        tiling = as_tiling(self.tiling)
+        if tiling is not None and (self.resize_mode == "native" or size != (tiling.tile_size,) * 2):
+            raise ValueError(f"tiling cuts {tiling.tile_size}-pixel tiles: it needs size "
+                             f"{(tiling.tile_size,) * 2} and a resize_mode other than 'native', "
+                             f"got size {size} and resize_mode {self.resize_mode!r}")
+        for name, value in [("size", size), ("mean", mean), ("std", std), ("tiling", tiling),
                             ("background", background), ("max_aspect_ratio", max_aspect_ratio)]:
             object.__setattr__(self, name, value)  # frozen: normalise lists to tuples once
 
@@ -201,7 +215,8 @@ class ImageProcessor:
     def to_dict(self) -> dict[str, Any]:
         """Returns the settings as JSON-compatible values (tuples become lists)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+        return {k: v.to_dict() if isinstance(v, Tiling) else list(v) if isinstance(v, tuple)
+                else v for k, v in d.items()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: object = None) -> ImageProcessor:
@@ -282,7 +297,8 @@ class ImageProcessor:
         Returns:
             ``float32`` contiguous ``pixel_values`` of shape ``[B, 3, height, width]``. In
             native mode, where sizes differ, a list of B ``float32`` ``[3, H_i, W_i]``
-            tensors in input order (a list of one for a single image).
+            tensors in input order (a list of one for a single image); with ``tiling``, a
+            list of B ``[1 + tiles_i, 3, t, t]`` (the sizes the tower needs: ``tile``).
 
         Raises:
             ImageLoadError: If a file cannot be read as an image.
@@ -291,23 +307,41 @@ class ImageProcessor:
                 native mode, an image's aspect ratio or resized size is out of bounds.
             TypeError: If an input has an unsupported type or dtype.
         """
+        out = [self._finish(image, name) for image, name in self._decoded(images)]
+        if self.resize_mode == "native" or self.tiling is not None:
+            return out  # sizes or view counts differ: no stack
+        return torch.stack(out).contiguous()
+
+    def tile(self, images: ImageInput | list[ImageInput]
+             ) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+        """With ``tiling``: each image's views ``[1 + tiles_i, 3, t, t]`` (as ``__call__``)
+        and its decoded (height, width), which ``VisionTower`` packs by (``image_sizes``).
+
+        Raises:
+            ValueError: without ``tiling``; and as ``__call__``.
+        """
+        if self.tiling is None:
+            raise ValueError("tile() needs a processor with tiling (AnyRes); this one has none")
+        out = [(self._finish(image, name), _size(image)) for image, name in self._decoded(images)]
+        return [views for views, _ in out], [size for _, size in out]
+
+    def _decoded(self, images: ImageInput | list[ImageInput]):
+        """Yields (decoded image, name) one input at a time; a 4D tensor is B inputs."""
         items = list(images) if isinstance(images, (list, tuple)) else [images]
         if not items:
             raise ValueError("got an empty list of images")
-        out = []
+        count = 0
         for i, item in enumerate(items):
             name = f"images[{i}]" if isinstance(images, (list, tuple)) else "image"
             if isinstance(item, torch.Tensor) and item.ndim == 4:
-                out.extend(self._finish(self._decoder.from_tensor(t, f"{name}[{b}]"),
-                                        f"{name}[{b}]")
-                           for b, t in enumerate(item))
+                for b, t in enumerate(item):
+                    count += 1
+                    yield self._decoder.from_tensor(t, f"{name}[{b}]"), f"{name}[{b}]"
             else:
-                out.append(self._finish(self.load(item, name), _label(item, name)))
-        if not out:
+                count += 1
+                yield self.load(item, name), _label(item, name)
+        if not count:
             raise ValueError("got a tensor batch with 0 images")
-        if self.resize_mode == "native":
-            return out  # sizes differ: no stack
-        return torch.stack(out).contiguous()
 
     def preprocess_one(self, image: ImageInput) -> torch.Tensor:
         """Preprocesses a single image (not a list or a 4D batch).
@@ -402,25 +436,42 @@ class ImageProcessor:
             return overhang // 2  # transformers' center_crop
         return int(round(overhang / 2.0))  # torchvision's center_crop: .5 rounds to even
 
-    def _finish(self, image: Image.Image | torch.Tensor, name: str) -> torch.Tensor:
-        """Resizes, centre crops and normalises to ``float32 [3, height, width]``."""
+    def _resize(self, image: Image.Image | torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """``image`` resized to ``size`` (height, width): uint8 (PIL) or float ``[3, h, w]``."""
+        h, w = size
         if isinstance(image, Image.Image):
-            h, w = self._resized_size(image.height, image.width, name)
             image = image.resize((w, h), resample=_PIL_RESAMPLE[self.resample])
-            x = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1)
+            return torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1)
+        if (h, w) != tuple(image.shape[1:]):
+            image = F.interpolate(image[None], size=(h, w), mode=self.resample,
+                                  align_corners=False, antialias=True)[0].clamp_(0, 1)
+        return image
+
+    def _finish(self, image: Image.Image | torch.Tensor, name: str) -> torch.Tensor:
+        """Resizes, centre crops and normalises to ``float32 [3, height, width]`` (with
+        ``tiling``: the views, ``[1 + tiles, 3, t, t]``)."""
+        if self.tiling is not None:
+            try:
+                x = tile_views(self.tiling, _size(image), functools.partial(self._resize, image))
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from e
         else:
-            h, w = self._resized_size(*image.shape[1:], name)
-            if (h, w) != tuple(image.shape[1:]):
-                image = F.interpolate(image[None], size=(h, w), mode=self.resample,
-                                      align_corners=False, antialias=True)[0].clamp_(0, 1)
-            x = image
-        th, tw = (h, w) if self.resize_mode == "native" else self.size  # native: no crop
-        top, left = self._crop_offset(h - th), self._crop_offset(w - tw)
-        x = x[:, top:top + th, left:left + tw]
+            h, w = self._resized_size(*_size(image), name)
+            x = self._resize(image, (h, w))
+            th, tw = (h, w) if self.resize_mode == "native" else self.size  # native: no crop
+            top, left = self._crop_offset(h - th), self._crop_offset(w - tw)
+            x = x[..., top:top + th, left:left + tw]
         x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
         mean = torch.tensor(self.mean, dtype=torch.float32)[:, None, None]
         std = torch.tensor(self.std, dtype=torch.float32)[:, None, None]
         return ((x - mean) / std).contiguous()
+
+
+def _size(image: Image.Image | torch.Tensor) -> tuple[int, int]:
+    """A decoded image's (height, width)."""
+    if isinstance(image, Image.Image):
+        return image.height, image.width
+    return int(image.shape[1]), int(image.shape[2])
 
 
 def _finite_triple(values: Any) -> tuple[float, float, float] | None:
