@@ -190,6 +190,13 @@ class VisionEncoder(NativeFormat, nn.Module):
             if mask_token is None or mask_token.shape[-1] != width:
                 raise ValueError(f"a mask needs a mask_token of width {width}")
             x = torch.where(mask[..., None], mask_token.to(x.dtype).reshape(1, 1, width), x)
+        return self.embed_patches(x, grid, keep=keep), grid
+
+    def embed_patches(self, x: torch.Tensor, grid: tuple[int, int], *,
+                      keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Patch embeddings `[B, N, D]` of a `grid` to z_0: E_pos added (resized to the grid),
+        MAE's `keep` applied, then the class and register tokens in front."""
+        batch, patches, width = x.shape
         cls_entries = int(self.cls_token is not None)
         table = None if self.pos_embed is None else self.position_table(grid).to(x.dtype)
         if table is not None:
@@ -205,7 +212,7 @@ class VisionEncoder(NativeFormat, nn.Module):
             prefix.append(self.reg_token.expand(batch, -1, -1))
         if prefix:
             x = torch.cat([*(p.to(x.dtype) for p in prefix), x], dim=1)
-        return x, grid
+        return x
 
     # -- eqs. 2 to 4 -------------------------------------------------------------------------
 
@@ -243,7 +250,8 @@ class VisionEncoder(NativeFormat, nn.Module):
 
         Args:
             pixel_values: `[B, C, H, W]`, H and W multiples of the patch size; or a list of
-                `[C, H_i, W_i]` images of any sizes, handed to `forward_packed`.
+                `[C, H_i, W_i]` images of any sizes (and, with a temporal patch embedding,
+                `[frames, C, H, W]` clips), handed to `forward_packed`.
             feature_layers: hidden-state indices whose raw tokens to return in `features`
                 (`[-2]` for LLaVA). Alone, they stop the run after the deepest one.
             output_hidden_states: return every hidden state.
@@ -301,7 +309,8 @@ class VisionEncoder(NativeFormat, nn.Module):
         each image's tokens equal `self(image[None])`'s, end to end in one `[total, D]`.
 
         Args:
-            images: `[C, H_i, W_i]` tensors, each side a multiple of the patch size.
+            images: `[C, H_i, W_i]` tensors, each side a multiple of the patch size, or
+                clips `[frames, C, H, W]` (see `vlm_vit.packing`).
             feature_layers, output_hidden_states, output_attentions: as in `forward`
                 (attention maps come per image, `[heads, L_i, L_i]`).
             backend, max_tokens, max_grid: as in `vlm_vit.packing.encode_packed`.

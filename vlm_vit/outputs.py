@@ -68,6 +68,9 @@ class PackedOutput:
         hidden_states: when asked, depth + 1 tensors `[total, D]` (as `EncoderOutput`).
         features: the raw tokens `[total, D]` of each of `feature_layers`, in the order asked.
         attentions: when asked, per block a tuple of one `[heads, L_i, L_i]` map per image.
+        frames: per input, the segments it gave: 1 for an image, a clip's temporal slices
+            (`vlm_vit.packing`); `lengths`, `grids` and `split` count segments. None: one
+            each.
     """
 
     tokens: torch.Tensor | None
@@ -78,6 +81,7 @@ class PackedOutput:
     hidden_states: tuple[torch.Tensor, ...] | None = None
     features: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[tuple[torch.Tensor, ...], ...] | None = None
+    frames: tuple[int, ...] | None = None
 
     @property
     def offsets(self) -> tuple[int, ...]:

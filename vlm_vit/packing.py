@@ -15,6 +15,13 @@ most of the FLOPs, run as one matrix with no padding.
 
 `encoder([image_0, image_1, ...])` is the same call (`forward` hands a list on).
 
+Video (Qwen2-VL): with a temporal patch embedding (`temporal_patch_size`), an item of the list
+may be a clip `[frames, C, H, W]`. Its frames are padded to a multiple of the temporal patch
+by repeating the last one (as Qwen2-VL's processor does), its T x P x P tubes embedded by
+the Conv3d, and each of its `frames / T` temporal slices is then one segment with the
+image's grid, attention within the slice, as in Qwen2-VL's tower. `out.frames` says how many
+segments each input gave.
+
 Masked pretraining stays on fixed-size batches (`VisionEncoder.forward`'s masks).
 """
 
@@ -42,6 +49,8 @@ class PackableEncoder(Protocol):
     def prepare_tokens(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         ...
 
+    def embed_patches(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor: ...
+
     def run_blocks(self, x: torch.Tensor, *,
                    feature_layers: list[int] | tuple[int, ...] | int | None = None,
                    output_hidden_states: bool = False, output_attentions: bool = False,
@@ -65,28 +74,46 @@ class PackedImages(tuple):
                      for b in bounds)
 
 
+def pad_frames(clip: torch.Tensor, temporal_patch_size: int) -> torch.Tensor:
+    """A clip `[frames, C, H, W]` with its last frame repeated up to a multiple of the
+    temporal patch (Qwen2-VL's processor)."""
+    short = -clip.shape[0] % temporal_patch_size
+    return torch.cat([clip, clip[-1:].expand(short, -1, -1, -1)]) if short else clip
+
+
 def check_images(encoder: PackableEncoder, images: list[torch.Tensor] | tuple[torch.Tensor, ...],
                  *, max_tokens: int | None = None,
                  max_grid: tuple[int, int] | None = None) -> list[tuple[int, int]]:
-    """Checks a list of images for packing; returns their patch grids.
+    """Checks a list of images (and clips) for packing; returns their patch grids (a clip's:
+    the grid of each of its frames).
 
     Raises:
-        ValueError: for an empty list, an image that is not `[C, H, W]` with the encoder's
-            channels, a side that is not a positive multiple of the patch size, a grid over
-            `max_grid`, or a pack over `max_tokens`, naming the image index and its size.
+        ValueError: for an empty list, an image that is not `[C, H, W]` (or a clip
+            `[frames, C, H, W]` for an encoder with a temporal patch embedding) with the
+            encoder's channels, a side that is not a positive multiple of the patch size, a
+            grid over `max_grid`, or a pack over `max_tokens`, naming the image index and its
+            size.
     """
     if not isinstance(images, (list, tuple)) or not images:
         raise ValueError("packed encoding needs a non-empty list of [C, H, W] images")
     channels, patch = encoder.config.in_channels, encoder.config.patch_size
+    temporal = encoder.config.temporal_patch_size
     grids, total = [], 0
     for index, image in enumerate(images):
-        if not isinstance(image, torch.Tensor) or image.ndim != 3:
+        clip = isinstance(image, torch.Tensor) and image.ndim == 4 and temporal is not None
+        if not isinstance(image, torch.Tensor) or not (image.ndim == 3 or clip):
             shape = list(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
-            raise ValueError(f"image {index} must be a [C, H, W] tensor, got {shape}")
-        if image.shape[0] != channels:
-            raise ValueError(f"image {index} has {image.shape[0]} channels "
+            hint = "" if temporal is None else " or a [frames, C, H, W] clip"
+            if isinstance(image, torch.Tensor) and image.ndim == 4 and temporal is None:
+                hint = " (a [frames, C, H, W] clip needs an encoder with a temporal patch " \
+                       "embedding: temporal_patch_size)"
+            raise ValueError(f"image {index} must be a [C, H, W] tensor, got {shape}{hint}")
+        if clip and image.shape[0] == 0:
+            raise ValueError(f"clip {index} has no frame ({list(image.shape)})")
+        if image.shape[-3] != channels:
+            raise ValueError(f"image {index} has {image.shape[-3]} channels "
                              f"({list(image.shape)}); the encoder takes {channels}")
-        height, width = image.shape[1:]
+        height, width = image.shape[-2:]
         if height % patch or width % patch or height == 0 or width == 0:
             raise ValueError(f"image {index} is {height}x{width}: each side must be a positive "
                              f"multiple of the patch size {patch}")
@@ -95,11 +122,20 @@ def check_images(encoder: PackableEncoder, images: list[torch.Tensor] | tuple[to
             raise ValueError(f"image {index} is {height}x{width}, a {grid[0]}x{grid[1]} grid, "
                              f"over the maximum grid {max_grid[0]}x{max_grid[1]}")
         grids.append(grid)
-        total += encoder.num_prefix_tokens + grid[0] * grid[1]
+        slices = -(-image.shape[0] // temporal) if clip else 1
+        total += slices * (encoder.num_prefix_tokens + grid[0] * grid[1])
     if max_tokens is not None and total > max_tokens:
         raise ValueError(f"the {len(images)} images make {total} tokens, over the budget of "
                          f"{max_tokens} (sizes: {[tuple(i.shape[1:]) for i in images]})")
     return grids
+
+
+def clip_tokens(encoder: PackableEncoder, clip: torch.Tensor) -> list[torch.Tensor]:
+    """z_0 of each temporal slice of a clip `[frames, C, H, W]`: `[1, L, D]` each."""
+    clip = pad_frames(clip, encoder.config.temporal_patch_size)
+    x, (slices, rows, cols) = encoder.patch_embed.forward_clip(clip.transpose(0, 1)[None])
+    # (1, slices * rows * cols, D), time first: one slice after another
+    return [encoder.embed_patches(part, (rows, cols)) for part in x.chunk(slices, dim=1)]
 
 
 def encode_packed(
@@ -133,9 +169,15 @@ def encode_packed(
     Raises:
         ValueError: for a bad list (see `check_images`) or feature layer.
     """
-    grids = check_images(encoder, images, max_tokens=max_tokens, max_grid=max_grid)
-    # z_0 per image, exactly as for that image alone: (1, L_i, D) each.
-    parts = [encoder.prepare_tokens(image[None])[0] for image in images]
+    input_grids = check_images(encoder, images, max_tokens=max_tokens, max_grid=max_grid)
+    # z_0 per image, exactly as for that image alone: (1, L_i, D) each; a clip's per slice.
+    parts, grids, frames = [], [], []
+    for image, grid in zip(images, input_grids, strict=True):
+        tokens = [encoder.prepare_tokens(image[None])[0]] if image.ndim == 3 \
+            else clip_tokens(encoder, image)
+        parts += tokens
+        grids += [grid] * len(tokens)
+        frames.append(len(tokens))
     segments = Segments(tuple(p.shape[1] for p in parts), backend=backend)
     x = torch.cat(parts, dim=1)  # (1, total, D)
     run = encoder.run_blocks(x, feature_layers=feature_layers,
@@ -156,4 +198,5 @@ def encode_packed(
         if run.hidden_states is not None else None,
         features=tuple(flat(f) for f in run.features) if run.features is not None else None,
         attentions=run.attentions,
+        frames=tuple(frames),
     )

@@ -105,3 +105,35 @@ def test_the_merger_refuses_an_odd_grid(saved):
     with torch.no_grad(), pytest.raises(ValueError, match=r"patch grid 3x4 is not divisible "
                                                           r"into 2x2 merge windows"):
         tower.pooler(torch.zeros(1, 12, 32), num_prefix_tokens=0, grid=(3, 4))
+
+
+def test_a_clip_in_the_packed_call_matches_every_hidden_state(saved):
+    # encoder([clip, image]): 3 frames padded to 4 by repeating the last (Qwen2-VL's
+    # processor), two temporal slices, attention within each slice, as transformers' tower.
+    directory, model = saved
+    ours = load_encoder(directory).eval()
+    clip = torch.randn(3, 3, 8, 16, generator=torch.Generator().manual_seed(7))  # [F, C, H, W]
+    image = torch.randn(3, 16, 8, generator=torch.Generator().manual_seed(8))
+    padded = torch.cat([clip, clip[-1:]]).transpose(0, 1)  # [C, 4, H, W]
+    patches, grid_thw = flattened(padded)
+    with torch.no_grad():
+        out = ours([clip, image], output_hidden_states=True)
+        theirs = model(patches, grid_thw=grid_thw, output_hidden_states=True)
+        alone = ours(image[None]).tokens[0]
+    assert out.frames == (2, 1) and out.grids == ((2, 4), (2, 4), (4, 2))
+    assert out.lengths == (8, 8, 8)
+    order = torch.cat([merge_window_order((2, 4), MERGE), 8 + merge_window_order((2, 4), MERGE)])
+    for ours_state, their_state in zip(out.hidden_states, theirs.hidden_states, strict=True):
+        torch.testing.assert_close(ours_state[:16][order], their_state, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.tokens[16:], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_a_clip_is_refused_by_an_encoder_without_temporal_patches():
+    from vlm_vit import EncoderConfig, VisionEncoder
+
+    encoder = VisionEncoder(EncoderConfig(image_size=16, patch_size=4, width=16, depth=1,
+                                          heads=2, mlp_width=32))
+    with pytest.raises(ValueError, match=r"image 0 must be a \[C, H, W\] tensor, got \[2, 3, "
+                                         r"16, 16\] \(a \[frames, C, H, W\] clip needs an "
+                                         r"encoder with a temporal patch embedding"):
+        encoder([torch.zeros(2, 3, 16, 16)])
