@@ -113,3 +113,46 @@ def test_dinov2_refuses_what_it_cannot_hold(tmp_path):
     assert message.startswith("a Hugging Face DINOv2 model cannot hold this encoder: ")
     for field in ("class_token=False", "pre_norm=True", "image_size=(28, 42)"):
         assert field in message
+
+
+# -- Pixtral ----------------------------------------------------------------------------------
+
+PIXTRAL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               head_dim=8, image_size=64, patch_size=8, hidden_act="silu")
+PIXTRAL_STYLE = dict(image_size=64, patch_size=8, width=32, depth=2, heads=4, mlp_width=48,
+                     class_token=False, pre_norm=True, final_norm=False, qkv_bias=False,
+                     patch_bias=False, norm="rmsnorm", mlp="swiglu", act="silu", norm_eps=1e-5,
+                     pos_embed="none", rope_theta=10000.0, rope_frequencies="alternating")
+
+
+def test_pixtral_written_back_is_the_same_model(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.PixtralVisionConfig(**PIXTRAL)
+    original = perturbed(transformers.PixtralVisionModel(config)).eval()
+    original.save_pretrained(tmp_path / "original")
+    destination = written(tmp_path / "original", tmp_path, "hf_pixtral")
+    assert saved_keys(destination) == saved_keys(tmp_path / "original")
+    again = reloaded(transformers.AutoModel, destination)
+    assert type(again) is transformers.PixtralVisionModel
+    processor = transformers.AutoImageProcessor.from_pretrained(destination)
+    assert processor.size.longest_edge == 64 and processor.patch_size["height"] == 8
+    x = torch.randn(1, 3, 24, 56, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_states_equal(again(x, output_hidden_states=True),
+                            original(x, output_hidden_states=True))
+
+
+def test_pixtral_refuses_what_it_cannot_hold(tmp_path):
+    message = refusal("hf_pixtral", tmp_path, **{**PIXTRAL_STYLE, "class_token": True,
+                                                  "pos_embed": "learned", "rope_theta": None})
+    assert message.startswith("a Hugging Face Pixtral model cannot hold this encoder: "
+                              "rope_theta=None (Pixtral needs 2D RoPE); ")
+    assert "class_token=True" in message and "pos_embed='learned'" in message
+    biased = perturbed(VisionEncoder(EncoderConfig(**PIXTRAL_STYLE)))  # biases not zero
+    with pytest.raises(ValueError, match=r"not zero: blocks\.0\.attn\.proj\.bias, "):
+        FORMATS.get("hf_pixtral").write(biased, tmp_path / "refused")
+    from vlm_vit.poolers import build_pooler
+
+    head = build_pooler("cls_linear", in_dim=32, out_dim=8)
+    with pytest.raises(ValueError, match="no pooling head to hold the 'cls_linear' pooler"):
+        FORMATS.get("hf_pixtral").write(biased, tmp_path / "refused", pooler=head)

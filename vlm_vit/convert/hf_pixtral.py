@@ -16,13 +16,18 @@ What the file fixes, recorded in `Converted.rules`:
 * `image_size` is Pixtral's largest side, the processor's bound: the encoder takes any
   multiple of the patch size;
 * pooling is the mean of the patch tokens (the tower has no pooled output).
+
+`write` goes the other way: a `PixtralVisionModel` directory, the zero biases dropped (any
+other is refused: Pixtral's Linears have none).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from vlm_vit.config import EncoderConfig
 from vlm_vit.convert.base import (
@@ -34,8 +39,17 @@ from vlm_vit.convert.base import (
     register_format,
 )
 from vlm_vit.convert.hf_common import PREPROCESSOR_NAME, hf_encoder_config
-from vlm_vit.convert.keymap import fuse_qkv, rename
+from vlm_vit.convert.hf_writing import (
+    detached,
+    mismatches,
+    native_resolution_preprocessor,
+    parameter_free,
+    refuse,
+    write_hf_directory,
+)
+from vlm_vit.convert.keymap import fuse_qkv, invert, rename, split_qkv
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
+from vlm_vit.weights import DEFAULT_MAX_SHARD_SIZE
 
 MODEL_TYPES = ("pixtral",)
 PREFIXES = ("vision_tower.", "model.vision_tower.")  # inside a LLaVA-style model
@@ -162,6 +176,82 @@ class HfPixtralFormat:
                          pooler=NativePooler("mean", config.width, None, {}, {}),
                          processor=processor, rules=rules, source=checkpoint.path,
                          config_file=CONFIG_FILE)
+
+
+    def write(self, encoder: nn.Module, destination: str | Path, *,
+              pooler: nn.Module | None = None, processor: ImageProcessor | None = None,
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+        """Writes a directory `PixtralVisionModel.from_pretrained` reads: config.json, the
+        weights, and the processor as `PixtralImageProcessor`'s preprocessor_config.json.
+
+        Raises:
+            ValueError: naming every field Pixtral cannot hold (`WRITE_ARCHITECTURE`, 2D RoPE),
+                a bias that is not zero, a pooler with weights, or a processor that does not
+                keep the aspect ratio; nothing is written then.
+        """
+        parameter_free(pooler, "Pixtral")
+        hf = pixtral_config(encoder)
+        tensors = pixtral_tensors(encoder)
+        settings = None if processor is None else native_resolution_preprocessor(
+            processor, "PixtralImageProcessor", size={"longest_edge": hf["image_size"]},
+            patch_size={"height": hf["patch_size"], "width": hf["patch_size"]})
+        return write_hf_directory(destination, hf, tensors, settings, max_shard_size)
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+# What a Pixtral tower fixes, in EncoderConfig fields; `write` refuses anything else.
+WRITE_ARCHITECTURE = dict(class_token=False, num_register_tokens=0, pre_norm=True,
+                          final_norm=False, qkv_bias=False, patch_bias=False, norm="rmsnorm",
+                          mlp="swiglu", norm_eps=NORM_EPS, layer_scale_init=None,
+                          hybrid_layers=None, pos_embed="none", rope_frequencies="alternating",
+                          temporal_patch_size=None, window_size=None)
+
+
+def pixtral_config(encoder: nn.Module) -> dict[str, Any]:
+    """The `config.json` of a `PixtralVisionModel` holding `encoder`.
+
+    Raises:
+        ValueError: naming every field Pixtral cannot hold.
+    """
+    config = encoder.config
+    problems = mismatches(config, WRITE_ARCHITECTURE, "Pixtral")
+    if config.rope_theta is None:
+        problems.insert(0, "rope_theta=None (Pixtral needs 2D RoPE)")
+    refuse(problems, "Pixtral")
+    return {
+        "architectures": ["PixtralVisionModel"], "model_type": "pixtral",
+        "hidden_size": config.width, "intermediate_size": config.mlp_width,
+        "num_hidden_layers": config.depth, "num_attention_heads": config.heads,
+        "head_dim": config.width // config.heads, "num_channels": config.in_channels,
+        "image_size": max(config.image_size), "patch_size": config.patch_size,
+        "hidden_act": "silu", "attention_dropout": 0.0, "initializer_range": 0.02,
+        "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "axial"},
+        "dtype": str(encoder.patch_embed.proj.weight.dtype).removeprefix("torch."),
+    }
+
+
+def pixtral_tensors(encoder: nn.Module) -> dict[str, torch.Tensor]:
+    """The encoder's weights under `PixtralVisionModel`'s names (a pure function).
+
+    Raises:
+        ValueError: naming the biases (`ZERO_BIASES`) that are not zero.
+    """
+    depth = encoder.config.depth
+    state = detached(encoder)
+    nonzero = []
+    for i in range(depth):
+        for module in ZERO_BIASES:
+            name = f"blocks.{i}.{module}.bias"
+            if state.pop(name).any():
+                nonzero.append(name)
+    if nonzero:
+        more = f" and {len(nonzero) - 3} more" if len(nonzero) > 3 else ""
+        raise ValueError(f"a Hugging Face Pixtral model has no biases in its output projection "
+                         f"and MLP, but this encoder's are not zero: "
+                         f"{', '.join(nonzero[:3])}{more}")
+    split_qkv(state, depth)
+    return rename(state, invert(KEY_MAP), depth, source="the encoder")
 
 
 register_format(HfPixtralFormat())
