@@ -91,6 +91,9 @@ BENCHMARKS = {
     "export cpu": ("export_cpu.py", _EXPORT_ROWS),
     "export cpu batch 1": ("export_cpu.py", _EXPORT_ROWS),
     "export cpu clip-vit-l/14-336": ("export_cpu.py", _EXPORT_ROWS),
+    "encode dinov2-l/14": ("dinov2_encode.py", [
+        ("ratio_vlm_vit_over_transformers", "speed vs transformers Dinov2Model", ">= 1.0"),
+        ("ratio_vlm_vit_over_timm", "speed vs timm", ">= 1.0")]),
     "window attention": ("window_attention.py", [
         ("ratio_vlm_vit_over_transformers_sdpa",
          "Qwen2.5-VL tower speed vs transformers sdpa (per window)", ">= 1.0"),
@@ -122,6 +125,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         # would take ~14 GB); bytes per parameter do not depend on the depth.
         "fsdp memory": ["--depth", "10"],
         "window attention": ["--hf-attention", "sdpa", "eager"],
+        "encode dinov2-l/14": [],
     },
     "quick": {
         "encode vit-b/16": ["--variant", "vit-s/16", "--anchors", "timm", "--repeats", "5"],
@@ -138,6 +142,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "llava packed step": ["--quick"],
         "fsdp memory": ["--quick"],
         "window attention": ["--depth", "4", "--repeats", "5"],
+        "encode dinov2-l/14": ["--depth", "6", "--batch-size", "1", "--repeats", "3"],
     },
     "tiny": {
         "encode vit-b/16": ["--variant", "vit-ti/16", "--anchors", "timm", *_TINY,
@@ -168,6 +173,8 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                              "96", "--height", "56", "--image-width", "112",
                              "--window-pixels", "56", "--hf-attention", "sdpa", "eager",
                              "--repeats", "1", "--warmup", "0"],
+        "encode dinov2-l/14": ["--width", "64", "--depth", "2", "--heads", "2", "--image-size",
+                               "28", "--registers", "4", "--repeats", "1", "--warmup", "0"],
     },
     "gpu": {  # gpu_suite.py: bf16 under autocast, sized to finish in one call of < 8 minutes
         "encode vit-b/16": ["--variant", "vit-b/16", "--anchors", "timm", "--batch-size", "256",

@@ -48,6 +48,7 @@ def run_script(benchmarks, monkeypatch, tmp_path, name: str, extra: tuple = ()) 
                                   "encode clip-vit-l/14-336", "llava features", "load",
                                   "mae step", "lora step", "llava step", "scaling",
                                   "shards vs folder", "export cpu", "window attention",
+                                  "encode dinov2-l/14",
                                   pytest.param("llava packed step", marks=pytest.mark.slow)])
 def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
     if name in ("llava step", "llava packed step"):
@@ -73,6 +74,8 @@ def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
         assert max(result["max_abs_difference"].values()) < 1e-4
     if name == "llava step":
         assert result["max_abs_logit_difference"] < 1e-4
+    if name == "encode dinov2-l/14":  # the same weights in all three libraries
+        assert max(result["max_abs_difference"].values()) < 1e-4
 
 
 def test_packed_vs_padded_runs(benchmarks, monkeypatch, tmp_path):
