@@ -1,5 +1,5 @@
-"""Geometry: the bounds on sizes and pixel counts, and the native-resolution size rule
-(`native_size`); the processor's resize and crop use them."""
+"""Geometry: the bounds on sizes and pixel counts, and the native-resolution size rules
+(`native_size`, SigLIP 2's `naflex_size`); the processor's resize and crop use them."""
 
 from __future__ import annotations
 
@@ -93,6 +93,74 @@ def native_size(height: int, width: int, *, multiple: int, min_pixels: int | Non
                          f"{out_h} x {out_w} = {out_h * out_w} pixels (multiples of "
                          f"{multiple}), outside {bound}")
     return out_h, out_w
+
+
+#: SigLIP 2's NaFlex search (`Siglip2ImageProcessor`): the scale is bisected between
+#: ``NAFLEX_SCALE_BOUNDS`` until the bracket is narrower than ``NAFLEX_TOLERANCE`` (the upper
+#: bound caps upscaling at 100x). Kept as they are: the checkpoints were trained on these sizes.
+NAFLEX_TOLERANCE = 1e-5
+NAFLEX_SCALE_BOUNDS = (NAFLEX_TOLERANCE / 10, 100.0)
+
+
+def naflex_size(height: int, width: int, *, patch: int,
+                max_num_patches: int) -> tuple[int, int]:
+    """The (height, width) SigLIP 2's NaFlex processor resizes an image to.
+
+    Both sides are scaled by one factor, each rounded *up* to a multiple of ``patch`` (at
+    least one patch), and the factor is the largest one bisection finds for which the patch
+    grid holds at most ``max_num_patches`` patches: a bisection of [1e-6, 100] to within
+    1e-5, keeping the lower end (``NAFLEX_SCALE_BOUNDS``, ``NAFLEX_TOLERANCE``). This
+    reproduces transformers' ``get_image_size_for_max_num_patches`` size for size.
+    Unlike ``native_size``, small images are scaled *up* to fill the budget, and the aspect
+    ratio may drift by up to one patch per side (the rounding is upward on both).
+
+    Worked numbers, (height, width) -> (height, width), patch 16:
+
+    - A 1080 x 1920 photo: 192 x 336 (12 x 21 = 252 patches) with 256; 384 x 672 with 1024.
+    - ``skimage.data.coffee()``, 400 x 600: 208 x 304 (13 x 19 = 247 patches) with 256.
+    - A 224 x 224 image with 256: 256 x 256 (scaled up to 16 x 16).
+    - A 1 x 100,000 strip with 256: 16 x 4096 (one row of 256 patches).
+
+    Args:
+        height: The image's height in pixels.
+        width: The image's width in pixels.
+        patch: The patch size; every output side is a positive multiple of it.
+        max_num_patches: The most patches the output may hold (SigLIP 2's ``max_num_patches``,
+            256 by default, and the sequence length its padded batches have).
+
+    Returns:
+        (height, width), each a positive multiple of ``patch``, with at most
+        ``max_num_patches`` patches.
+
+    Raises:
+        ValueError: If a size, ``patch`` or ``max_num_patches`` is not a positive int, or no
+            scale fits (a side over a million patches long).
+    """
+    for label, value in [("height", height), ("width", width), ("patch", patch),
+                         ("max_num_patches", max_num_patches)]:
+        if not (_is_int(value) and value > 0):
+            raise ValueError(f"{label} must be a positive int, got {value!r}")
+    height, width, patch = int(height), int(width), int(patch)
+
+    def grid(scale: float) -> tuple[int, int]:
+        # (rows, cols): each scaled side rounded up to whole patches, at least one
+        return (max(1, math.ceil(height * scale / patch)),
+                max(1, math.ceil(width * scale / patch)))
+
+    low, high = NAFLEX_SCALE_BOUNDS  # grid(low) is 1 x 1 for sides up to 1e6 patches
+    while high - low >= NAFLEX_TOLERANCE:
+        middle = (low + high) / 2
+        rows, cols = grid(middle)
+        if rows * cols <= max_num_patches:
+            low = middle
+        else:
+            high = middle
+    rows, cols = grid(low)
+    if rows * cols > max_num_patches:  # a side over a million patches: no scale fits
+        raise ValueError(f"image of height {height} and width {width} cannot be scaled to at "
+                         f"most {max_num_patches} patches of {patch} (the smallest scale, "
+                         f"{NAFLEX_SCALE_BOUNDS[0]:g}, gives {rows} x {cols})")
+    return rows * patch, cols * patch
 
 
 def _is_int(value: Any) -> bool:
