@@ -20,11 +20,18 @@ What the file fixes, recorded in `Converted.rules`:
   units of `spatial_merge_size` patches, 8 patches for patch 14 and merge 2; a window that
   is not a whole number of merge units is refused (transformers would floor it);
 * `image_size` is 16 patches a side, nominal as in `hf_qwen2_vl`; the processor is Qwen2-VL's.
+
+`write` goes the other way: a `Qwen2_5_VisionTransformerPretrainedModel` directory, the
+RMSNorm `patch_merger` pooler as its merger (required, as for Qwen2-VL). An encoder without
+window attention is written with every block in `fullatt_block_indexes` (the same function).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from torch import nn
 
 from vlm_vit.config import ConfigError, EncoderConfig, is_int
 from vlm_vit.convert.base import (
@@ -36,8 +43,20 @@ from vlm_vit.convert.base import (
 )
 from vlm_vit.convert.hf_common import activation
 from vlm_vit.convert.hf_pixtral import rope_theta
-from vlm_vit.convert.hf_qwen2_vl import BLOCK_PATTERN, merger_pooler, qwen_processor, strip_prefix
-from vlm_vit.convert.keymap import rename
+from vlm_vit.convert.hf_qwen2_vl import (
+    BLOCK_PATTERN,
+    QWEN_ARCHITECTURE,
+    merger_pooler,
+    merger_tensors,
+    qwen_preprocessor,
+    qwen_problems,
+    qwen_processor,
+    strip_prefix,
+)
+from vlm_vit.convert.hf_writing import HF_ACTIVATIONS, detached, refuse, write_hf_directory
+from vlm_vit.convert.keymap import invert, rename
+from vlm_vit.processor import ImageProcessor
+from vlm_vit.weights import DEFAULT_MAX_SHARD_SIZE
 
 MODEL_TYPES = ("qwen2_5_vl_vision",)
 CONFIG_FILE = "config.json"
@@ -137,6 +156,60 @@ class HfQwen2_5VLVisionFormat:
         return Converted(config=config, state=state, pooler=pooler,
                          processor=qwen_processor(config.patch_size, merge), rules=rules,
                          source=checkpoint.path, config_file=CONFIG_FILE)
+
+
+    def write(self, encoder: nn.Module, destination: str | Path, *,
+              pooler: nn.Module | None = None, processor: ImageProcessor | None = None,
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+        """Writes a directory `Qwen2_5_VisionTransformerPretrainedModel.from_pretrained`
+        reads: config.json, the weights with `pooler` as the merger, and the processor as
+        `Qwen2VLImageProcessor`'s preprocessor_config.json.
+
+        Raises:
+            ValueError: naming every field Qwen2.5-VL's tower cannot hold
+                (`WRITE_ARCHITECTURE`, 2D RoPE, a Conv3d patch embedding, a window of whole
+                merge units), or no RMSNorm `patch_merger` pooler; nothing is written then.
+        """
+        merger, merge, out_dim = merger_tensors(pooler, "rmsnorm", "Qwen2.5-VL")
+        hf = qwen2_5_vl_config(encoder, merge, out_dim)
+        tensors = {**rename(detached(encoder), invert(KEY_MAP), encoder.config.depth,
+                            source="the encoder"), **merger}
+        settings = None if processor is None else qwen_preprocessor(processor, hf)
+        return write_hf_directory(destination, hf, tensors, settings, max_shard_size)
+
+
+# What Qwen2.5-VL's tower fixes, in EncoderConfig fields; `write` refuses anything else.
+WRITE_ARCHITECTURE = dict(QWEN_ARCHITECTURE, norm="rmsnorm", mlp="swiglu")
+
+
+def qwen2_5_vl_config(encoder: nn.Module, merge: int, out_dim: int) -> dict[str, Any]:
+    """The `config.json` of a `Qwen2_5_VisionTransformerPretrainedModel` holding `encoder`.
+
+    Raises:
+        ValueError: naming every field Qwen2.5-VL's tower cannot hold.
+    """
+    config = encoder.config
+    problems = qwen_problems(config, WRITE_ARCHITECTURE, "Qwen2.5-VL")
+    window, full = config.window_size, list(config.full_attention_blocks)
+    if window is None:  # every block global
+        window, full = merge, list(range(config.depth))
+    elif window % merge:
+        problems.append(f"window_size={window} (Qwen2.5-VL's windows are whole "
+                        f"{merge}x{merge} merge units)")
+    refuse(problems, "Qwen2.5-VL")
+    return {
+        "architectures": ["Qwen2_5_VisionTransformerPretrainedModel"],
+        "model_type": "qwen2_5_vl_vision", "depth": config.depth,
+        "hidden_size": config.width, "intermediate_size": config.mlp_width,
+        "out_hidden_size": out_dim, "hidden_act": HF_ACTIVATIONS[config.act],
+        "num_heads": config.heads, "in_channels": config.in_channels,
+        "patch_size": config.patch_size, "spatial_merge_size": merge,
+        "temporal_patch_size": config.temporal_patch_size,
+        "window_size": window * config.patch_size, "fullatt_block_indexes": full,
+        "initializer_range": 0.02,
+        "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "axial"},
+        "dtype": str(encoder.patch_embed.proj.weight.dtype).removeprefix("torch."),
+    }
 
 
 register_format(HfQwen2_5VLVisionFormat())

@@ -19,11 +19,19 @@ What the file fixes, recorded in `Converted.rules`:
   takes any grid the merger divides;
 * the processor resizes at native resolution to multiples of patch x merge (28 pixels) within
   Qwen2-VL's `smart_resize` bounds (3,136 to 1,003,520 pixels), CLIP's mean and std.
+
+`write` goes the other way: a `Qwen2VisionTransformerPretrainedModel` directory, the
+`patch_merger` pooler written as its merger (transformers' tower always has one, so writing
+without it is refused).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import torch
+from torch import nn
 
 from vlm_vit.config import EncoderConfig, is_real
 from vlm_vit.convert.base import (
@@ -36,8 +44,17 @@ from vlm_vit.convert.base import (
 )
 from vlm_vit.convert.hf_common import activation
 from vlm_vit.convert.hf_pixtral import rope_theta
-from vlm_vit.convert.keymap import rename
+from vlm_vit.convert.hf_writing import (
+    HF_ACTIVATIONS,
+    detached,
+    mismatches,
+    native_resolution_preprocessor,
+    refuse,
+    write_hf_directory,
+)
+from vlm_vit.convert.keymap import invert, rename
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
+from vlm_vit.weights import DEFAULT_MAX_SHARD_SIZE
 
 MODEL_TYPES = ("qwen2_vl_vision",)
 PREFIXES = ("visual.", "model.visual.")  # inside Qwen2VLForConditionalGeneration
@@ -142,6 +159,113 @@ class HfQwen2VLVisionFormat:
         return Converted(config=config, state=state, pooler=pooler,
                          processor=processor, rules=rules, source=checkpoint.path,
                          config_file=CONFIG_FILE)
+
+
+    def write(self, encoder: nn.Module, destination: str | Path, *,
+              pooler: nn.Module | None = None, processor: ImageProcessor | None = None,
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+        """Writes a directory `Qwen2VisionTransformerPretrainedModel.from_pretrained` reads:
+        config.json, the weights with `pooler` as the merger, and the processor as
+        `Qwen2VLImageProcessor`'s preprocessor_config.json.
+
+        Raises:
+            ValueError: naming every field Qwen2-VL's tower cannot hold (`WRITE_ARCHITECTURE`,
+                2D RoPE, a Conv3d patch embedding, the MLP width), or no LayerNorm
+                `patch_merger` pooler; nothing is written then.
+        """
+        merger, merge, out_dim = merger_tensors(pooler, "layernorm", "Qwen2-VL")
+        hf = qwen2_vl_config(encoder, merge, out_dim)
+        tensors = {**rename(detached(encoder), invert(KEY_MAP), encoder.config.depth,
+                            source="the encoder"), **merger}
+        settings = None if processor is None else qwen_preprocessor(processor, hf)
+        return write_hf_directory(destination, hf, tensors, settings, max_shard_size)
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+# What both Qwen towers fix, in EncoderConfig fields; their writers refuse anything else.
+QWEN_ARCHITECTURE = dict(class_token=False, num_register_tokens=0, pre_norm=False,
+                         final_norm=False, qkv_bias=True, patch_bias=False, norm_eps=NORM_EPS,
+                         layer_scale_init=None, hybrid_layers=None, pos_embed="none",
+                         rope_frequencies="shared")
+WRITE_ARCHITECTURE = dict(QWEN_ARCHITECTURE, norm="layernorm", mlp="mlp", window_size=None)
+
+
+def qwen_problems(config: EncoderConfig, architecture: dict[str, Any], family: str) -> list[str]:
+    """What a Qwen tower cannot hold: `architecture`'s fields, no RoPE, a Conv2d patch."""
+    problems = mismatches(config, architecture, family)
+    if config.rope_theta is None:
+        problems.insert(0, f"rope_theta=None ({family} needs 2D RoPE)")
+    if config.temporal_patch_size is None:
+        problems.insert(0, f"temporal_patch_size=None ({family} embeds patches with a Conv3d "
+                           "over frames)")
+    return problems
+
+
+def merger_tensors(pooler: nn.Module | None, norm: str, family: str
+                   ) -> tuple[dict[str, torch.Tensor], int, int]:
+    """The `patch_merger` pooler's weights under the merger's names, its merge size and its
+    output width.
+
+    Raises:
+        ValueError: for no pooler, another pooler, or a merger with another norm or eps.
+    """
+    spec = getattr(pooler, "pooler_spec", None) or {}
+    if spec.get("name") != "patch_merger":
+        found = "none" if pooler is None else repr(spec.get("name", type(pooler).__name__))
+        raise ValueError(f"a Hugging Face {family} vision tower always ends in its merger: "
+                         f"write it with the patch_merger pooler (norm {norm!r}), not {found}")
+    options = {"norm": "layernorm", "eps": NORM_EPS, **spec.get("options", {})}
+    if (options["norm"], options["eps"]) != (norm, NORM_EPS):
+        raise ValueError(f"a Hugging Face {family} merger norms with {norm!r}, eps "
+                         f"{NORM_EPS:g}; this patch_merger has norm {options['norm']!r}, eps "
+                         f"{options['eps']:g}")
+    tensors = {MERGER + name: tensor.detach() for name, tensor in pooler.state_dict().items()}
+    return tensors, pooler.merge_size, pooler.out_dim
+
+
+def mlp_ratio_for(config: EncoderConfig) -> float | None:
+    """The `mlp_ratio` whose `int(embed_dim * mlp_ratio)` is the MLP width (a whole one where
+    it can), or None."""
+    for ratio in (*range(1, 9), config.mlp_width / config.width):
+        if int(config.width * ratio) == config.mlp_width:
+            return ratio
+    return None
+
+
+def qwen2_vl_config(encoder: nn.Module, merge: int, out_dim: int) -> dict[str, Any]:
+    """The `config.json` of a `Qwen2VisionTransformerPretrainedModel` holding `encoder`.
+
+    Raises:
+        ValueError: naming every field Qwen2-VL's tower cannot hold.
+    """
+    config = encoder.config
+    problems = qwen_problems(config, WRITE_ARCHITECTURE, "Qwen2-VL")
+    ratio = mlp_ratio_for(config)
+    if ratio is None:
+        problems.append(f"mlp_width={config.mlp_width} (Qwen2-VL's is int(embed_dim x "
+                        "mlp_ratio))")
+    refuse(problems, "Qwen2-VL")
+    return {
+        "architectures": ["Qwen2VisionTransformerPretrainedModel"],
+        "model_type": "qwen2_vl_vision", "depth": config.depth, "embed_dim": config.width,
+        "hidden_size": out_dim, "hidden_act": HF_ACTIVATIONS[config.act], "mlp_ratio": ratio,
+        "num_heads": config.heads, "in_channels": config.in_channels,
+        "patch_size": config.patch_size, "spatial_merge_size": merge,
+        "temporal_patch_size": config.temporal_patch_size, "initializer_range": 0.02,
+        "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "axial"},
+        "dtype": str(encoder.patch_embed.proj.weight.dtype).removeprefix("torch."),
+    }
+
+
+def qwen_preprocessor(processor: ImageProcessor, hf: dict[str, Any]) -> dict[str, Any]:
+    """`processor` as `Qwen2VLImageProcessor`'s preprocessor_config.json (Qwen2.5-VL's too)."""
+    low = processor.min_output_pixels or MIN_PIXELS
+    high = processor.max_output_pixels or MAX_PIXELS
+    return native_resolution_preprocessor(
+        processor, "Qwen2VLImageProcessor", size={"shortest_edge": low, "longest_edge": high},
+        min_pixels=low, max_pixels=high, patch_size=hf["patch_size"],
+        temporal_patch_size=hf["temporal_patch_size"], merge_size=hf["spatial_merge_size"])
 
 
 register_format(HfQwen2VLVisionFormat())
