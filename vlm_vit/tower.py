@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,13 @@ from vlm_vit.model import VisionEncoder
 from vlm_vit.native import CONFIG_NAME, check_state_dict
 from vlm_vit.poolers import build_pooler, pool_packed
 from vlm_vit.processor import PROCESSOR_CONFIG_NAME, ImageProcessor
+from vlm_vit.processor.anyres import Tiling, as_tiling, num_views, pack_features
+from vlm_vit.processor.anyres import num_image_tokens as tiled_tokens
 from vlm_vit.registry import UnknownNameError
 from vlm_vit.tensor_files import read_safetensors
 
 POOLER_WEIGHTS_NAME = "pooler.safetensors"
+TILING_WEIGHTS_NAME = "tiling.safetensors"  # the tiling's `image_newline`, when it has one
 
 
 def no_graph_if_frozen(module: nn.Module) -> contextlib.AbstractContextManager:
@@ -44,14 +48,18 @@ class VisionTower(nn.Module):
         processor: the encoder's preprocessing (an `ImageProcessor`), saved with the tower
             and read back by `from_pretrained` and `load_processor`; `load_tower` sets the
             checkpoint's own.
+        tiling: AnyRes (`vlm_vit.processor.Tiling`, LLaVA-NeXT / OneVision): `forward` then
+            takes each image's views and size (`forward_tiled`); default: the processor's.
+            With `tiling.newline` the tower holds `image_newline` `[out_dim]`, saved with it.
 
     Raises:
-        ValueError: when the pooler cannot work on what the tower gives it.
+        ValueError: when the pooler cannot work on what the tower gives it, or the tiling
+            differs from the processor's, or the pooler gives no square grid per tile.
     """
 
     def __init__(self, encoder: VisionEncoder, pooler: nn.Module,
                  feature_layer: int | list[int] | None = None, drop_prefix: bool = True,
-                 processor: ImageProcessor | None = None):
+                 processor: ImageProcessor | None = None, tiling: Tiling | None = None):
         super().__init__()
         self.encoder = encoder
         self.processor = processor
@@ -72,6 +80,32 @@ class VisionTower(nn.Module):
         if in_dim is not None and in_dim != self.feature_dim:
             raise ValueError(f"the pooler takes width {in_dim}, but the tower gives "
                              f"{self.feature_dim} (feature_layer={feature_layer!r})")
+        own = getattr(processor, "tiling", None)
+        self.tiling = as_tiling(tiling) if tiling is not None else own
+        if processor is not None and own != self.tiling:
+            raise ValueError(f"the tower tiles by {self.tiling} but its processor by {own}; "
+                             "give the processor the same tiling (and size)")
+        newline = None
+        if self.tiling is not None:
+            self.tile_side = self._tile_side()
+            width = getattr(pooler, "out_dim", None)
+            if self.tiling.newline:
+                if width is None:
+                    raise ValueError("a tiling with newline needs a pooler with an out_dim")
+                newline = nn.Parameter(torch.randn(width) / math.sqrt(width))  # LLaVA-NeXT's
+        self.register_parameter("image_newline", newline)
+
+    def _tile_side(self) -> int:
+        """Tokens per tile side after the pooler: tiling packs square grids of them."""
+        tile = self.tiling.tile_size
+        count = self.pooler.num_output_tokens(self.encoder.patch_embed.grid(tile, tile),
+                                              num_prefix_tokens=self.num_prefix_tokens)
+        side = math.isqrt(count or 0)
+        if self.num_prefix_tokens or not count or side * side != count:
+            raise ValueError(f"tiling needs a square grid of tokens per {tile}x{tile} tile "
+                             f"and no prefix tokens (drop_prefix=True); the pooler gives "
+                             f"{count} with {self.num_prefix_tokens} prefix tokens")
+        return side
 
     @property
     def _layers(self) -> list[int] | None:
@@ -118,14 +152,20 @@ class VisionTower(nn.Module):
             lengths = tuple(length - out.num_prefix_tokens for length in lengths)
         return tokens, lengths, out.grids
 
-    def forward(self, pixel_values: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]
-                ) -> torch.Tensor | list[torch.Tensor]:
+    def forward(self, pixel_values: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...],
+                image_sizes: Any = None) -> torch.Tensor | list[torch.Tensor]:
         """Pixels `[B, C, H, W]` to `[B, M, out_dim]` tokens (or `[B, out_dim]` vectors).
 
         A list of `[C, H_i, W_i]` images of any sizes is encoded in one packed pass and
         pooled image by image (`vlm_vit.poolers.pool_packed`): a list of `[M_i, out_dim]`
-        tensors, M_i = `num_image_tokens((H_i, W_i))` (or of `[out_dim]` vectors).
+        tensors, M_i = `num_image_tokens((H_i, W_i))` (or of `[out_dim]` vectors). With
+        `image_sizes`, a list of each image's tiled views: see `forward_tiled`.
         """
+        if image_sizes is not None:
+            return self.forward_tiled(pixel_values, image_sizes)
+        if self.tiling is not None and isinstance(pixel_values, (list, tuple)):
+            raise ValueError("a tiled tower takes a list of views with image_sizes (each "
+                             "image's (height, width): ImageProcessor.tile gives both)")
         if isinstance(pixel_values, (list, tuple)):
             tokens, lengths, grids = self.select_packed(pixel_values)
             return pool_packed(self.pooler, tokens, lengths=lengths, grids=grids,
@@ -133,15 +173,48 @@ class VisionTower(nn.Module):
         tokens, grid = self.select(pixel_values)
         return self.pooler(tokens, num_prefix_tokens=self.num_prefix_tokens, grid=grid)
 
-    def num_image_tokens(self, image_size: int | tuple[int, int] | None = None) -> int | None:
-        """Exactly how many tokens `forward` returns per image of this size (None: a vector).
+    def forward_tiled(self, views: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                      image_sizes: Any) -> list[torch.Tensor]:
+        """AnyRes: each image's views `[V_i, C, t, t]` (base first, as `ImageProcessor.tile`
+        gives them) and its original (height, width) to its tokens `[M_i, out_dim]`,
+        M_i = `num_image_tokens((height, width))`. Every view of every image is encoded and
+        pooled in one batch; each image is then packed as LLaVA-NeXT does: the base view's
+        tokens, then the tiles' grid stitched, unpadded, (OneVision) shrunk, a newline after
+        each row (`vlm_vit.processor.anyres.pack_features`).
 
         Raises:
-            ValueError: for a size that is not a multiple of the patch size.
+            ValueError: without a tiling, or when views and sizes disagree.
+        """
+        if self.tiling is None:
+            raise ValueError("image_sizes is for a tiled tower; this one has no tiling")
+        views = list(views)
+        sizes = [tuple(int(side) for side in size) for size in image_sizes]
+        tile = self.tiling.tile_size
+        if not views or len(views) != len(sizes):
+            raise ValueError(f"{len(views)} images of views for {len(sizes)} image sizes")
+        for index, (image, size) in enumerate(zip(views, sizes, strict=True)):
+            expected = num_views(self.tiling, size)
+            if image.ndim != 4 or image.shape[0] != expected or image.shape[2:] != (tile, tile):
+                raise ValueError(f"image {index} of size {size}: views of shape "
+                                 f"{list(image.shape)}, its tiling needs [{expected}, C, {tile}, "
+                                 f"{tile}]")
+        tokens, grid = self.select(torch.cat(views))
+        pooled = self.pooler(tokens, num_prefix_tokens=0, grid=grid)  # [sum V_i, side**2, D]
+        return [pack_features(part, self.tiling, size, self.image_newline)
+                for part, size in zip(pooled.split([len(v) for v in views]), sizes, strict=True)]
+
+    def num_image_tokens(self, image_size: int | tuple[int, int] | None = None) -> int | None:
+        """Exactly how many tokens `forward` returns per image of this size (None: a vector);
+        with a tiling, per original image size (any, each side at least 1).
+
+        Raises:
+            ValueError: for a size that is not a multiple of the patch size (untiled).
         """
         if image_size is None:
             image_size = self.encoder.config.image_size
         height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
+        if self.tiling is not None:
+            return tiled_tokens(self.tiling, (height, width), self.tile_side)
         grid = self.encoder.patch_embed.grid(height, width)
         return self.pooler.num_output_tokens(grid, num_prefix_tokens=self.num_prefix_tokens)
 
@@ -164,11 +237,18 @@ class VisionTower(nn.Module):
         directory = Path(directory)
         tower = {"feature_layer": self.feature_layer, "drop_prefix": self.drop_prefix,
                  "pooler": spec}
+        if self.tiling is not None:
+            tower["tiling"] = self.tiling.to_dict()
         with atomic_directory(directory) as temp:  # every file appears at once
             self.encoder.save_pretrained(temp, extra_config={"tower": tower},
                                          max_shard_size=max_shard_size, model_card=model_card)
             write_safetensors(self.pooler.state_dict(), temp / POOLER_WEIGHTS_NAME)
-            write_manifest(temp, [POOLER_WEIGHTS_NAME], merge=True)  # beside the encoder's
+            written = [POOLER_WEIGHTS_NAME]
+            if self.image_newline is not None:
+                write_safetensors({"image_newline": self.image_newline.detach()},
+                                  temp / TILING_WEIGHTS_NAME)
+                written.append(TILING_WEIGHTS_NAME)
+            write_manifest(temp, written, merge=True)  # beside the encoder's
             if self.processor is not None:
                 self.processor.save_pretrained(temp)
         return directory
@@ -210,13 +290,30 @@ class VisionTower(nn.Module):
         processor = ImageProcessor.from_pretrained(directory) \
             if (directory / PROCESSOR_CONFIG_NAME).is_file() else None
         try:
-            return cls(encoder, pooler, feature_layer=tower["feature_layer"],
-                       drop_prefix=tower["drop_prefix"], processor=processor)
+            built = cls(encoder, pooler, feature_layer=tower["feature_layer"],
+                        drop_prefix=tower["drop_prefix"], processor=processor,
+                        tiling=tower["tiling"])
         except ValueError as error:
             raise ValueError(f"{config_path}: tower: {error}") from None
+        if built.image_newline is not None:
+            built._load_newline(directory, verify, dtype)
+        return built
+
+    def _load_newline(self, directory: Path, verify: bool | None,
+                      dtype: torch.dtype | None) -> None:
+        """Reads `image_newline` from `tiling.safetensors`, strictly."""
+        path = directory / TILING_WEIGHTS_NAME
+        verify_files(directory, [path], verify)
+        state = read_safetensors(path)
+        shapes = {name: list(tensor.shape) for name, tensor in state.items()}
+        expected = {"image_newline": list(self.image_newline.shape)}
+        if shapes != expected:
+            raise ValueError(f"{path} holds {shapes}; the tower's tiling needs {expected}")
+        newline = state["image_newline"]  # as stored, bit for bit, unless a dtype is asked
+        self.image_newline.data = newline if dtype is None else newline.to(dtype)
 
 
-TOWER_KEYS = ("feature_layer", "drop_prefix", "pooler")
+TOWER_KEYS = ("feature_layer", "drop_prefix", "pooler", "tiling")
 POOLER_SPEC_KEYS = ("name", "in_dim", "out_dim", "options")
 
 
@@ -225,7 +322,8 @@ def read_tower_config(raw: dict[str, Any], source: object) -> dict[str, Any]:
 
     It holds `feature_layer` (null, an int, or a list of ints), `drop_prefix` (true or
     false) and `pooler`: `{"name": str, "in_dim": int, "out_dim": int or null, "options":
-    {...}}`, as `VisionTower.save_pretrained` writes it. The pooler's sizes are bounded by
+    {...}}`, as `VisionTower.save_pretrained` writes it, and `tiling` when the tower
+    tiles (`Tiling.to_dict`). The pooler's sizes are bounded by
     `build_pooler`.
 
     Args:
@@ -268,7 +366,12 @@ def read_tower_config(raw: dict[str, Any], source: object) -> dict[str, Any]:
                          f"pooler's options, got {options!r}")
     pooler = {"name": spec["name"], "in_dim": spec["in_dim"], "out_dim": spec.get("out_dim"),
               "options": options}
-    return {"feature_layer": layer, "drop_prefix": tower["drop_prefix"], "pooler": pooler}
+    try:
+        tiling = as_tiling(tower.get("tiling"))
+    except ValueError as error:
+        raise ValueError(f"{source}: tower.{error}") from None
+    return {"feature_layer": layer, "drop_prefix": tower["drop_prefix"], "pooler": pooler,
+            "tiling": tiling}
 
 
 def _check_object(name: str, value: Any, keys: tuple[str, ...], source: object) -> None:
