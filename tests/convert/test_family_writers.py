@@ -258,3 +258,17 @@ def test_qwen2_5_vl_holds_an_encoder_without_windows_as_all_global_blocks(tmp_pa
         theirs = model(patches, grid_thw=grid_thw)
         pooled = merger(out.tokens, num_prefix_tokens=0, grid=out.grid)
     torch.testing.assert_close(pooled[0], theirs.pooler_output, atol=OURS_ATOL, rtol=OURS_ATOL)
+
+
+def test_convert_writes_transformers_shards_by_its_dashed_name(tmp_path):
+    torch.manual_seed(0)
+    original = perturbed(qwen_model("qwen2_5_vl")).eval()
+    original.save_pretrained(tmp_path / "original")
+    destination = tmp_path / "sharded"
+    assert main(["convert", str(tmp_path / "original"), str(destination), "--to",
+                 "hf-qwen2-5-vl", "--max-shard-size", "20KB"]) == 0
+    assert (destination / "model.safetensors.index.json").is_file()
+    again = reloaded(type(original), destination)
+    for mine, reference in zip(again.state_dict().values(), original.state_dict().values(),
+                               strict=True):
+        assert torch.equal(mine, reference)

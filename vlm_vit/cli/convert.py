@@ -1,4 +1,5 @@
-"""`vlm-vit convert SRC DST --to FORMAT`: between native, Hugging Face CLIP, timm, open_clip."""
+"""`vlm-vit convert SRC DST --to FORMAT`: between native, Hugging Face CLIP, DINOv2, Pixtral,
+Qwen2-VL and Qwen2.5-VL, timm, open_clip."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from vlm_vit.model import CONFIG_NAME, VisionEncoder
 from vlm_vit.processor import PROCESSOR_CONFIG_NAME
 from vlm_vit.weights import SHARD_INDEX, parse_size
 
-SHARDABLE = ("native", "hf_clip")  # the others' libraries read one weight file
+# transformers reads shards; timm and open_clip read one weight file
+SHARDABLE = ("native", "hf_clip", "hf_dinov2", "hf_pixtral", "hf_qwen2_vl", "hf_qwen2_5_vl")
 # What a native save writes besides the weight files its manifest lists: over an earlier
 # vlm-vit model these, and that model's listed weights, are all it replaces.
 NATIVE_METADATA = (CONFIG_NAME, MANIFEST_NAME, SHARD_INDEX, PROCESSOR_CONFIG_NAME)
@@ -35,12 +37,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("source", metavar="SRC", help="a checkpoint path or model name "
                         "(org/name, hf-hub:org/name, open_clip's MODEL/TAG)")
     parser.add_argument("destination", metavar="DST", type=Path,
-                        help="a directory (native, hf_clip, timm; open_clip: one its "
-                        "factory loads) or, for open_clip, a .safetensors state dict; an "
+                        help="a directory (native, timm, the Hugging Face formats; open_clip: "
+                        "one its factory loads) or, for open_clip, a .safetensors state dict; an "
                         "existing folder must hold a model, and only that model's files are "
                         "replaced")
     parser.add_argument("--to", required=True, metavar="FORMAT",
-                        help="native, hf-clip, timm or open_clip (dashes or underscores)")
+                        help="native, hf-clip, hf-dinov2, hf-pixtral, hf-qwen2-vl, "
+                        "hf-qwen2-5-vl, timm or open_clip (dashes or underscores)")
     parser.add_argument("--from", dest="source_format", metavar="FORMAT",
                         help="read SRC as this format instead of detecting it")
     parser.add_argument("--image-size", type=int, nargs="+", metavar="SIDE",
@@ -51,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "differ from the original by one pixel)")
     parser.add_argument("--max-shard-size", metavar="SIZE", default=None,
                         help="write larger weights as shards and an index, as transformers "
-                        "does (native and hf-clip; default 5GB)")
+                        "does (native and the Hugging Face formats; default 5GB)")
     parser.set_defaults(run=run)
 
 
