@@ -272,3 +272,19 @@ def test_convert_writes_transformers_shards_by_its_dashed_name(tmp_path):
     for mine, reference in zip(again.state_dict().values(), original.state_dict().values(),
                                strict=True):
         assert torch.equal(mine, reference)
+
+
+# -- timm: what its VisionTransformer cannot hold -----------------------------------------------
+
+PLAIN = dict(image_size=32, patch_size=8, width=32, depth=1, heads=2, mlp_width=64)
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    (dict(temporal_patch_size=2), "temporal_patch_size=2"),
+    (dict(window_size=2, class_token=False), "window_size=2"),
+    (dict(window_size=2, full_attention_blocks=(0,), class_token=False), "window_size=2"),
+])
+def test_timm_refuses_video_patches_and_windows_by_name(tmp_path, fields, named):
+    message = refusal("timm", tmp_path, **PLAIN, **fields)
+    assert message == ("timm's VisionTransformer has neither a Conv3d patch embedding nor "
+                       f"window attention; this encoder has {named}")

@@ -207,7 +207,8 @@ class TimmFormat:
 
         Raises:
             ValueError: for what timm's factory cannot build from a config file: RMSNorm,
-                SwiGLU or the hybrid (`CODE_ONLY`), 2D RoPE or no position table, a norm eps
+                SwiGLU or the hybrid (`CODE_ONLY`), a Conv3d patch embedding or window
+                attention, 2D RoPE or no position table, a norm eps
                 other than 1e-5 above 1e-6 (smaller ones are built as 1e-6), or a patch bias
                 that is not the opposite of pre-norm (timm ties the two).
         """
@@ -256,6 +257,12 @@ def timm_architecture(config: EncoderConfig) -> str:
     if code_only:
         raise ValueError(f"timm's factory cannot build {', '.join(code_only)} from a config "
                          "file (its VisionTransformer takes them as modules)")
+    video_or_windows = [f"{field}={getattr(config, field)!r}"
+                        for field in ("temporal_patch_size", "window_size")
+                        if getattr(config, field) is not None]
+    if video_or_windows:
+        raise ValueError(f"timm's VisionTransformer has neither a Conv3d patch embedding nor "
+                         f"window attention; this encoder has {', '.join(video_or_windows)}")
     if config.rope_theta is not None or config.pos_embed != "learned":
         raise ValueError(f"timm's VisionTransformer has no 2D RoPE and always a learned position "
                          f"table; this encoder has rope_theta={config.rope_theta!r}, "
