@@ -4,7 +4,8 @@ Reads the directories `save_pretrained` writes for `CLIPVisionModel`,
 `CLIPVisionModelWithProjection`, `CLIPModel`, `SiglipVisionModel` and `SiglipModel`, with the
 vision names bare (`embeddings.class_embedding`, what transformers 5 writes for the vision-only
 classes) or under `vision_model.` (the composite models, and older files); text towers are
-dropped. `save_hf_clip` writes a `CLIPVisionModel` (or, with a projection,
+dropped. SigLIP 2's fixed-resolution checkpoints are `SiglipModel`s and load here (its
+NaFlex ones are `hf_siglip2`). `save_hf_clip` writes a `CLIPVisionModel` (or, with a projection,
 `CLIPVisionModelWithProjection`) directory without importing transformers.
 
 Where the outputs line up with Hugging Face's:
@@ -208,17 +209,26 @@ class HFVisionFormat:
         head = split_pooler(state)
         add_batch_axis(state)
         fuse_qkv(state, config.depth)
-        settings = checkpoint.files.get(PREPROCESSOR_NAME)
-        processor = self.default_processor(config.image_size)
-        if settings is not None:
-            processor = processor_from_hf(settings, processor, rules,
-                                          source=checkpoint.path / PREPROCESSOR_NAME)
-        else:
-            rules.append(f"no {PREPROCESSOR_NAME}: using {self.family}'s preprocessing "
-                         f"{processor.to_dict()}")
+        self.fix_up(state, config, checkpoint.path)
+        processor = self.image_processor(checkpoint.files.get(PREPROCESSOR_NAME), config, rules,
+                                         checkpoint.path / PREPROCESSOR_NAME)
         return Converted(config=config, state=state, pooler=self.pooler(vision, head),
                          processor=processor, rules=rules, source=checkpoint.path,
                          config_file=CONFIG_NAME)
+
+    def fix_up(self, state: dict[str, torch.Tensor], config: EncoderConfig,
+               source: object) -> None:
+        """A family's own tensor fix-ups after renaming (in place); none for CLIP and SigLIP."""
+
+    def image_processor(self, settings: dict[str, Any] | None, config: EncoderConfig,
+                        rules: list[str], source: object) -> ImageProcessor:
+        """The preprocessing of `settings` (a `preprocessor_config.json`), else the family's."""
+        processor = self.default_processor(config.image_size)
+        if settings is None:
+            rules.append(f"no {PREPROCESSOR_NAME}: using {self.family}'s preprocessing "
+                         f"{processor.to_dict()}")
+            return processor
+        return processor_from_hf(settings, processor, rules, source=source)
 
     def pooler(self, vision: dict[str, Any], head: dict[str, torch.Tensor]) -> NativePooler | None:
         raise NotImplementedError
