@@ -288,3 +288,38 @@ def test_timm_refuses_video_patches_and_windows_by_name(tmp_path, fields, named)
     message = refusal("timm", tmp_path, **PLAIN, **fields)
     assert message == ("timm's VisionTransformer has neither a Conv3d patch embedding nor "
                        f"window attention; this encoder has {named}")
+
+
+# -- timm's Eva (EVA-02) ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["eva02_tiny", "registers_layerscale_unfused",
+                                     "eva_giant_shaped"])
+def test_timm_eva_written_back_is_the_same_model(tmp_path, variant):
+    timm = pytest.importorskip("timm")
+    from .test_timm_eva import VARIANTS, save_eva, timm_states
+
+    architecture, options = VARIANTS[variant]
+    _, original = save_eva(tmp_path / "original", architecture, **options)
+    destination = written(tmp_path / "original", tmp_path, "timm_eva")
+    again = timm.create_model(f"local-dir:{destination}", pretrained=True).eval()  # strict
+    assert saved_keys(destination) == set(again.state_dict())
+    size = options.get("img_size", 28)
+    size = (size, size) if isinstance(size, int) else size
+    x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        (states, final), (reference, reference_final) = \
+            timm_states(again, x), timm_states(original.eval(), x)
+    for mine, theirs in zip([*states, final], [*reference, reference_final], strict=True):
+        torch.testing.assert_close(mine, theirs, atol=ATOL, rtol=ATOL)
+
+
+def test_timm_eva_refuses_what_it_cannot_hold(tmp_path):
+    message = refusal("timm_eva", tmp_path, **PLAIN, norm="rmsnorm", act="quick_gelu",
+                      pre_norm=True)
+    assert message == ("timm's Eva cannot hold this encoder: norm='rmsnorm' (timm's Eva needs "
+                       "'layernorm'); act='quick_gelu' (timm's Eva MLP needs 'gelu'); "
+                       "patch_bias=True with pre_norm=True (timm's Eva ties the patch bias to "
+                       "no pre-norm)")
+    biased = perturbed(VisionEncoder(EncoderConfig(**PLAIN)))
+    with pytest.raises(ValueError, match=r"no k bias, .* blocks\.0\.attn\.qkv\.bias$"):
+        FORMATS.get("timm_eva").write(biased, tmp_path / "refused")

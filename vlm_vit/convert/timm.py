@@ -113,7 +113,7 @@ def build_timm_model(config: EncoderConfig, **extra: Any) -> nn.Module:
 def to_timm_state_dict(state: dict[str, torch.Tensor], config: EncoderConfig) -> dict:
     """Native weights as timm's: identical, but registers get zero position entries."""
     state = dict(state)
-    if config.num_register_tokens:
+    if config.num_register_tokens and "pos_embed" in state:
         table = state["pos_embed"]
         cls = int(config.class_token)
         zeros = table.new_zeros(1, config.num_register_tokens, table.shape[-1])
@@ -212,23 +212,30 @@ class TimmFormat:
                 other than 1e-5 above 1e-6 (smaller ones are built as 1e-6), or a patch bias
                 that is not the opposite of pre-norm (timm ties the two).
         """
-        destination = Path(destination)
         config = encoder.config
         architecture = timm_architecture(config)
         args = {k: v for k, v in timm_model_kwargs(config).items() if k != "norm_layer"}
         args["img_size"] = list(config.image_size)
-        meta = {"architecture": architecture, "num_classes": 0, "model_args": args,
-                "norm_eps": config.norm_eps}
-        # timm reads a config without "pretrained_cfg" as a flat legacy one: always write it.
-        meta["pretrained_cfg"] = {"input_size": [config.in_channels, *config.image_size]}
-        if processor is not None:
-            meta["pretrained_cfg"] = {"mean": list(processor.mean), "std": list(processor.std),
-                                      "input_size": [3, *processor.size]}
-        with atomic_directory(destination) as temp:  # both files appear at once
-            with atomic_write(temp / "config.json", "w") as handle:
-                json.dump(meta, handle, indent=2)
-            write_safetensors(to_timm_state_dict(encoder.state_dict(), config),
-                              temp / "model.safetensors")
+        write_timm_directory(destination, architecture, args, config,
+                             to_timm_state_dict(encoder.state_dict(), config), processor)
+
+
+def write_timm_directory(destination: str | Path, architecture: str, model_args: dict[str, Any],
+                         config: EncoderConfig, state: dict[str, torch.Tensor],
+                         processor: ImageProcessor | None = None) -> None:
+    """Writes timm's hub layout into `destination`: `config.json` (the registration, its
+    `model_args` and `pretrained_cfg`) and `model.safetensors`, both appearing at once."""
+    meta = {"architecture": architecture, "num_classes": 0, "model_args": model_args,
+            "norm_eps": config.norm_eps}
+    # timm reads a config without "pretrained_cfg" as a flat legacy one: always write it.
+    meta["pretrained_cfg"] = {"input_size": [config.in_channels, *config.image_size]}
+    if processor is not None:
+        meta["pretrained_cfg"] = {"mean": list(processor.mean), "std": list(processor.std),
+                                  "input_size": [3, *processor.size]}
+    with atomic_directory(Path(destination)) as temp:  # both files appear at once
+        with atomic_write(temp / "config.json", "w") as handle:
+            json.dump(meta, handle, indent=2)
+        write_safetensors(state, temp / "model.safetensors")
 
 
 # timm registrations whose LayerNorm eps a config file cannot set (its `norm_layer` is code):

@@ -21,13 +21,20 @@ the sub-LN inside SwiGLU (`scale_mlp`: eva02 base and large, the EVA-02 CLIP tow
 inside attention (`scale_attn_inner`), the post-norm block (eva02 enormous), RoPE positions
 rescaled to a reference grid other than the model's own (`ref_feat_shape`: the 336 and 448
 variants), and the other RoPE kinds of timm's `Eva` (PE, DINOv3, mixed).
+
+`write` goes the other way, to what `timm.create_model("local-dir:DIR", pretrained=True)`
+builds as an `Eva`: the permutation undone, SwiGLU packed again, the qkv bias split into
+`q_bias` and `v_bias` (a k bias that is not zero is refused: Eva has none), and every
+argument in `model_args`, RoPE counted on the model's own grid (`ref_feat_shape`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from vlm_vit.config import ConfigError, EncoderConfig
 from vlm_vit.convert.base import (
@@ -38,9 +45,18 @@ from vlm_vit.convert.base import (
     held_blocks,
     register_format,
 )
-from vlm_vit.convert.keymap import fuse_qkv, rename
-from vlm_vit.convert.timm import EVA_ATTENTION, _fold_positions, _grid_tokens, _processor
+from vlm_vit.convert.hf_writing import detached, mismatches
+from vlm_vit.convert.keymap import fuse_qkv, invert, rename
+from vlm_vit.convert.timm import (
+    EVA_ATTENTION,
+    _fold_positions,
+    _grid_tokens,
+    _processor,
+    to_timm_state_dict,
+    write_timm_directory,
+)
 from vlm_vit.native import MODEL_TYPE
+from vlm_vit.processor import ImageProcessor
 
 CONFIG_FILE = "config.json"
 BLOCK_PATTERN = r"blocks\.(\d+)\."
@@ -202,9 +218,11 @@ def fuse_attention(state: dict[str, torch.Tensor], depth: int) -> None:
     fuse_qkv(state, depth)
 
 
-def interleaved_to_half(state: dict[str, torch.Tensor], depth: int, heads: int) -> None:
+def interleaved_to_half(state: dict[str, torch.Tensor], depth: int, heads: int,
+                        inverse: bool = False) -> None:
     """Permutes the q and k rows of every head from RoPE's interleaved pairs (2i, 2i+1) to
-    our halves (i, i + head_dim/2): even channels first, then odd (in place)."""
+    our halves (i, i + head_dim/2): even channels first, then odd (in place); `inverse` goes
+    back."""
     for i in range(depth):
         for kind in ("weight", "bias"):
             name = f"blocks.{i}.attn.qkv.{kind}"
@@ -214,6 +232,7 @@ def interleaved_to_half(state: dict[str, torch.Tensor], depth: int, heads: int) 
             width = qkv.shape[0] // 3
             head_dim = width // heads
             order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+            order = torch.argsort(order) if inverse else order
             rows = (torch.arange(heads)[:, None] * head_dim + order).flatten()  # (D,)
             rows = torch.cat([rows, rows + width, torch.arange(2 * width, 3 * width)])
             state[name] = qkv[rows]
@@ -289,12 +308,93 @@ class TimmEvaFormat:
                          source=checkpoint.path,
                          config_file=CONFIG_FILE if checkpoint.config else "the shapes")
 
+    def write(self, encoder: nn.Module, destination: str | Path, *,
+              pooler: nn.Module | None = None, processor: ImageProcessor | None = None) -> None:
+        """Writes `model.safetensors` and a timm `config.json` (an Eva registration with every
+        argument in `model_args`) into `destination`.
+
+        Raises:
+            ValueError: naming every field timm's Eva cannot hold (`WRITE_ARCHITECTURE`, an
+                activation other than its MLP's, a patch bias not the opposite of pre-norm),
+                or a k bias that is not zero; nothing is written then.
+        """
+        config = encoder.config
+        args = eva_model_args(config)
+        architecture = "eva02_tiny_patch14_224" if args["use_rot_pos_emb"] else \
+            "eva_giant_patch14_224"
+        write_timm_directory(destination, architecture, args, config, eva_tensors(encoder),
+                             processor)
+
 
 def _attention_names() -> dict[str, str]:
     """Eva's attention tensors kept under their own names for `fuse_attention`."""
     names = ["q_bias", "v_bias", *(f"{x}_proj.{kind}" for x in "qkv"
                                    for kind in ("weight", "bias"))]
     return {f"blocks.{{}}.attn.{name}": f"blocks.{{}}.attn.{name}" for name in names}
+
+
+# What timm's Eva builds from a config file, in EncoderConfig fields; `write` refuses the rest.
+WRITE_ARCHITECTURE = dict(norm="layernorm", norm_eps=1e-6, hybrid_layers=None,
+                          rope_frequencies="shared", temporal_patch_size=None, window_size=None)
+
+
+def eva_model_args(config: EncoderConfig) -> dict[str, Any]:
+    """`Eva`'s arguments for `config`, each given (the registration's own are overridden).
+
+    Raises:
+        ValueError: naming every field timm's Eva cannot hold.
+    """
+    swiglu = config.mlp == "swiglu"
+    problems = mismatches(config, WRITE_ARCHITECTURE, "timm's Eva")
+    if not swiglu and config.act != "gelu":
+        problems.append(f"act={config.act!r} (timm's Eva MLP needs 'gelu')")
+    if config.patch_bias == config.pre_norm:
+        problems.append(f"patch_bias={config.patch_bias} with pre_norm={config.pre_norm} "
+                        "(timm's Eva ties the patch bias to no pre-norm)")
+    if problems:
+        raise ValueError("timm's Eva cannot hold this encoder: " + "; ".join(problems))
+    rope = config.rope_theta is not None
+    grid = [side // config.patch_size for side in config.image_size]
+    return dict(
+        img_size=list(config.image_size), patch_size=config.patch_size,
+        in_chans=config.in_channels, embed_dim=config.width, depth=config.depth,
+        num_heads=config.heads, mlp_ratio=config.mlp_width / config.width,
+        qkv_bias=config.qkv_bias, swiglu_mlp=swiglu, scale_mlp=False,
+        class_token=config.class_token, num_reg_tokens=config.num_register_tokens,
+        no_embed_class=False, use_abs_pos_emb=config.pos_embed == "learned",
+        use_rot_pos_emb=rope, rope_temperature=config.rope_theta if rope else 10000.0,
+        ref_feat_shape=grid if rope else None, init_values=config.layer_scale_init,
+        use_pre_transformer_norm=config.pre_norm, use_post_transformer_norm=config.final_norm,
+        use_fc_norm=False, global_pool="token" if config.class_token else "avg",
+        num_classes=0)
+
+
+def eva_tensors(encoder: nn.Module) -> dict[str, torch.Tensor]:
+    """The encoder's weights under `Eva`'s names (a pure function).
+
+    Raises:
+        ValueError: naming the blocks whose k bias is not zero.
+    """
+    config = encoder.config
+    depth = config.depth
+    state = to_timm_state_dict(detached(encoder), config)
+    if config.rope_theta is not None:
+        interleaved_to_half(state, depth, config.heads, inverse=True)
+    nonzero = []
+    for i in range(depth):
+        attn, mlp = f"blocks.{i}.attn.", f"blocks.{i}.mlp."
+        if (bias := state.pop(attn + "qkv.bias", None)) is not None:
+            q_bias, k_bias, v_bias = bias.chunk(3)
+            nonzero += [f"{attn}qkv.bias"] if k_bias.any() else []
+            state[attn + "q_bias"], state[attn + "v_bias"] = q_bias, v_bias
+        for kind in ("weight", "bias") if config.mlp == "swiglu" else ():
+            gate, value = state.pop(f"{mlp}fc1_g.{kind}"), state.pop(f"{mlp}fc1_x.{kind}")
+            state[f"{mlp}fc1.{kind}"] = torch.cat([gate, value])  # GluMlp: the gate first
+    if nonzero:
+        raise ValueError(f"timm's Eva has no k bias, but this encoder's is not zero in "
+                         f"{', '.join(nonzero)}")
+    return rename(state, invert({**KEY_MAP, **_attention_names()}), depth,
+                  source="the encoder")
 
 
 register_format(TimmEvaFormat())
