@@ -4,6 +4,7 @@ the packed features themselves, for awkward sizes, thin strips and odd sides; sa
 the tiling and `image_newline`; what a tiled tower refuses."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -168,7 +169,18 @@ def test_saved_tower_keeps_its_tiling_and_newline(llava_next, tmp_path):
         for mine, saved in zip(tower(views, image_sizes=sizes), loaded(views, image_sizes=sizes),
                                strict=True):
             assert torch.equal(mine, saved)
+        as_tensor = loaded(views, image_sizes=torch.tensor(sizes))  # transformers' image_sizes
+        assert all(torch.equal(a, b) for a, b in zip(as_tensor, loaded(views, image_sizes=sizes),
+                                                     strict=True))
     assert (tmp_path / "tower" / "tiling.safetensors").is_file()
+    (tmp_path / "tower" / "tiling.safetensors").unlink()
+    with pytest.raises((FileNotFoundError, ValueError), match="tiling.safetensors"):
+        VisionTower.from_pretrained(tmp_path / "tower")
+    config = json.loads((tmp_path / "tower" / "config.json").read_text())
+    config["tower"]["tiling"]["pinpoints"] = [[32, 48]]
+    (tmp_path / "tower" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json: tower.tiling pinpoint \(32, 48\)"):
+        VisionTower.from_pretrained(tmp_path / "tower")
     untiled = VisionTower(tower.encoder, tower.pooler, feature_layer=-2)
     assert untiled.image_newline is None and "image_newline" not in untiled.state_dict()
     untiled.save_pretrained(tmp_path / "untiled")
