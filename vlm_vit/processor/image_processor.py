@@ -351,7 +351,7 @@ class ImageProcessor:
 
         Returns:
             ``float32`` ``[3, height, width]``; in native mode ``[3, H, W]`` with H, W from
-            ``native_size``.
+            ``native_size``; with ``tiling``, the views ``[1 + tiles, 3, t, t]``.
         """
         return self._finish(self.load(image, "image"), _label(image, "image"))
 
