@@ -228,12 +228,14 @@ def test_qwen2_5_vl_refuses_a_window_of_half_a_merge_unit(tmp_path):
     from vlm_vit.poolers import build_pooler
 
     merger = build_pooler("patch_merger", in_dim=32, merge_size=2, norm="rmsnorm")
-    message = refusal("hf_qwen2_5_vl", tmp_path, pooler=merger,
-                      **{**QWEN2_VL_STYLE, "norm": "rmsnorm", "mlp": "swiglu", "act": "silu",
-                         "window_size": 3, "qkv_bias": False})
+    style = {**QWEN2_VL_STYLE, "norm": "rmsnorm", "mlp": "swiglu", "act": "silu"}
+    message = refusal("hf_qwen2_5_vl", tmp_path, pooler=merger, **style, window_size=3)
     assert message == ("a Hugging Face Qwen2.5-VL model cannot hold this encoder: "
-                       "qkv_bias=False (Qwen2.5-VL needs True); window_size=3 (Qwen2.5-VL's "
-                       "windows are whole 2x2 merge units)")
+                       "window_size=3 (Qwen2.5-VL's windows are whole 2x2 merge units)")
+    # the architecture is refused before the pooler: not for the pooler the reader chose
+    message = refusal("hf_qwen2_5_vl", tmp_path, **style, qkv_bias=False)
+    assert message == ("a Hugging Face Qwen2.5-VL model cannot hold this encoder: "
+                       "qkv_bias=False (Qwen2.5-VL needs True)")
 
 
 def test_qwen2_5_vl_holds_an_encoder_without_windows_as_all_global_blocks(tmp_path):

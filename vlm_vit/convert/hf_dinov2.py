@@ -219,8 +219,8 @@ class HfDinov2Format:
                 pooler with weights, or a processor `BitImageProcessor` cannot express;
                 nothing is written then.
         """
+        hf = dinov2_config(encoder)  # the architecture first, then the pooler
         parameter_free(pooler, "DINOv2")
-        hf = dinov2_config(encoder)
         tensors = dinov2_tensors(encoder)
         settings = None
         if processor is not None:

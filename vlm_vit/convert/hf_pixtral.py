@@ -189,8 +189,8 @@ class HfPixtralFormat:
                 a bias that is not zero, a pooler with weights, or a processor that does not
                 keep the aspect ratio; nothing is written then.
         """
+        hf = pixtral_config(encoder)  # the architecture first, then the pooler
         parameter_free(pooler, "Pixtral")
-        hf = pixtral_config(encoder)
         tensors = pixtral_tensors(encoder)
         settings = None if processor is None else native_resolution_preprocessor(
             processor, "PixtralImageProcessor", size={"longest_edge": hf["image_size"]},

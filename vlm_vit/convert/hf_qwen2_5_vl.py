@@ -170,6 +170,7 @@ class HfQwen2_5VLVisionFormat:
                 (`WRITE_ARCHITECTURE`, 2D RoPE, a Conv3d patch embedding, a window of whole
                 merge units), or no RMSNorm `patch_merger` pooler; nothing is written then.
         """
+        refuse(qwen_problems(encoder.config, WRITE_ARCHITECTURE, "Qwen2.5-VL"), "Qwen2.5-VL")
         merger, merge, out_dim = merger_tensors(pooler, "rmsnorm", "Qwen2.5-VL")
         hf = qwen2_5_vl_config(encoder, merge, out_dim)
         tensors = {**rename(detached(encoder), invert(KEY_MAP), encoder.config.depth,

@@ -173,6 +173,7 @@ class HfQwen2VLVisionFormat:
                 2D RoPE, a Conv3d patch embedding, the MLP width), or no LayerNorm
                 `patch_merger` pooler; nothing is written then.
         """
+        refuse(qwen_problems(encoder.config, WRITE_ARCHITECTURE, "Qwen2-VL"), "Qwen2-VL")
         merger, merge, out_dim = merger_tensors(pooler, "layernorm", "Qwen2-VL")
         hf = qwen2_vl_config(encoder, merge, out_dim)
         tensors = {**rename(detached(encoder), invert(KEY_MAP), encoder.config.depth,
