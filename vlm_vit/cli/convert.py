@@ -1,5 +1,5 @@
 """`vlm-vit convert SRC DST --to FORMAT`: between native, Hugging Face CLIP, DINOv2, Pixtral,
-Qwen2-VL and Qwen2.5-VL, timm, open_clip."""
+Qwen2-VL and Qwen2.5-VL, timm (ViT and Eva), open_clip."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "replaced")
     parser.add_argument("--to", required=True, metavar="FORMAT",
                         help="native, hf-clip, hf-dinov2, hf-pixtral, hf-qwen2-vl, "
-                        "hf-qwen2-5-vl, timm or open_clip (dashes or underscores)")
+                        "hf-qwen2-5-vl, timm, timm-eva or open_clip (dashes or underscores)")
     parser.add_argument("--from", dest="source_format", metavar="FORMAT",
                         help="read SRC as this format instead of detecting it")
     parser.add_argument("--image-size", type=int, nargs="+", metavar="SIDE",
