@@ -41,6 +41,19 @@ def test_torch_export_equals_eager_at_sizes_never_seen(mode, antialias):
             torch.testing.assert_close(program(x), model(x).tokens, atol=0, rtol=0)
 
 
+def test_window_attention_exports_with_a_dynamic_size():
+    # Qwen2.5-VL's layout (2D RoPE, no table, windows of 2x2 patches, the last block global):
+    # under a symbolic grid the windows are padded tiles (GridWindows); sizes where the
+    # window divides the grid and where it cuts edge windows short, one grid of one window.
+    model = encoder(pos_embed="none", class_token=False, rope_theta=10000.0,
+                    rope_frequencies="shared", window_size=2, full_attention_blocks=(1,))
+    program = export_program(model, image_size=(32, 32), dynamic=True).module()
+    for batch, size in zip([2, 1, 3, 1], [*SIZES, (24, 40)], strict=True):
+        x = pixels(size, batch)
+        with torch.no_grad():  # eager: windows as segments, one SDPA per run of equal windows
+            torch.testing.assert_close(program(x), model(x).tokens, atol=2e-6, rtol=2e-6)
+
+
 def test_export_at_a_resized_size_still_runs_the_native_grid():
     # traced at 48x24 (a resized table), called at the native 32x32 and elsewhere
     model = encoder()
@@ -207,3 +220,12 @@ def test_onnx_int8_accuracy_on_photos(tmp_path, photos):
     with torch.no_grad():
         exact = model(photos).tokens
     assert token_cosine(onnx_session(tmp_path / "q.onnx")(photos), exact) >= 0.99
+
+
+@onnx_runtime
+def test_window_attention_in_onnx_runtime_at_three_sizes(tmp_path):
+    model = encoder(pos_embed="none", class_token=False, rope_theta=10000.0,
+                    rope_frequencies="shared", window_size=2, full_attention_blocks=(1,))
+    report = export_model(model, tmp_path / "w.onnx", format="onnx", dynamic=True)
+    assert len(report.checks) == 3
+    assert report.max_abs_difference < 1e-5, report.checks  # measured 1.1e-6

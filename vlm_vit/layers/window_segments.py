@@ -13,6 +13,11 @@ order (`Windows.order`), attends within each window and scatters the output back
 hidden state stays row-major and blocks with full attention are untouched. Windows are
 grouped by length (every image of a packed sequence together), so on a CPU the many
 full-size windows run as one batched SDPA call.
+
+Under `torch.export` with a dynamic size the grid is symbolic, so no index can be computed
+in Python: there (`GridWindows`) the grid is padded at the bottom and right to whole windows,
+cut into `[window * window]` tiles, and the padding masked out of the keys, all as tensor
+operations on the symbolic sizes: the same windows, so the same output, for any size.
 """
 
 from __future__ import annotations
@@ -115,9 +120,18 @@ class Windows:
         object.__setattr__(self, "runs", tuple(runs))
 
 
+@dataclass(frozen=True)
+class GridWindows:
+    """The windows of a `[B, rows * cols]` batch of one (symbolic) grid: padded tiles."""
+
+    window: int
+    grid: tuple
+    batch: int
+
+
 def build_windows(window: int | None, grids, tokens: int, *, batch: int = 1,
                   backend: str = "auto", device: torch.device | str | None = None
-                  ) -> Windows | None:
+                  ) -> Windows | GridWindows | None:
     """The windows of `batch` copies of `grids` laid end to end (None without a window).
 
     Args:
@@ -128,17 +142,22 @@ def build_windows(window: int | None, grids, tokens: int, *, batch: int = 1,
         backend: as in `varlen.Segments`.
         device: where the index tensors go.
 
+    Returns:
+        `Windows`; for a symbolic grid (export with a dynamic size), `GridWindows`.
+
     Raises:
-        ValueError: for no grids, tokens that are not the grids' patches (MAE's `keep`), or a
-            symbolic grid (export with a dynamic size).
+        ValueError: for no grids, tokens that are not the grids' patches (MAE's `keep`), or
+            a symbolic grid in a packed sequence of several images.
     """
     if window is None:
         return None
     if not grids:
         raise ValueError("window attention needs each image's patch grid (grids=[...])")
     if any(is_symbolic(grid) for grid in grids):
-        raise ValueError("window attention is not exportable with a dynamic size yet: export "
-                         "with dynamic=False")
+        if len(grids) != 1:
+            raise ValueError("window attention exports a batch of one size, not a packed "
+                             "sequence of several images")
+        return GridWindows(window, tuple(grids[0]), batch)
     grids = list(grids) * batch
     if tokens != sum(rows * cols for rows, cols in grids):
         raise ValueError(f"window attention needs every patch of grids {grids} in order, got "
@@ -159,8 +178,56 @@ def build_windows(window: int | None, grids, tokens: int, *, batch: int = 1,
                    Segments(tuple(r * c for r, c in grids), backend), backend)
 
 
+def _tile_indices(grid: tuple, window: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index arithmetic for `GridWindows` (tensor operations only, so symbolic sizes pass):
+
+    Returns:
+        `gather` `[tiles * window * window]`: the row-major token at each place of each tile
+        (tiles row-major over the grid padded to whole windows), `rows * cols` (a zero row
+        appended to the tokens) where the place is padding; and `scatter` `[rows * cols]`:
+        each row-major token's place among the tiles'.
+    """
+    rows, cols = grid
+    tile_cols = (cols + window - 1) // window
+    tiles = (rows + window - 1) // window * tile_cols
+    place = torch.arange(tiles * window * window, device=device)
+    tile, within = place // (window * window), place % (window * window)
+    row = tile // tile_cols * window + within // window
+    col = (tile - tile // tile_cols * tile_cols) * window + within % window
+    real = (row < rows) & (col < cols)
+    gather = torch.where(real, row * cols + col, rows * cols)
+    token = torch.arange(rows * cols, device=device)
+    row = token // cols  # ONNX's exporter has no remainder by a symbolic size
+    col = token - row * cols
+    scatter = ((row // window * tile_cols + col // window) * window * window
+               + row % window * window + col % window)
+    return gather, scatter
+
+
+def grid_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          windows: GridWindows) -> torch.Tensor:
+    """`window_attention` for `GridWindows`: `[B * rows * cols, heads, head_dim]` in, out."""
+    (rows, cols), window, batch = windows.grid, windows.window, windows.batch
+    heads, head_dim = q.shape[1:]
+    gather, scatter = _tile_indices(windows.grid, window, q.device)
+    area = window * window
+
+    def tiles(t: torch.Tensor) -> torch.Tensor:
+        # (B * rows * cols, heads, head_dim) -> (B * tiles, heads, w * w, head_dim)
+        t = t.reshape(batch, rows * cols, heads * head_dim)
+        t = torch.cat([t, t.new_zeros(batch, 1, heads * head_dim)], dim=1)  # the padding row
+        t = t.index_select(1, gather).reshape(-1, area, heads, head_dim)
+        return t.transpose(1, 2)
+
+    keys = (gather < rows * cols).reshape(1, -1, area)  # (1, tiles, w * w): real keys
+    mask = keys.expand(batch, -1, -1).reshape(-1, 1, 1, area)
+    out = F.scaled_dot_product_attention(tiles(q), tiles(k), tiles(v), attn_mask=mask)
+    out = out.transpose(1, 2).reshape(batch, -1, heads * head_dim)  # tiles' places in order
+    return out.index_select(1, scatter).reshape(q.shape)
+
+
 def window_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, windows: Windows,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, windows: Windows | GridWindows,
     need_weights: bool = False,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """Attention within each window of `windows`.
@@ -174,6 +241,11 @@ def window_attention(
     Returns:
         The output `[T, heads, head_dim]` in sequence order, and the maps when asked.
     """
+    if isinstance(windows, GridWindows):
+        if need_weights:
+            raise ValueError("attention maps are not exported (need_weights with a symbolic "
+                             "grid)")
+        return grid_window_attention(q, k, v, windows), None
     if need_weights:
         out, maps = torch.empty_like(q), []
         for start, stop in pairwise(windows.images.offsets):
