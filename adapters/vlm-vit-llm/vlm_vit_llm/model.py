@@ -8,6 +8,10 @@ A prompt holds one `image_token` per image. Tokenised, each placeholder becomes 
 `tower.num_image_tokens(image size)` positions, and the projected image tokens replace the
 embeddings there, in order. Counts cannot disagree: the positions are made from the images
 themselves, and a prompt whose placeholders do not match its images is refused.
+
+With a tiled tower (AnyRes: LLaVA-NeXT, OneVision; `VisionTower(tiling=...)`) each image
+becomes its views and keeps its original (height, width), a `TiledImage`: the count comes
+from that size, and every view of the batch goes through the tower in one call.
 """
 
 from __future__ import annotations
@@ -81,6 +85,20 @@ class MultimodalBatch:
     idle_features: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class TiledImage:
+    """One image as a tiled tower takes it (`ImageProcessor.tile`).
+
+    Attributes:
+        views: `[1 + tiles, C, t, t]`, the base view first, then the tiles row by row.
+        size: the original image's (height, width), which sets the tile grid, the
+            unpadding and the token count.
+    """
+
+    views: torch.Tensor
+    size: tuple[int, int]
+
+
 class MultimodalLM(nn.Module):
     """A vision tower feeding a causal LM through its input embeddings.
 
@@ -93,11 +111,12 @@ class MultimodalLM(nn.Module):
         image_token: the placeholder string in prompts.
         processor: turns PIL images and files into pixels; default: CLIP normalisation at
             the encoder's image size with `crop_rounding="floor"`, as LLaVA's transformers
-            processor crops (logged).
+            processor crops (logged); for a tiled tower, its own processor, else CLIP
+            normalisation with its tiling.
 
     Raises:
         ValueError: when the tower returns a vector instead of tokens, or tokens of another
-            width than the LLM's.
+            width than the LLM's, or the processor tiles otherwise than the tower.
     """
 
     def __init__(self, tower: VisionTower, llm: nn.Module, tokenizer: Any,
@@ -115,11 +134,18 @@ class MultimodalLM(nn.Module):
                              f"out_dim={width}")
         self.tower, self.llm, self.tokenizer = tower, llm, tokenizer
         self.image_token = image_token
+        tiling = tower.tiling
+        if processor is None and tiling is not None:
+            processor = tower.processor or ImageProcessor.for_family(
+                "clip", size=tiling.tile_size, tiling=tiling)
         if processor is None:
             # transformers' crop rounding: the exported LLaVA's CLIPImageProcessor floors.
             processor = ImageProcessor.for_family("clip", size=tower.encoder.config.image_size,
                                                   crop_rounding="floor")
             logger.info("no processor given: CLIP normalisation at %s", processor.size)
+        if processor.tiling != tiling:
+            raise ValueError(f"the processor tiles by {processor.tiling} but the tower by "
+                             f"{tiling}; give both the same tiling")
         self.processor = processor
         self.image_token_id = self._add_image_token()
         self._packed_attention: str | None = None  # chosen and checked at first use
@@ -166,7 +192,9 @@ class MultimodalLM(nn.Module):
 
     # -- images ------------------------------------------------------------------------------
 
-    def _pixels(self, image: Any, prompt: int) -> torch.Tensor:
+    def _pixels(self, image: Any, prompt: int) -> torch.Tensor | TiledImage:
+        if self.tower.tiling is not None:
+            return self._tiled(image, prompt)
         if isinstance(image, torch.Tensor):
             if image.ndim == 4 and image.shape[0] == 1:
                 image = image[0]
@@ -177,22 +205,49 @@ class MultimodalLM(nn.Module):
             return image
         return self.processor.preprocess_one(image)
 
-    def image_features(self, pixels: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _tiled(self, image: Any, prompt: int) -> TiledImage:
+        """An image (or a `TiledImage`) as the tiled tower's views and original size."""
+        if isinstance(image, TiledImage):
+            return image
+        if isinstance(image, torch.Tensor) and image.dtype != torch.uint8:
+            raise ValueError(f"prompt {prompt}: the tower tiles images (AnyRes), and a float "
+                             f"tensor of shape {tuple(image.shape)} has lost the original size; "
+                             "give the image itself, or TiledImage(views, size) as "
+                             "ImageProcessor.tile gives them")
+        views, sizes = self.processor.tile([image])
+        return TiledImage(views[0], sizes[0])
+
+    def _num_image_tokens(self, pixels: torch.Tensor | TiledImage) -> int:
+        """The tokens an image given as `_pixels` makes: by its original size when tiled."""
+        if isinstance(pixels, TiledImage):
+            return self.tower.num_image_tokens(tuple(pixels.size))
+        return self.tower.num_image_tokens(tuple(pixels.shape[1:]))
+
+    def image_features(self, pixels: Sequence[torch.Tensor | TiledImage]) -> list[torch.Tensor]:
         """The projected tokens of each image, `[M_i, D]`, from one tower call: a stacked
         batch when the images share a size, else one packed pass over all of them
-        (`vlm_vit.packing`: each image's tokens as if it were alone)."""
+        (`vlm_vit.packing`: each image's tokens as if it were alone); for a tiled tower,
+        every view of every `TiledImage` in one batch, packed by their sizes."""
         parameter = next(self.tower.parameters())
-        images = [image.to(parameter.device, parameter.dtype) for image in pixels]
-        if len({tuple(image.shape) for image in images}) == 1:
-            features = list(self.tower(torch.stack(images)))
+        cast = {"device": parameter.device, "dtype": parameter.dtype}
+        if self.tower.tiling is not None:
+            if not all(isinstance(image, TiledImage) for image in pixels):
+                raise ValueError("the tower tiles images: give each as a TiledImage(views, "
+                                 "size) (ImageProcessor.tile gives both)")
+            features = self.tower([image.views.to(**cast) for image in pixels],
+                                  image_sizes=[image.size for image in pixels])
         else:
-            features = self.tower(images)
-        for image, tokens in zip(images, features, strict=True):
-            expected = self.tower.num_image_tokens(tuple(image.shape[1:]))
+            images = [image.to(**cast) for image in pixels]
+            if len({tuple(image.shape) for image in images}) == 1:
+                features = list(self.tower(torch.stack(images)))
+            else:
+                features = self.tower(images)
+        for image, tokens in zip(pixels, features, strict=True):
+            expected = self._num_image_tokens(image)
             if tokens.ndim != 2 or tokens.shape[0] != expected:  # a pooler breaking its contract
+                size = image.size if isinstance(image, TiledImage) else tuple(image.shape[1:])
                 raise RuntimeError(f"the tower returned {tuple(tokens.shape)} tokens for a "
-                                   f"{image.shape[1]}x{image.shape[2]} image but promised "
-                                   f"{expected}")
+                                   f"{size[0]}x{size[1]} image but promised {expected}")
         return features
 
     # -- batches -----------------------------------------------------------------------------
@@ -255,7 +310,7 @@ class MultimodalLM(nn.Module):
                                  f"{str(texts[prompt])[:80]!r}")
             for image in per_prompt:
                 pixels.append(self._pixels(image, prompt))
-                counts.append(self.tower.num_image_tokens(tuple(pixels[-1].shape[1:])))
+                counts.append(self._num_image_tokens(pixels[-1]))
                 owners.append(prompt)
         features = self.image_features(pixels) if pixels else []  # one tower call
         idle = None if pixels else idle_image_features(self)  # see vlm_vit_llm.parallel
@@ -536,7 +591,9 @@ class MultimodalLM(nn.Module):
         if encoder_adapter is not None:  # the tower again, on the encoder without LoRA
             encoder = VisionEncoder.from_state_dict(_base_state(encoder_base),
                                                     encoder_base.config)
-            tower = VisionTower(encoder, tower.pooler, tower.feature_layer, tower.drop_prefix)
+            tower = VisionTower(encoder, tower.pooler, tower.feature_layer, tower.drop_prefix,
+                                processor=tower.processor, tiling=tower.tiling)
+            tower.image_newline = self.tower.image_newline  # the same parameter, or None
         with atomic_directory(directory, replaces=SAVED_ENTRIES) as temp:
             tower.save_pretrained(temp / TOWER_DIR)
             self.processor.save_pretrained(temp / TOWER_DIR)
