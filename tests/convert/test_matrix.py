@@ -17,7 +17,10 @@ pytest.importorskip("open_clip")
 # CLIP-shaped (pre-norm, no patch bias, eps 1e-5, head width 64): every writer can hold it.
 CLIP_STYLE = dict(image_size=32, patch_size=8, width=128, depth=2, heads=2, mlp_width=256,
                   pre_norm=True, act="quick_gelu", norm_eps=1e-5, patch_bias=False)
-TARGETS = {"native": "out", "hf_clip": "out", "timm": "out", "open_clip": "out.safetensors"}
+TARGETS = {"native": "out", "hf_clip": "out", "timm": "out", "open_clip": "out.safetensors",
+           # issue 33: each family written back to its own format
+           "hf_dinov2": "out", "hf_pixtral": "out", "hf_qwen2_vl": "out", "hf_qwen2_5_vl": "out",
+           "timm_eva": "out"}
 
 
 
@@ -126,6 +129,16 @@ def qwen2_5_vl(folder):
     return folder / "qwen25"
 
 
+def siglip2(folder):
+    """A tiny `Siglip2VisionModel` (NaFlex: a Linear patch embedding, a 4x4 table resized
+    per image), saved by transformers."""
+    config = transformers.Siglip2VisionConfig(hidden_size=128, num_hidden_layers=2,
+                                              num_attention_heads=2, intermediate_size=256,
+                                              patch_size=8, num_patches=16)
+    perturbed(transformers.Siglip2VisionModel(config)).save_pretrained(folder / "siglip2")
+    return folder / "siglip2"
+
+
 def timm_eva02(folder):
     """A tiny `eva02_tiny_patch14_224`-shaped timm Eva, saved as timm's hub layout."""
     from .test_timm_eva import save_eva
@@ -157,7 +170,9 @@ SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("h
            # issue 33: Qwen2.5-VL's (window attention, RMSNorm, SwiGLU, an RMSNorm merger)
            "hf Qwen2.5-VL vision": qwen2_5_vl,
            # issue 33: timm's EVA-02 (RoPE, packed SwiGLU, q/v biases)
-           "timm eva02": timm_eva02}
+           "timm eva02": timm_eva02,
+           # issue 31: SigLIP 2 NaFlex (a Linear patch embedding, bilinear table resize)
+           "hf Siglip2VisionModel": siglip2}
 # Pairs the target's architecture cannot hold, and the reason the refusal must give.
 # (Paper-style towers, with no pre-norm, do not fit CLIP's layouts; the hf-clip writer writes
 # CLIP, not SigLIP.)
@@ -175,32 +190,75 @@ CANNOT.update({("hf PixtralVisionModel", "timm"): "norm='rmsnorm'",
                ("hf PixtralVisionModel", "open_clip"): "rope_theta=10000.0",
                ("hf PixtralVisionModel", "hf_clip"): "rope_theta=10000.0"})
 CANNOT.update({("hf Qwen2-VL vision", target): "rope_theta=10000.0"
-               for target in ("timm", "open_clip", "hf_clip")})
+               for target in ("open_clip", "hf_clip")})
+CANNOT["hf Qwen2-VL vision", "timm"] = "temporal_patch_size=2"  # timm has no Conv3d patches
 CANNOT.update({("hf Qwen2.5-VL vision", "timm"): "norm='rmsnorm'",
                **{("hf Qwen2.5-VL vision", target): "rope_theta=10000.0"
                   for target in ("open_clip", "hf_clip")}})
 CANNOT.update({("timm eva02", "timm"): "mlp='swiglu'",
                **{("timm eva02", target): "rope_theta=10000.0"
                   for target in ("open_clip", "hf_clip")}})
+# SigLIP 2 (no class token, no pre-norm, tanh GELU) is SigLIP for the CLIP layouts.
+CANNOT.update({("hf Siglip2VisionModel", target): CANNOT["hf SiglipVisionModel", target]
+               for target in ("open_clip", "hf_clip")})
+# The families' own formats (issue 33) hold their own family, and DINOv2's the paper-style
+# towers (LayerScale of one); every other pair is refused for a field of the architecture.
+CLIP_SHAPED = ("native", "hf_clip (ours)", "timm (ours)", "open_clip (ours)",
+               "hf CLIPVisionModel")
+QWEN = ("hf Qwen2-VL vision", "hf Qwen2.5-VL vision")
+WRITTEN_BACK = {"hf_dinov2": ("google npz", "hf Dinov2Model", "hf ViTMAEModel", "hf ViTModel",
+                              "timm dinov2 registers"),
+                "hf_pixtral": ("hf PixtralVisionModel",), "hf_qwen2_vl": (QWEN[0],),
+                "hf_qwen2_5_vl": (QWEN[1],), "timm_eva": ("timm eva02",)}
+REASONS = {
+    "hf_dinov2": {**dict.fromkeys(CLIP_SHAPED, "pre_norm=True"),
+                  "google npz hybrid": "hybrid_layers", "timm eva02": "final_norm=False",
+                  "default": "class_token=False"},
+    "hf_pixtral": {**dict.fromkeys(QWEN, "pre_norm=False"), "timm eva02": "class_token=True",
+                   "default": "rope_theta=None"},
+    "hf_qwen2_vl": {QWEN[1]: "norm='rmsnorm'", "default": "temporal_patch_size=None"},
+    "hf_qwen2_5_vl": {QWEN[0]: "norm='layernorm'", "default": "temporal_patch_size=None"},
+    "timm_eva": {**dict.fromkeys(CLIP_SHAPED, "norm_eps=1e-05"),
+                 **dict.fromkeys(("hf ViTModel", "hf ViTMAEModel"), "norm_eps=1e-12"),
+                 **dict.fromkeys(("hf SiglipVisionModel", "hf Siglip2VisionModel", "google npz"),
+                                 "act='gelu_tanh'"),
+                 **dict.fromkeys(("hf Dinov2Model", "timm dinov2 registers"), "no k bias"),
+                 "google npz hybrid": "hybrid_layers", QWEN[0]: "temporal_patch_size=2",
+                 "default": "norm='rmsnorm'"},  # Pixtral, Qwen2.5-VL
+}
+CANNOT.update({(source, target): reasons.get(source, reasons["default"])
+               for target, reasons in REASONS.items() for source in SOURCES
+               if source not in WRITTEN_BACK[target]})
 # Sources whose processor crops as torchvision does (open_clip's reader records OpenAI's):
 # transformers cannot reproduce that, so hf-clip output needs an explicit --crop-rounding floor.
 ROUNDING_CROPS = {"native", "timm (ours)", "open_clip (ours)"}
 
 
-def test_the_matrix_covers_every_readable_and_writable_format(tmp_path):
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Each source built once for the module (conversions only read it)."""
+    paths = {}
+
+    def build(name: str):
+        if name not in paths:
+            paths[name] = SOURCES[name](tmp_path_factory.mktemp(name.replace(" ", "_")))
+        return paths[name]
+    return build
+
+
+def test_the_matrix_covers_every_readable_and_writable_format(built):
     from vlm_vit.convert import FORMATS, detect_format
     from vlm_vit.loading import read_checkpoint  # importing loading registers every format
 
     assert set(TARGETS) == set(writable_formats())
-    read = {detect_format(read_checkpoint(build(tmp_path / name.replace(" ", "_")))).name
-            for name, build in SOURCES.items()}
+    read = {detect_format(read_checkpoint(built(name))).name for name in SOURCES}
     assert read == set(FORMATS.names())
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("source", sorted(SOURCES))
-def test_every_reader_composes_with_every_writer(tmp_path, source, target, capsys):
-    path = SOURCES[source](tmp_path / "source")
+def test_every_reader_composes_with_every_writer(tmp_path, built, source, target, capsys):
+    path = built(source)
     capsys.readouterr()  # what building the source printed (transformers' save progress)
     destination = tmp_path / "converted" / TARGETS[target]
     argv = ["convert", str(path), str(destination), "--to", target]
