@@ -91,8 +91,8 @@ def test_the_architecture_and_processor_read(saved):
     transformers.Siglip2ImageProcessor(patch_size=PATCH, max_num_patches=160) \
         .save_pretrained(directory)
     processor = load_processor(directory)
-    assert (processor.resize_mode, processor.patch_multiple, processor.max_output_pixels) == \
-        ("native", PATCH, 160 * PATCH * PATCH)
+    assert (processor.resize_mode, processor.patch_multiple, processor.max_num_patches) == \
+        ("native", PATCH, 160)
     assert (processor.resample, processor.mean, processor.std) == \
         ("bilinear", (0.5,) * 3, (0.5,) * 3)
 

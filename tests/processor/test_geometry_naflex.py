@@ -55,10 +55,10 @@ def test_bad_arguments_are_refused_by_name(arguments, message):
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
-def test_a_squash_resize_to_naflex_size_is_siglip2s_pixels(budget):
-    # What a NaFlex mode of ImageProcessor does: naflex_size, then the plain resize of
-    # "squash" at that size. Siglip2ImageProcessorPil's pixels exactly (its torchvision
-    # backend differs by one 8-bit level where it antialiases differently).
+def test_the_naflex_processor_gives_siglip2s_pixels(budget):
+    # ImageProcessor(resize_mode="native", max_num_patches=N): naflex_size, then the plain
+    # resize. Siglip2ImageProcessorPil's pixels exactly (its torchvision backend differs by
+    # one 8-bit level where it antialiases differently), small images scaled up.
     import numpy as np
     import torch
     from PIL import Image
@@ -69,14 +69,27 @@ def test_a_squash_resize_to_naflex_size_is_siglip2s_pixels(budget):
     rng = np.random.default_rng(0)
     for height, width in [(512, 512), (300, 400), (180, 320), (37, 300), (20, 30)]:
         image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-        size = naflex_size(height, width, patch=16, max_num_patches=budget)
-        ours = ImageProcessor(size=size, resize_mode="squash", resample="bilinear",
-                              mean=(0.5,) * 3, std=(0.5,) * 3)(image)[0]
+        ours = ImageProcessor(resize_mode="native", patch_multiple=16, max_num_patches=budget,
+                              resample="bilinear", mean=(0.5,) * 3, std=(0.5,) * 3)(image)[0]
         out = Siglip2ImageProcessorPil(patch_size=16, max_num_patches=budget)(
             images=image, return_tensors="pt")
         rows, cols = (int(side) for side in out.spatial_shapes[0])
         # [rows * cols, 16 * 16 * 3] patches, each flattened (row, column, channel)
         theirs = out.pixel_values[0, :rows * cols].reshape(rows, cols, 16, 16, 3) \
             .permute(4, 0, 2, 1, 3).reshape(3, rows * 16, cols * 16)
-        assert ours.shape == theirs.shape
+        assert ours.shape == theirs.shape == (3, *naflex_size(height, width, patch=16,
+                                                               max_num_patches=budget))
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+
+
+def test_max_num_patches_is_checked():
+    from vlm_vit import ImageProcessor
+
+    for bad in [dict(max_num_patches=0), dict(max_num_patches=64, max_output_pixels=4096),
+                dict(max_num_patches=2.5)]:
+        with pytest.raises(ValueError, match="max_num_patches"):
+            ImageProcessor(resize_mode="native", patch_multiple=16, **bad)
+    with pytest.raises(ValueError, match="max_num_patches 64 needs resize_mode 'native'"):
+        ImageProcessor(max_num_patches=64)
+    processor = ImageProcessor(resize_mode="native", patch_multiple=16, max_num_patches=64)
+    assert ImageProcessor.from_dict(processor.to_dict()) == processor

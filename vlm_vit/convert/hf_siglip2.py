@@ -12,9 +12,8 @@ one rule, recorded in `Converted.rules`:
   transformers resizes to every image's own patch grid, bilinearly with antialiasing, in
   float32: our `pos_resize_mode="bilinear"`, `pos_resize_antialias=True`, and `image_size`
   the table's grid times the patch;
-* the processor sizes each image by `naflex_size` (at most `max_num_patches` patches);
-  `ImageProcessor` has no such mode yet, so the nearest it has is used: native resolution
-  within the same number of pixels (small images are not scaled up as NaFlex scales them).
+* the processor sizes each image by `naflex_size` (at most `max_num_patches` patches,
+  scaled up or down): `ImageProcessor(resize_mode="native", max_num_patches=...)`.
 
 transformers pads a batch to `max_num_patches` and masks the padding; our packed path
 (`encoder([image, ...])`, `VisionTower` on a list) encodes each image's own tokens, which
@@ -107,9 +106,9 @@ class HFSiglip2Format(HFSiglipFormat):
 
     def image_processor(self, settings: dict[str, Any] | None, config: EncoderConfig,
                         rules: list[str], source: object) -> ImageProcessor:
-        """NaFlex preprocessing as our native resolution: sides multiples of the patch, at
-        most `max_num_patches` patches' pixels, bilinear, mean and std 0.5 unless the file
-        says otherwise.
+        """NaFlex preprocessing: native resolution at `naflex_size` (sides multiples of the
+        patch, at most `max_num_patches` patches), bilinear, mean and std 0.5 unless the
+        file says otherwise.
 
         Raises:
             ValueError: naming `source`, for a `patch_size` other than the model's or a
@@ -125,14 +124,12 @@ class HFSiglip2Format(HFSiglipFormat):
         if not (is_int(budget) and budget > 0):
             raise ValueError(f"{source}: max_num_patches must be a positive int, got "
                              f"{budget!r}")
-        rules.append(f"{PREPROCESSOR_NAME}: NaFlex sizes (naflex_size, up to {budget} patches) "
-                     f"approximated by resize_mode 'native' within {budget} patches' pixels, "
-                     f"without NaFlex's upscaling of small images")
+        rules.append(f"{PREPROCESSOR_NAME}: NaFlex sizes (naflex_size, up to {budget} patches)")
         resample = settings["resample"]
         try:
             return ImageProcessor(
                 resize_mode="native", patch_multiple=patch,
-                max_output_pixels=budget * patch * patch, size=config.image_size,
+                max_num_patches=budget, size=config.image_size,
                 resample=PIL_RESAMPLE.get(resample, "bilinear") if is_int(resample)
                 else "bilinear",
                 mean=tuple(settings["image_mean"]), std=tuple(settings["image_std"]))

@@ -42,6 +42,7 @@ from vlm_vit.processor.geometry import (
     PIXEL_CEILING,
     _check_pixel_bound,
     _is_int,
+    naflex_size,
     native_size,
 )
 
@@ -104,6 +105,8 @@ class ImageProcessor:
             patch wide, or, scaled to cover ``size``, become a strip of millions of pixels
             before the crop). A squash resize ends at ``size`` whatever the input's shape,
             and takes any.
+        max_num_patches: Native mode: SigLIP 2's NaFlex sizes (``naflex_size``: scaled up or
+            down to fill at most this many patches) instead of the output pixel bounds.
         tiling: AnyRes (a ``Tiling``, or its ``to_dict`` form): each image becomes its base
             view and tiles, ``[1 + rows * cols, 3, t, t]`` (``size`` must be ``(t, t)``; not
             with native mode; ``max_aspect_ratio`` unused: the pinpoints bound the output).
@@ -126,6 +129,7 @@ class ImageProcessor:
     max_output_pixels: int | None = None
     max_aspect_ratio: float = 200.0
     tiling: Tiling | None = None
+    max_num_patches: int | None = None
 
     def __post_init__(self) -> None:
         size = (self.size, self.size) if _is_int(self.size) else self.size
@@ -182,6 +186,12 @@ class ImageProcessor:
                 and high < self.patch_multiple ** 2:
             raise ValueError(f"max_output_pixels {high} is less than one patch_multiple "
                              f"squared, {self.patch_multiple}**2 = {self.patch_multiple ** 2}")
+        budget = self.max_num_patches
+        if budget is not None and not (
+                _is_int(budget) and self.resize_mode == "native" and low is None and high is None
+                and 0 < budget * self.patch_multiple ** 2 <= MAX_OUTPUT_PIXELS):
+            raise ValueError(f"max_num_patches {budget!r} needs resize_mode 'native' without "
+                             "min/max_output_pixels, and 1..MAX_OUTPUT_PIXELS / patch_multiple**2")
         ratio = self.max_aspect_ratio
         is_real = isinstance(ratio, (int, float, np.integer, np.floating)) \
             and not isinstance(ratio, bool)
@@ -396,6 +406,9 @@ class ImageProcessor:
     def _resized_size(self, height: int, width: int, name: str) -> tuple[int, int]:
         if self.resize_mode == "native":
             try:
+                if self.max_num_patches is not None:
+                    return naflex_size(height, width, patch=self.patch_multiple,
+                                       max_num_patches=self.max_num_patches)
                 return native_size(height, width, multiple=self.patch_multiple,
                                    min_pixels=self.min_output_pixels,
                                    max_pixels=self.max_output_pixels,
