@@ -5,7 +5,8 @@ tensors one weight at a time, leaving the model as it was. The folder also gets 
 and a `LlavaProcessor` (an image processor that reproduces our pixels, and a chat template
 that takes transformers' structured content), so `AutoProcessor` and
 `LlavaForConditionalGeneration.from_pretrained` read it as they read the published LLaVA-1.5
-checkpoints, and transformers' LLaVA documentation prompts it as written.
+checkpoints, and transformers' LLaVA documentation prompts it as written. A tiled (AnyRes)
+tower is written as LLaVA-NeXT or OneVision instead (`vlm_vit_llm.llava_next`).
 """
 
 from __future__ import annotations
@@ -66,10 +67,15 @@ def check_exportable(mm: MultimodalLM) -> None:
         check_expressible(tower.encoder.config)
     except ValueError as error:
         problems.append(str(error))
-    try:  # transformers' CLIPImageProcessor must give our pixels
-        preprocessor_config(mm.processor)
-    except ValueError as error:
-        problems.append(str(error))
+    if tower.tiling is not None:  # LLaVA-NeXT or OneVision, whose processors tile
+        from vlm_vit_llm.llava_next import tiling_problems
+
+        problems.extend(tiling_problems(mm))
+    else:
+        try:  # transformers' CLIPImageProcessor must give our pixels
+            preprocessor_config(mm.processor)
+        except ValueError as error:
+            problems.append(str(error))
     if problems:
         raise ValueError("cannot export to the LLaVA layout: " + "; ".join(problems))
 
@@ -200,31 +206,38 @@ def llava_config(mm: MultimodalLM):
 
 def export_llava(mm: MultimodalLM, directory: str | Path) -> Path:
     """Writes `mm` as a Hugging Face LLaVA folder, atomically. Over an earlier export, none
-    of its files (`EXPORT_FILES`) is kept; the user's own files are carried over.
+    of its files (`EXPORT_FILES`) is kept; the user's own files are carried over. A tiled
+    tower is written as `LlavaNextForConditionalGeneration` (or, with `max_feature_tiles`,
+    `LlavaOnevisionForConditionalGeneration`) with its processor (`vlm_vit_llm.llava_next`).
 
     Raises:
         ValueError: naming every part the layout cannot hold (a projector other than
-            `mlp2x_gelu`, the final-norm tokens, an encoder CLIP cannot express); nothing is
-            written then.
+            `mlp2x_gelu`, the final-norm tokens, an encoder CLIP cannot express, a tiling
+            setting LLaVA-NeXT cannot); nothing is written then.
     """
     from transformers import LlavaForConditionalGeneration, LlavaProcessor
 
+    from vlm_vit_llm import llava_next
     from vlm_vit_llm.chat import adds_bos, chat_template, structured_chat_template
 
     check_exportable(mm)
+    tiling = mm.tower.tiling
     config = llava_config(mm)
-    settings = preprocessor_config(mm.processor)
+    if tiling is not None:
+        config = llava_next.anyres_config(mm, config)
     with torch.device("meta"):
-        model = LlavaForConditionalGeneration(config)
+        model = (LlavaForConditionalGeneration if tiling is None
+                 else llava_next.model_class(tiling))(config)
     nested = any(name.startswith(VISION_PREFIX + "vision_model.") for name in model.state_dict())
     # LoRA is merged into the written tensors one weight at a time, never into a copy of
     # the whole model (the frozen LLM would be copied with it).
     tensors = llava_tensors(mm, VISION_PREFIX + ("vision_model." if nested else ""))
+    if tiling is not None:
+        tensors[llava_next.NEWLINE_KEY] = mm.tower.image_newline.detach()
     model.load_state_dict(tensors, strict=True, assign=True)  # lists every bad key
     # `assign` gives each of a tied pair of names its own Parameter (on one storage): tie
     # them again, so the model written is the one transformers builds from the config.
     model.tie_weights()
-    settings.pop("image_processor_type")
     encoder_config = _split_peft(mm.tower.encoder)[0].config
     tokenizer = copy.deepcopy(mm.tokenizer)  # the caller's tokenizer is left alone
     if tokenizer.pad_token is None:  # batched processing needs one; LLaVA-1.5 pads with unk
@@ -234,13 +247,18 @@ def export_llava(mm: MultimodalLM, directory: str | Path) -> Path:
     # content too; the processor and the tokenizer share the folder's chat_template.jinja.
     tokenizer.chat_template = structured_chat_template(
         chat_template(tokenizer), mm.image_token, drop_bos=adds_bos(tokenizer))
-    processor = LlavaProcessor(
-        image_processor=image_processor_for(mm.processor, settings), tokenizer=tokenizer,
-        patch_size=encoder_config.patch_size,
-        vision_feature_select_strategy=config.vision_feature_select_strategy,
-        image_token=mm.image_token,
-        num_additional_image_tokens=int(encoder_config.class_token),
-        chat_template=tokenizer.chat_template)
+    if tiling is not None:
+        processor = llava_next.anyres_processor(mm, tokenizer, config, tokenizer.chat_template)
+    else:
+        settings = preprocessor_config(mm.processor)
+        settings.pop("image_processor_type")
+        processor = LlavaProcessor(
+            image_processor=image_processor_for(mm.processor, settings), tokenizer=tokenizer,
+            patch_size=encoder_config.patch_size,
+            vision_feature_select_strategy=config.vision_feature_select_strategy,
+            image_token=mm.image_token,
+            num_additional_image_tokens=int(encoder_config.class_token),
+            chat_template=tokenizer.chat_template)
     with atomic_directory(directory, replaces=EXPORT_FILES) as temp:
         model.save_pretrained(temp)
         processor.save_pretrained(temp)

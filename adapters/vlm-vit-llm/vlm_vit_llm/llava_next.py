@@ -1,0 +1,252 @@
+"""AnyRes LLaVA layouts: LLaVA-NeXT (`LlavaNextForConditionalGeneration`) and LLaVA-OneVision
+(`LlavaOnevisionForConditionalGeneration`), written for a tiled tower and read back.
+
+The tiling picks the layout: `max_feature_tiles` set is OneVision's `anyres_max_N`, else
+LLaVA-NeXT. Both hold the LLaVA weights (`vlm_vit_llm.llava`), the pinpoints as
+`image_grid_pinpoints`, the tile as the vision config's `image_size`, and the learned newline
+as `model.image_newline`. Their processors tile as ours does (the base view squashed to one
+tile, then the tiles of the best canvas), so the written processor gives our pixels.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vlm_vit.convert.hf_common import PIL_RESAMPLE
+from vlm_vit.processor import ImageProcessor, Tiling
+
+if TYPE_CHECKING:
+    from vlm_vit_llm.model import MultimodalLM
+
+logger = logging.getLogger(__name__)
+
+NEWLINE_KEY = "model.image_newline"
+ONEVISION_RATIO = "anyres_max_{}"  # OneVision's vision_aspect_ratio for max_feature_tiles N
+VIDEO_TOKEN = "<video>"
+MODEL_TYPES = {"llava_next": "LlavaNext", "llava_onevision": "LlavaOnevision"}
+
+
+def is_onevision(tiling: Tiling) -> bool:
+    """OneVision's layout holds the `anyres_max_N` shrink; LLaVA-NeXT's does not."""
+    return tiling.max_feature_tiles is not None
+
+
+def tiling_problems(mm: MultimodalLM) -> list[str]:
+    """What the AnyRes layouts cannot hold of `mm`'s tiling, one line each, naming the
+    setting (empty when it exports)."""
+    from vlm_vit_llm.model import _split_peft
+
+    tiling = mm.tower.tiling
+    problems = []
+    if not tiling.base_image:
+        problems.append("tiling base_image=False: LLaVA-NeXT and OneVision always put the "
+                        "base view first")
+    if not tiling.newline:
+        problems.append("tiling newline=False: LLaVA-NeXT and OneVision end every row with "
+                        "image_newline")
+    encoder = _split_peft(mm.tower.encoder)[0]
+    image_size = encoder.config.image_size
+    if (tiling.tile_size,) * 2 != (tuple(image_size) if isinstance(image_size, (list, tuple))
+                                   else (image_size,) * 2):
+        problems.append(f"tiling tile_size {tiling.tile_size} is not the encoder's image_size "
+                        f"{image_size}: transformers tiles by the vision config's image_size")
+    if encoder.num_prefix_tokens != 1:
+        problems.append(f"the encoder has {encoder.num_prefix_tokens} prefix tokens; "
+                        "vision_feature_select_strategy 'default' drops exactly one (the class "
+                        "token)")
+    if mm.processor.resize_mode == "native":
+        problems.append("processor resize_mode 'native': the AnyRes processors resize")
+    return problems
+
+
+def anyres_config(mm: MultimodalLM, llava: Any):
+    """`LlavaNextConfig` or `LlavaOnevisionConfig` with `llava`'s (a `LlavaConfig`) fields."""
+    import transformers
+
+    tiling = mm.tower.tiling
+    fields = {name: getattr(llava, name) for name in (
+        "image_token_index", "projector_hidden_act", "vision_feature_layer",
+        "vision_feature_select_strategy", "multimodal_projector_bias", "tie_word_embeddings")}
+    fields.update(vision_config=llava.vision_config, text_config=llava.text_config,
+                  image_grid_pinpoints=[list(p) for p in tiling.pinpoints])
+    if is_onevision(tiling):
+        return transformers.LlavaOnevisionConfig(
+            **fields, vision_aspect_ratio=ONEVISION_RATIO.format(tiling.max_feature_tiles))
+    return transformers.LlavaNextConfig(**fields, image_seq_length=mm.tower.num_image_tokens())
+
+
+def model_class(tiling: Tiling):
+    import transformers
+
+    return (transformers.LlavaOnevisionForConditionalGeneration if is_onevision(tiling)
+            else transformers.LlavaNextForConditionalGeneration)
+
+
+def image_processor(processor: ImageProcessor):
+    """The PIL image processor of the layout, set to give `processor`'s pixels. Saved, it
+    loads by default as transformers' torchvision backend, whose bicubic resize rounds one
+    uint8 level off PIL's now and then; `backend="pil"` loads this one."""
+    import transformers
+
+    tiling, tile = processor.tiling, processor.tiling.tile_size
+    codes = {name: code for code, name in PIL_RESAMPLE.items()}
+    settings = dict(image_grid_pinpoints=[list(p) for p in tiling.pinpoints],
+                    resample=codes[processor.resample], do_rescale=True,
+                    rescale_factor=1 / 255, do_normalize=True, image_mean=list(processor.mean),
+                    image_std=list(processor.std), do_convert_rgb=True, do_pad=True)
+    if is_onevision(tiling):
+        return transformers.LlavaOnevisionImageProcessorPil(
+            size={"height": tile, "width": tile}, **settings)
+    return transformers.LlavaNextImageProcessorPil(
+        size={"shortest_edge": tile}, crop_size={"height": tile, "width": tile},
+        do_center_crop=True, do_resize=True, **settings)
+
+
+def anyres_processor(mm: MultimodalLM, tokenizer: Any, config: Any, chat_template: str):
+    """`LlavaNextProcessor` or `LlavaOnevisionProcessor`, counting as the tower does
+    (OneVision's: `tokenizer` gets a "<video>" token, and `config` its id)."""
+    import transformers
+
+    from vlm_vit_llm.model import _split_peft
+
+    tiling = mm.tower.tiling
+    common = dict(image_processor=image_processor(mm.processor), tokenizer=tokenizer,
+                  vision_feature_select_strategy=config.vision_feature_select_strategy,
+                  image_token=mm.image_token, chat_template=chat_template)
+    if is_onevision(tiling):
+        # Its count is the base view's num_image_tokens, less one for "default" (the CLS).
+        # Its processor counts "<video>" in every text: without the token, unknown pieces
+        # read as it. The written config names its id (the LLM never sees one from us).
+        if tokenizer.convert_tokens_to_ids(VIDEO_TOKEN) in (None, tokenizer.unk_token_id):
+            tokenizer.add_tokens([VIDEO_TOKEN], special_tokens=True)
+        config.video_token_index = tokenizer.convert_tokens_to_ids(VIDEO_TOKEN)
+        # A video processor it must have; videos are not ours to reproduce.
+        video = transformers.LlavaOnevisionVideoProcessor(
+            size={"height": tiling.tile_size, "width": tiling.tile_size},
+            image_mean=list(mm.processor.mean), image_std=list(mm.processor.std))
+        return transformers.LlavaOnevisionProcessor(
+            **common, video_processor=video, video_token=VIDEO_TOKEN,
+            num_image_tokens=mm.tower.tile_side ** 2 + 1,
+            vision_aspect_ratio=config.vision_aspect_ratio)
+    return transformers.LlavaNextProcessor(
+        **common, patch_size=_split_peft(mm.tower.encoder)[0].config.patch_size,
+        num_additional_image_tokens=1)
+
+
+# ---- reading ------------------------------------------------------------------------------
+
+def read_llava(directory: str | Path, *, dtype: torch.dtype | None = None) -> MultimodalLM:
+    """A `MultimodalLM` from a transformers LLaVA-NeXT or OneVision folder
+    (`save_pretrained` of `LlavaNextForConditionalGeneration` or
+    `LlavaOnevisionForConditionalGeneration`, or our export).
+
+    The vision tower goes through vlm-vit's own converters (`load_tower`), the projector
+    and `image_newline` are copied, the language model becomes its causal LM
+    (`AutoModelForCausalLM` on `text_config`), and the tokenizer and processor are read from
+    the folder.
+
+    Raises:
+        ValueError: naming the setting our tiled tower cannot hold (a projector other than
+            LLaVA's, the 'full' feature selection, an image token the tokenizer lacks).
+    """
+    import transformers
+
+    from vlm_vit import VisionTower, build_pooler, load_tower
+    from vlm_vit_llm.model import MultimodalLM
+
+    directory = Path(directory)
+    config = transformers.AutoConfig.from_pretrained(directory)
+    if config.model_type not in MODEL_TYPES:
+        raise ValueError(f"{directory / 'config.json'}: model_type {config.model_type!r} is "
+                         f"not one of {sorted(MODEL_TYPES)}")
+    source = f"{directory / 'config.json'}"
+    if config.projector_hidden_act != "gelu" or not config.multimodal_projector_bias:
+        raise ValueError(f"{source}: projector_hidden_act {config.projector_hidden_act!r} with "
+                         f"multimodal_projector_bias {config.multimodal_projector_bias}: "
+                         "vlm-vit's mlp2x_gelu is GELU with biases")
+    if config.vision_feature_select_strategy != "default":
+        raise ValueError(f"{source}: vision_feature_select_strategy "
+                         f"{config.vision_feature_select_strategy!r}: a tiled tower drops the "
+                         "class token ('default')")
+    max_tiles = None
+    if config.model_type == "llava_onevision":
+        ratio = config.vision_aspect_ratio
+        digits = ratio.removeprefix("anyres_max_")
+        if not (ratio.startswith("anyres_max_") and digits.isdigit()):
+            raise ValueError(f"{source}: vision_aspect_ratio {ratio!r} is not anyres_max_N")
+        max_tiles = int(digits)
+    model = getattr(transformers, MODEL_TYPES[config.model_type] + "ForConditionalGeneration"
+                    ).from_pretrained(directory, dtype=dtype)
+    vision = config.vision_config
+    tiling = Tiling(pinpoints=config.image_grid_pinpoints, tile_size=vision.image_size,
+                    max_feature_tiles=max_tiles)
+    width = config.text_config.hidden_size
+    with tempfile.TemporaryDirectory(prefix="vlm-vit-llava-") as folder:
+        model.model.vision_tower.save_pretrained(folder)
+        loaded = load_tower(folder, "mlp2x_gelu", out_dim=width,
+                            feature_layer=config.vision_feature_layer)
+    processor = _our_processor(directory, tiling)
+    pooler = build_pooler("mlp2x_gelu", in_dim=loaded.feature_dim, out_dim=width)
+    projector = model.model.multi_modal_projector
+    pooler.load_state_dict({"0.weight": projector.linear_1.weight,
+                            "0.bias": projector.linear_1.bias,
+                            "2.weight": projector.linear_2.weight,
+                            "2.bias": projector.linear_2.bias})
+    tower = VisionTower(loaded.encoder, pooler, feature_layer=config.vision_feature_layer,
+                        processor=processor, tiling=tiling)
+    with torch.no_grad():
+        tower.image_newline.copy_(model.model.image_newline)
+    llm = _causal_lm(model, config.text_config)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    image_token = getattr(tokenizer, "image_token", None) or _processor_field(
+        directory, "image_token") or "<image>"
+    found = tokenizer.convert_tokens_to_ids(image_token)
+    if found != config.image_token_index:
+        raise ValueError(f"{source}: image_token_index {config.image_token_index}, but the "
+                         f"tokenizer gives {image_token!r} the id {found}")
+    return MultimodalLM(tower.to(model.dtype), llm, tokenizer, image_token=image_token,
+                        processor=processor).eval()
+
+
+def _causal_lm(model: Any, text_config: Any):
+    """The causal LM of `text_config` on the model's language model and head (shared)."""
+    import transformers
+
+    with torch.device("meta"):
+        llm = transformers.AutoModelForCausalLM.from_config(text_config)
+    state = {f"{llm.base_model_prefix}.{name}": tensor
+             for name, tensor in model.model.language_model.state_dict().items()}
+    state.update({f"lm_head.{name}": tensor for name, tensor in model.lm_head.state_dict().items()})
+    llm.load_state_dict(state, strict=True, assign=True)
+    llm.tie_weights()
+    return llm.eval()
+
+
+def _processor_field(directory: Path, name: str) -> Any:
+    from vlm_vit.files import read_json
+
+    path = directory / "processor_config.json"
+    return read_json(path).get(name) if path.is_file() else None
+
+
+def _our_processor(directory: Path, tiling: Tiling) -> ImageProcessor:
+    """Our processor from the folder's `preprocessor_config.json` (mean, std, resample);
+    CLIP's without one."""
+    from vlm_vit.files import read_json
+
+    path = directory / "preprocessor_config.json"
+    settings = read_json(path) if path.is_file() else {}
+    resample = PIL_RESAMPLE.get(settings.get("resample", 3))
+    if resample is None:
+        raise ValueError(f"{path}: resample {settings.get('resample')!r}; vlm-vit resizes with "
+                         f"{sorted(PIL_RESAMPLE.values())}")
+    clip = ImageProcessor.for_family("clip", size=tiling.tile_size)
+    mean = tuple(settings.get("image_mean", clip.mean))
+    std = tuple(settings.get("image_std", clip.std))
+    return ImageProcessor(size=tiling.tile_size, mean=mean, std=std, resample=resample,
+                          tiling=tiling)
