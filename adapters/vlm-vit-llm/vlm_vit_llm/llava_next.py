@@ -217,8 +217,8 @@ def _causal_lm(model: Any, text_config: Any):
     """The causal LM of `text_config` on the model's language model and head (shared)."""
     import transformers
 
-    with torch.device("meta"):
-        llm = transformers.AutoModelForCausalLM.from_config(text_config)
+    # Not on the meta device: the rotary tables are buffers no state dict carries.
+    llm = transformers.AutoModelForCausalLM.from_config(text_config, dtype=model.dtype)
     state = {f"{llm.base_model_prefix}.{name}": tensor
              for name, tensor in model.model.language_model.state_dict().items()}
     state.update({f"lm_head.{name}": tensor for name, tensor in model.lm_head.state_dict().items()})

@@ -644,7 +644,8 @@ class MultimodalLM(nn.Module):
     def from_pretrained(cls, directory: str | Path, *, trainable: bool = False,
                         dtype: torch.dtype | None = None,
                         verify: bool | None = None) -> MultimodalLM:
-        """Reads what `save_pretrained` wrote.
+        """Reads what `save_pretrained` wrote, or a transformers LLaVA-NeXT / OneVision
+        folder (`vlm_vit_llm.llava_next.read_llava`).
 
         Args:
             directory: the model folder, or its Hub name (`vlm_vit.hub`).
@@ -663,6 +664,11 @@ class MultimodalLM(nn.Module):
         from vlm_vit import hub
 
         directory = hub.locate(directory, patterns=hub.LLM_PATTERNS).directory  # or a name
+        if not (directory / CONFIG_NAME).is_file() and (directory / "config.json").is_file():
+            from vlm_vit_llm.llava_next import MODEL_TYPES, read_llava
+
+            if read_json(directory / "config.json").get("model_type") in MODEL_TYPES:
+                return read_llava(directory, dtype=dtype)  # transformers' LLaVA-NeXT folder
         config = read_json(directory / CONFIG_NAME)
         if config.get("format") != "vlm_vit_llm":
             raise ValueError(f"{directory / CONFIG_NAME} is not a vlm-vit-llm model config")
