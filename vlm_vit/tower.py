@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -140,9 +141,11 @@ class VisionTower(nn.Module):
         return tokens, out.grid
 
     def select_packed(self, images: list[torch.Tensor] | tuple[torch.Tensor, ...]
-                      ) -> tuple[torch.Tensor, tuple[int, ...], tuple[tuple[int, int], ...]]:
-        """For a list of `[C, H_i, W_i]` images, encoded in one packed pass: the tokens
-        handed to the pooler `[total, feature_dim]`, tokens per image, and the grids."""
+                      ) -> tuple[torch.Tensor, tuple[int, ...], tuple[tuple[int, int], ...],
+                                 tuple[int, ...]]:
+        """For a list of `[C, H_i, W_i]` images (or clips), encoded in one packed pass: the
+        tokens handed to the pooler `[total, feature_dim]`, tokens and grid per segment,
+        and segments per input (a clip's temporal slices; `PackedOutput.frames`)."""
         with no_graph_if_frozen(self.encoder):
             out = self.encoder(list(images), feature_layers=self._layers)
         tokens = out.tokens if self._layers is None else torch.cat(out.features, dim=-1)
@@ -150,7 +153,7 @@ class VisionTower(nn.Module):
         if self.drop_prefix and out.num_prefix_tokens:
             tokens = tokens[out.patch_mask()]
             lengths = tuple(length - out.num_prefix_tokens for length in lengths)
-        return tokens, lengths, out.grids
+        return tokens, lengths, out.grids, out.frames or (1,) * len(lengths)
 
     def forward(self, pixel_values: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...],
                 image_sizes: Any = None) -> torch.Tensor | list[torch.Tensor]:
@@ -158,8 +161,10 @@ class VisionTower(nn.Module):
 
         A list of `[C, H_i, W_i]` images of any sizes is encoded in one packed pass and
         pooled image by image (`vlm_vit.poolers.pool_packed`): a list of `[M_i, out_dim]`
-        tensors, M_i = `num_image_tokens((H_i, W_i))` (or of `[out_dim]` vectors). With
-        `image_sizes`, a list of each image's tiled views: see `forward_tiled`.
+        tensors, M_i = `num_image_tokens((H_i, W_i))` (or of `[out_dim]` vectors). A clip
+        `[frames, C, H, W]` in the list (an encoder with temporal patches) gives its temporal
+        slices' tokens end to end, `num_image_tokens((frames, H, W))`. With `image_sizes`, a
+        list of each image's tiled views: see `forward_tiled`.
         """
         if image_sizes is not None:
             return self.forward_tiled(pixel_values, image_sizes)
@@ -167,9 +172,16 @@ class VisionTower(nn.Module):
             raise ValueError("a tiled tower takes a list of views with image_sizes (each "
                              "image's (height, width): ImageProcessor.tile gives both)")
         if isinstance(pixel_values, (list, tuple)):
-            tokens, lengths, grids = self.select_packed(pixel_values)
-            return pool_packed(self.pooler, tokens, lengths=lengths, grids=grids,
-                               num_prefix_tokens=self.num_prefix_tokens)
+            tokens, lengths, grids, frames = self.select_packed(pixel_values)
+            pooled = pool_packed(self.pooler, tokens, lengths=lengths, grids=grids,
+                                 num_prefix_tokens=self.num_prefix_tokens)
+            if len(frames) == len(pooled):  # no clip
+                return pooled
+            if pooled[0].ndim != 2:
+                raise ValueError("a pooler that returns one vector per image cannot pool a "
+                                 "clip's slices into one sequence")
+            starts = [0, *itertools.accumulate(frames)]
+            return [torch.cat(pooled[start:stop]) for start, stop in itertools.pairwise(starts)]
         tokens, grid = self.select(pixel_values)
         return self.pooler(tokens, num_prefix_tokens=self.num_prefix_tokens, grid=grid)
 
@@ -212,6 +224,13 @@ class VisionTower(nn.Module):
         """
         if image_size is None:
             image_size = self.encoder.config.image_size
+        if not isinstance(image_size, int) and len(image_size) == 3:  # a clip (frames, H, W)
+            frames, *image_size = image_size
+            temporal = self.encoder.config.temporal_patch_size
+            if temporal is None or self.tiling is not None or not is_int(frames) or frames < 1:
+                raise ValueError(f"a clip of {frames} frames needs a positive frame count and "
+                                 "an untiled tower with temporal patches (temporal_patch_size)")
+            return -(-frames // temporal) * self.num_image_tokens(tuple(image_size))
         height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
         if self.tiling is not None:
             return tiled_tokens(self.tiling, (height, width), self.tile_side)

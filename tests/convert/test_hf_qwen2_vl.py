@@ -137,3 +137,22 @@ def test_a_clip_is_refused_by_an_encoder_without_temporal_patches():
                                          r"16, 16\] \(a \[frames, C, H, W\] clip needs an "
                                          r"encoder with a temporal patch embedding"):
         encoder([torch.zeros(2, 3, 16, 16)])
+
+
+def test_the_tower_merges_a_clip_as_transformers_and_counts_its_tokens(saved):
+    directory, model = saved
+    tower = load_tower(directory).eval()
+    clip = torch.randn(3, 3, 8, 16, generator=torch.Generator().manual_seed(7))  # 3 frames
+    image = torch.randn(3, 16, 8, generator=torch.Generator().manual_seed(8))
+    patches, grid_thw = flattened(torch.cat([clip, clip[-1:]]).transpose(0, 1))
+    with torch.no_grad():
+        clip_tokens, image_tokens = tower([clip, image])
+        theirs = model(patches, grid_thw=grid_thw).pooler_output  # both slices, merged
+        alone = tower(image[None])[0]
+    torch.testing.assert_close(clip_tokens, theirs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(image_tokens, alone, atol=1e-5, rtol=1e-5)
+    # 8x16 pixels: a 2x4 patch grid, 2 merged tokens per temporal slice
+    assert tower.num_image_tokens((3, 8, 16)) == clip_tokens.shape[0] == 2 * 2
+    assert tower.num_image_tokens((4, 8, 16)) == 4 and tower.num_image_tokens((5, 8, 16)) == 6
+    with pytest.raises(ValueError, match="a clip of 0 frames needs a positive frame count"):
+        tower.num_image_tokens((0, 8, 16))
