@@ -99,6 +99,9 @@ BENCHMARKS = {
          "Qwen2.5-VL tower speed vs transformers sdpa (per window)", ">= 1.0"),
         ("ratio_vlm_vit_over_transformers_eager",
          "Qwen2.5-VL tower speed vs transformers eager (per window)", "")]),
+    "anyres": ("anyres.py", [
+        ("ratio_vlm_vit_over_transformers", "speed vs HF LLaVA-NeXT", ">= 1.3"),
+        ("memory_ratio_vlm_vit_over_transformers", "peak memory vs HF LLaVA-NeXT", "<= 1.0")]),
 }
 
 _TINY = ["--depth", "1", "--image-size", "32", "--batch-size", "2", "--repeats", "1"]
@@ -126,6 +129,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "fsdp memory": ["--depth", "10"],
         "window attention": ["--hf-attention", "sdpa", "eager"],
         "encode dinov2-l/14": [],
+        "anyres": [],
     },
     "quick": {
         "encode vit-b/16": ["--variant", "vit-s/16", "--anchors", "timm", "--repeats", "5"],
@@ -143,6 +147,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "fsdp memory": ["--quick"],
         "window attention": ["--depth", "4", "--repeats", "5"],
         "encode dinov2-l/14": ["--depth", "6", "--batch-size", "1", "--repeats", "3"],
+        "anyres": ["--images", "3", "--repeats", "3"],
     },
     "tiny": {
         "encode vit-b/16": ["--variant", "vit-ti/16", "--anchors", "timm", *_TINY,
@@ -175,6 +180,9 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                              "--repeats", "1", "--warmup", "0"],
         "encode dinov2-l/14": ["--width", "64", "--depth", "2", "--heads", "2", "--image-size",
                                "28", "--registers", "4", "--repeats", "1", "--warmup", "0"],
+        "anyres": ["--width", "64", "--depth", "2", "--heads", "2", "--mlp-width", "128",
+                   "--tile-size", "28", "--llm-width", "32", "--images", "4", "--shrink", "8",
+                   "--repeats", "1", "--warmup", "0"],
     },
     "gpu": {  # gpu_suite.py: bf16 under autocast, sized to finish in one call of < 8 minutes
         "encode vit-b/16": ["--variant", "vit-b/16", "--anchors", "timm", "--batch-size", "256",

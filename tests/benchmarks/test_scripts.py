@@ -48,14 +48,14 @@ def run_script(benchmarks, monkeypatch, tmp_path, name: str, extra: tuple = ()) 
                                   "encode clip-vit-l/14-336", "llava features", "load",
                                   "mae step", "lora step", "llava step", "scaling",
                                   "shards vs folder", "export cpu", "window attention",
-                                  "encode dinov2-l/14",
+                                  "encode dinov2-l/14", "anyres",
                                   pytest.param("llava packed step", marks=pytest.mark.slow)])
 def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
     if name in ("llava step", "llava packed step"):
         pytest.importorskip("vlm_vit_llm")
     if name == "export cpu":
         pytest.importorskip("onnxruntime")
-    memory_children = ("mae step", "lora step", "llava step", "llava packed step")
+    memory_children = ("mae step", "lora step", "llava step", "llava packed step", "anyres")
     extra = ("--no-memory",) if name in memory_children else ()  # children: below
     result = run_script(benchmarks, monkeypatch, tmp_path, name, extra)
     rows = benchmarks("run_all").headline_rows({name: result})
@@ -76,6 +76,9 @@ def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
         assert result["max_abs_logit_difference"] < 1e-4
     if name == "encode dinov2-l/14":  # the same weights in all three libraries
         assert max(result["max_abs_difference"].values()) < 1e-4
+    if name == "anyres":  # the same weights and pixels, packed alike
+        assert result["max_abs_difference"] < 1e-4
+        assert result["max_abs_pixel_difference"] < 1e-4
 
 
 def test_packed_vs_padded_runs(benchmarks, monkeypatch, tmp_path):
