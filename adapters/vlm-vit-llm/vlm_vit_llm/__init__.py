@@ -6,7 +6,7 @@
 """
 
 from vlm_vit_llm.llava import export_llava
-from vlm_vit_llm.model import IGNORE_INDEX, MultimodalBatch, MultimodalLM
+from vlm_vit_llm.model import IGNORE_INDEX, MultimodalBatch, MultimodalLM, TiledImage
 
-__all__ = ["IGNORE_INDEX", "MultimodalBatch", "MultimodalLM", "export_llava"]
+__all__ = ["IGNORE_INDEX", "MultimodalBatch", "MultimodalLM", "TiledImage", "export_llava"]
 __version__ = "0.1.0"

@@ -364,7 +364,8 @@ def _data(args: argparse.Namespace, mm, records, shards: bool, packing: PackingO
         before = records.skipped.count
         dataset = train.ConversationDataset(records, mm.processor,
                                             image_tokens=collate.image_tokens,
-                                            max_length=collate.max_length)
+                                            max_length=collate.max_length,
+                                            least_image_tokens=collate.least_image_tokens)
         if records.skipped.count > before:
             named = records.skipped.named[before:]
             print(f"skipped {records.skipped.count - before} record(s) of {args.data} whose "

@@ -34,10 +34,11 @@ def several_processes() -> bool:
 
 
 def idle_image_features(mm: Any) -> torch.Tensor | None:
-    """The projected tokens `[M, D]` of one blank image at the processor's size, for a batch
-    without images, when the tower must run all the same: on one of several processes (its
-    tower and projector join the step's collectives), or when only the tower trains (the
-    loss needs a gradient); else None, at no cost.
+    """The projected tokens `[M, D]` of one blank image at the processor's size (a tiled
+    tower's: one tile-sized image, as its views and size), for a batch without images, when
+    the tower must run all the same: on one of several processes (its tower and projector
+    join the step's collectives), or when only the tower trains (the loss needs a gradient);
+    else None, at no cost.
 
     Args:
         mm: the `MultimodalLM`.
@@ -45,7 +46,15 @@ def idle_image_features(mm: Any) -> torch.Tensor | None:
     if not (several_processes() or _only_the_tower_trains(mm)):
         return None
     channels = mm.tower.encoder.config.in_channels
-    return mm.image_features([torch.zeros(channels, *mm.processor.size)])[0]
+    tiling = mm.tower.tiling
+    if tiling is None:
+        return mm.image_features([torch.zeros(channels, *mm.processor.size)])[0]
+    from vlm_vit.processor.anyres import num_views
+    from vlm_vit_llm.model import TiledImage  # the model imports this module
+
+    side = (tiling.tile_size, tiling.tile_size)
+    blank = TiledImage(torch.zeros(num_views(tiling, side), channels, *side), side)
+    return mm.image_features([blank])[0]
 
 
 def _only_the_tower_trains(mm: Any) -> bool:

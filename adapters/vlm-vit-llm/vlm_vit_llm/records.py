@@ -308,7 +308,7 @@ class ConversationRecords:
                 raise ValueError(f"{self.path} is not a JSON array of records: expected ',' "
                                  f"or ']' at {where}")
 
-    def limit_length(self, max_length: int, image_tokens: int) -> int:
+    def limit_length(self, max_length: int, image_tokens: int, *, exact: bool = True) -> int:
         """Drops the records whose images alone take more than `max_length` positions, from
         the counts at indexing, so none of their images is ever decoded (a record with 10,000
         `<image>` would be read in full before the collate refused it). Skipped and named as
@@ -317,6 +317,9 @@ class ConversationRecords:
         Args:
             max_length: the longest sequence, image positions included.
             image_tokens: positions one image takes in the LLM.
+            exact: False when `image_tokens` is only the fewest an image can take (a tiled
+                tower's count varies by image size): a record is dropped only when its images
+                cannot fit at any size.
 
         Returns:
             How many records were dropped.
@@ -325,10 +328,11 @@ class ConversationRecords:
             ValueError: with `strict`, naming the first such record; when no record is left.
         """
         too_long = self.image_counts * image_tokens > max_length
+        at_least = "" if exact else "at least "
         for index in np.flatnonzero(too_long):
             count = int(self.image_counts[index])
-            reason = (f"its {count} image(s) take {count * image_tokens} tokens, more than "
-                      f"max_length {max_length}")
+            reason = (f"its {count} image(s) take {at_least}{count * image_tokens} tokens, "
+                      f"more than max_length {max_length}")
             where = self._named(int(index))
             if self.strict:
                 raise ValueError(f"{where}: {reason}")
@@ -338,7 +342,7 @@ class ConversationRecords:
             return 0
         if dropped == len(self):
             raise ValueError(f"{self.path} holds no record whose images fit in max_length "
-                             f"{max_length} ({image_tokens} tokens an image)")
+                             f"{max_length} ({at_least}{image_tokens} tokens an image)")
         keep = ~too_long
         self.starts, self.ends, self.lines = self.starts[keep], self.ends[keep], self.lines[keep]
         self.image_counts, self.text_lengths = self.image_counts[keep], self.text_lengths[keep]

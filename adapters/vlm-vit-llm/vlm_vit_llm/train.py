@@ -12,6 +12,11 @@ token once), as instruction data does (`{"image": ..., "prompt": "<image>\nWhat 
 "caption": "A dog."}`); the others get the collate's prompt. The loss is on the caption tokens
 (and the end of sequence) only, never on the prompt or the image positions.
 
+With a tiled tower (AnyRes, `VisionTower(tiling=...)`) every image is loaded as a
+`TiledImage` (its views and original size, `load_pixels`), each counts the tokens its size
+makes (`ImageTokens`), and batches hold the images as lists (padded captions as a
+`ConversationBatch`, one record per caption) instead of a stacked tensor.
+
 Tar shards (`vlm-vit shards --captions` / `--llava`) stream through `ShardStream` with
 `CaptionShardDecode` / `ConversationShardDecode`, which give the same items as `CaptionFolder`
 / `ConversationDataset`, for the same collates:
@@ -21,6 +26,7 @@ Tar shards (`vlm-vit shards --captions` / `--llava`) stream through `ShardStream
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,11 +40,69 @@ from vlm_vit.data.folders import read_caption_lines
 from vlm_vit.data.samples import ImageBatch, UndecodableImage
 from vlm_vit.files import resolves_inside
 from vlm_vit.pretrain.base import ObjectiveOutput
+from vlm_vit.processor import Tiling
+from vlm_vit.processor.anyres import num_image_tokens as tiled_tokens
 from vlm_vit_llm.chat import bounded_turns, chat_template, tokenize_conversation
-from vlm_vit_llm.model import IGNORE_INDEX, MultimodalLM, target_ids
+from vlm_vit_llm.model import IGNORE_INDEX, MultimodalLM, TiledImage, target_ids
 from vlm_vit_llm.objective import BridgeObjective
 from vlm_vit_llm.packing import LOSS_REDUCTIONS, loss_terms, loss_units, pack_rows, split_rows
 from vlm_vit_llm.records import BadRecord, ConversationRecords, Turn, parse_record
+
+Pixels = torch.Tensor | TiledImage  # `[3, H, W]`, or a tiled tower's views with their size
+
+
+def load_pixels(processor: ImageProcessor, image: Any) -> Pixels:
+    """One image preprocessed as `MultimodalLM` takes it: `[3, H, W]` pixels
+    (`preprocess_one`), or with the processor's tiling a `TiledImage` (`tile`: the views and
+    the original size, which sets the image's token count).
+
+    Raises:
+        ValueError: as `preprocess_one` (ImageLoadError, ImageTooLargeError).
+    """
+    if processor.tiling is None:
+        return processor.preprocess_one(image)
+    views, sizes = processor.tile([image])
+    return TiledImage(views[0], sizes[0])
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """The positions an image takes in the LLM, counted as `MultimodalLM` counts them but
+    without the tower, so a collate holding it still pickles cheaply into DataLoader workers.
+
+    Attributes:
+        fixed: untiled, every image's count (at the processor's size); tiled, a tile-sized
+            image's, only an estimate (for length-grouped and token-budget batches).
+        tiling: the tower's tiling (AnyRes), or None: each image counts by its original size.
+        tile_side: a tile's tokens per side after the pooler (`VisionTower.tile_side`).
+    """
+
+    fixed: int
+    tiling: Tiling | None = None
+    tile_side: int = 0
+
+    @classmethod
+    def of(cls, mm: MultimodalLM, image_size: tuple[int, int] | None = None) -> ImageTokens:
+        """The counts of `mm`'s tower, untiled at `image_size` (default: the processor's)."""
+        tiling = mm.tower.tiling
+        if tiling is None:
+            return cls(mm.tower.num_image_tokens(image_size or mm.processor.size))
+        side = tiling.tile_size
+        return cls(mm.tower.num_image_tokens((side, side)), tiling, mm.tower.tile_side)
+
+    def __call__(self, pixels: Pixels) -> int:
+        """The tokens of one image as `load_pixels` gives it."""
+        if self.tiling is None:
+            return self.fixed
+        return tiled_tokens(self.tiling, tuple(pixels.size), self.tile_side)
+
+    @property
+    def least(self) -> int:
+        """The fewest tokens any image can take: what can be checked before decoding (a
+        tiled image has at least its base view's; its grid and newlines can shrink away)."""
+        if self.tiling is None:
+            return self.fixed
+        return self.tile_side ** 2 * self.tiling.base_image
 
 
 class Caption(NamedTuple):
@@ -75,7 +139,8 @@ def read_captions(captions_file: str | Path, root: str | Path) -> list[Caption]:
 class CaptionFolder(torch.utils.data.Dataset):
     """Images with captions (see the module docstring), preprocessed as at inference.
 
-    Items are `(pixels [3, H, W], caption, prompt or None)`, with an `UndecodableImage` in
+    Items are `(pixels, caption, prompt or None)`, the pixels as `load_pixels` gives them
+    (`[3, H, W]`, or a `TiledImage` for a tiled tower), with an `UndecodableImage` in
     place of the pixels for a file that does not decode (the trainer skips it and names it).
     """
 
@@ -87,10 +152,10 @@ class CaptionFolder(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor | UndecodableImage, str, str | None]:
+    def __getitem__(self, index: int) -> tuple[Pixels | UndecodableImage, str, str | None]:
         path, caption, prompt = self.rows[index]
         try:
-            return self.processor.preprocess_one(path), caption, prompt
+            return load_pixels(self.processor, path), caption, prompt
         except ValueError as error:  # ImageLoadError, ImageTooLargeError
             return UndecodableImage(str(path), str(error)), caption, prompt
 
@@ -103,7 +168,9 @@ class CaptionCollate:
 
     With `packing`, the batch is instead a `ConversationBatch` (prompt and caption as one
     record each) packed into rows of at most `max_length` tokens (`vlm_vit_llm.packing`); a
-    record longer than that is dropped and named.
+    record longer than that is dropped and named (a tiled image counts the tokens of its
+    original size). Unpacked with a tiled tower, the batch is that `ConversationBatch`
+    without a packing plan (one padded row per caption): tiled images do not stack.
 
     Args:
         mm: the model whose tokenizer and image token to use.
@@ -121,10 +188,11 @@ class CaptionCollate:
                  max_length: int | None = None):
         self.tokenizer, self.image_token = mm.tokenizer, mm.image_token
         self.prompt = self._checked(prompt)
-        self.packing = packing
+        self.packing, self.tiled = packing, mm.tower.tiling is not None
+        self.image_token_id = mm.image_token_id
         if packing:
-            self.image_token_id = mm.image_token_id
-            self.image_tokens = mm.tower.num_image_tokens(mm.processor.size)
+            self.count_tokens = ImageTokens.of(mm)
+            self.image_tokens = self.count_tokens.fixed
             self.max_length = _max_length(mm, max_length)
 
     def _checked(self, prompt: str) -> str:
@@ -135,10 +203,12 @@ class CaptionCollate:
 
     def __call__(self, items: Sequence[tuple[Any, str, str | None]]) -> ImageBatch:
         items = _flattened(items)
-        good = [item for item in items if isinstance(item[0], torch.Tensor)]
+        good = [item for item in items if isinstance(item[0], (torch.Tensor, TiledImage))]
         bad = [item[0] for item in items if isinstance(item[0], UndecodableImage)]
         if self.packing:
             return self._packed(good, bad)
+        if self.tiled:
+            return ImageBatch(_records_batch([self._record(*item) for item in good]), bad)
         if not good:
             return ImageBatch(torch.zeros(0, 3, 1, 1), bad,
                               torch.zeros(0, 2, 1, dtype=torch.long))
@@ -151,19 +221,25 @@ class CaptionCollate:
                 labels[index, part, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         return ImageBatch(torch.stack([item[0] for item in good]), bad, labels)
 
+    def _record(self, pixels: Pixels, caption: str, prompt: str | None
+                ) -> tuple[list[int], list[int], list[Pixels]]:
+        """One caption as a record: ids, labels (the caption's tokens only) and its image."""
+        prompt_ids = list(self.tokenizer(self._checked(prompt or self.prompt))["input_ids"])
+        target = target_ids(self.tokenizer, caption)
+        return prompt_ids + target, [IGNORE_INDEX] * len(prompt_ids) + target, [pixels]
+
     def _packed(self, good: list, bad: list[UndecodableImage]) -> ImageBatch:
         rows = []
         for pixels, caption, prompt in good:
-            prompt_ids = list(self.tokenizer(self._checked(prompt or self.prompt))["input_ids"])
-            target = target_ids(self.tokenizer, caption)
-            ids, labels = prompt_ids + target, [IGNORE_INDEX] * len(prompt_ids) + target
-            length = _expanded_length(ids, self.image_token_id, self.image_tokens)
+            ids, labels, images = self._record(pixels, caption, prompt)
+            length = _expanded_length(ids, self.image_token_id,
+                                      [self.count_tokens(pixels)])
             if length > self.max_length:
                 bad.append(UndecodableImage(f"caption {caption[:40]!r}", f"its {length} tokens "
                                             f"are more than max_length {self.max_length}"))
                 continue
-            rows.append((ids, labels, [pixels]))
-        return ImageBatch(_packed_batch(rows, self.image_token_id, self.image_tokens,
+            rows.append((ids, labels, images))
+        return ImageBatch(_packed_batch(rows, self.image_token_id, self.count_tokens,
                                         self.max_length), bad)
 
 
@@ -179,9 +255,10 @@ def _max_length(mm: MultimodalLM, max_length: int | None) -> int:
     return max_length
 
 
-def _expanded_length(ids: Sequence[int], image_token_id: int, image_tokens: int) -> int:
-    """A record's length in the LLM: its text tokens plus `image_tokens` per image."""
-    return len(ids) + ids.count(image_token_id) * (image_tokens - 1)
+def _expanded_length(ids: Sequence[int], image_token_id: int, counts: Sequence[int]) -> int:
+    """A record's length in the LLM: its text tokens plus its images' tokens (`counts`, one
+    per image token in `ids`)."""
+    return len(ids) - ids.count(image_token_id) + sum(counts)
 
 
 def _flattened(items: Sequence[Any]) -> list[Any]:
@@ -190,14 +267,21 @@ def _flattened(items: Sequence[Any]) -> list[Any]:
             for inner in (item if isinstance(item, list) else [item])]
 
 
-def _packed_batch(rows: list[tuple[list[int], list[int], list[torch.Tensor]]],
-                  image_token_id: int, image_tokens: int, max_length: int) -> ConversationBatch:
-    """Encoded records as a `ConversationBatch` with its packing plan: first-fit
-    decreasing on each record's known length (text tokens plus its images' tokens)."""
-    lengths = [_expanded_length(ids, image_token_id, image_tokens) for ids, _, _ in rows]
-    plan = pack_rows(lengths, max_length) if rows else []
+def _records_batch(rows: list[tuple[list[int], list[int], list[Pixels]]],
+                   plan: list[list[int]] | None = None) -> ConversationBatch:
+    """Encoded records (ids, labels, images) as a `ConversationBatch`."""
     return ConversationBatch([row[0] for row in rows], [row[1] for row in rows],
                              [row[2] for row in rows], rows=plan)
+
+
+def _packed_batch(rows: list[tuple[list[int], list[int], list[Pixels]]],
+                  image_token_id: int, count_tokens: ImageTokens,
+                  max_length: int) -> ConversationBatch:
+    """Encoded records as a `ConversationBatch` with its packing plan: first-fit
+    decreasing on each record's known length (text tokens plus its images' tokens)."""
+    lengths = [_expanded_length(ids, image_token_id, [count_tokens(image) for image in images])
+               for ids, _, images in rows]
+    return _records_batch(rows, pack_rows(lengths, max_length) if rows else [])
 
 
 class CaptionObjective(BridgeObjective):
@@ -234,7 +318,7 @@ class ConversationItem(NamedTuple):
 
     where: str
     turns: list[Turn]
-    pixels: list[torch.Tensor]
+    pixels: list[Pixels]  # as `load_pixels` gives them
 
 
 class ConversationDataset(torch.utils.data.Dataset):
@@ -247,11 +331,16 @@ class ConversationDataset(torch.utils.data.Dataset):
 
     Args:
         records: the indexed file.
-        processor: the tower's preprocessing.
-        image_tokens: tokens one image takes in the LLM (for `lengths` and `max_length`).
+        processor: the tower's preprocessing (with a tiling, images load as `TiledImage`s).
+        image_tokens: tokens one image takes in the LLM (for `lengths`, and `max_length`
+            unless `least_image_tokens` is given); for a tiled tower, an estimate
+            (`ConversationCollate.image_tokens`).
         max_length: the longest sequence (`ConversationCollate`'s); records whose images
             alone are longer are dropped from `records` here, before any image is decoded
             (`ConversationRecords.limit_length`). None: no such check.
+        least_image_tokens: the fewest tokens an image can take, for that check, when the
+            count varies by image size (a tiled tower: `ConversationCollate.least_image_tokens`;
+            the collate checks each record's exact count). None: `image_tokens`, exact.
 
     Attributes:
         lengths: `[N]` estimated tokens per record (text characters / 4 plus image tokens),
@@ -260,11 +349,15 @@ class ConversationDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, records: ConversationRecords, processor: ImageProcessor,
-                 image_tokens: int = 0, max_length: int | None = None):
+                 image_tokens: int = 0, max_length: int | None = None, *,
+                 least_image_tokens: int | None = None):
         self.records, self.processor = records, processor
         self.root = records.path
         if max_length is not None:
-            records.limit_length(max_length, image_tokens)
+            if least_image_tokens is None:
+                records.limit_length(max_length, image_tokens)
+            else:
+                records.limit_length(max_length, least_image_tokens, exact=False)
         estimate = records.text_lengths // 4 + records.image_counts * image_tokens + 1
         self.lengths = np.where(records.image_counts > 0, estimate, -estimate)
 
@@ -279,7 +372,7 @@ class ConversationDataset(torch.utils.data.Dataset):
         pixels = []
         for path in record.images:
             try:
-                pixels.append(self.processor.preprocess_one(path))
+                pixels.append(load_pixels(self.processor, path))
             except (ValueError, OSError) as error:  # ImageLoadError, ImageTooLargeError, I/O
                 return UndecodableImage(f"{record.where} image {path}", str(error))
         return ConversationItem(record.where, record.turns, pixels)
@@ -303,7 +396,7 @@ class ConversationBatch:
 
     input_ids: list[list[int]]
     labels: list[list[int]]
-    images: list[list[torch.Tensor]]
+    images: list[list[Pixels]]
     rows: list[list[int]] | None = None
     whole: tuple[int, int, int] | None = field(default=None)
 
@@ -316,8 +409,7 @@ class ConversationBatch:
         return len(self.input_ids)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> ConversationBatch:
-        images = [[image.to(device, non_blocking=non_blocking) for image in row]
-                  for row in self.images]
+        images = [[_moved(image, device, non_blocking) for image in row] for row in self.images]
         return replace(self, images=images)
 
     def tensor_split(self, sections: int) -> list[ConversationBatch]:
@@ -344,6 +436,12 @@ class ConversationBatch:
                                            [self.images[i] for i in records],
                                            rows=rows, whole=self.whole))
         return parts
+
+
+def _moved(image: Pixels, device: torch.device | str, non_blocking: bool) -> Pixels:
+    if isinstance(image, TiledImage):
+        return replace(image, views=image.views.to(device, non_blocking=non_blocking))
+    return image.to(device, non_blocking=non_blocking)
 
 
 def conversation_loss(mm: MultimodalLM, batch: ConversationBatch,
@@ -375,16 +473,20 @@ def _checked_reduction(reduction: str) -> str:
     return reduction
 
 
-def truncate(ids: list[int], image_token_id: int, image_tokens: int, max_length: int) -> int:
+def truncate(ids: list[int], image_token_id: int, image_tokens: int | Sequence[int],
+             max_length: int) -> int:
     """How many leading tokens to keep so the sequence, each image token expanded to
-    `image_tokens` positions, fits in `max_length` without cutting through an image.
+    `image_tokens` positions (one count for every image, or each image's in order), fits in
+    `max_length` without cutting through an image.
 
     Returns:
         The number of prompt tokens to keep (all of them when the sequence fits).
     """
+    counts = itertools.repeat(image_tokens) if isinstance(image_tokens, int) \
+        else iter(image_tokens)
     length = 0
     for position, token in enumerate(ids):
-        length += image_tokens if token == image_token_id else 1
+        length += next(counts) if token == image_token_id else 1
         if length > max_length:
             return position
     return len(ids)
@@ -398,7 +500,8 @@ class ConversationCollate:
 
     Records are dropped, each named with the reason as an `UndecodableImage` the trainer
     counts and logs, when: an image does not decode; its images alone do not fit in
-    `max_length`; or truncation leaves no assistant token to learn.
+    `max_length`; or truncation leaves no assistant token to learn. With a tiled tower each
+    image counts the tokens of its original size (`ImageTokens`).
 
     Args:
         mm: the model whose tokenizer, image token and tower to use.
@@ -406,10 +509,16 @@ class ConversationCollate:
             name from `vlm_vit_llm.chat.PRESETS`.
         max_length: the longest sequence, image tokens included (default: the LLM's context);
             with `packing`, the longest packed row as well.
-        image_size: the preprocessed image size (default: the processor's).
+        image_size: the preprocessed image size (default: the processor's); untiled only.
         packing: pack the batch's records into rows of at most `max_length` tokens
             (first-fit decreasing on each record's length after truncation: text tokens plus
             its images' tokens), positions restarting per record (`vlm_vit_llm.packing`).
+
+    Attributes:
+        image_tokens: tokens one image takes (a tiled tower's: a tile-sized image's, an
+            estimate for `ConversationDataset.lengths`).
+        least_image_tokens: the fewest tokens one image can take (untiled: `image_tokens`),
+            for `ConversationDataset`'s check before decoding.
     """
 
     def __init__(self, mm: MultimodalLM, template: str = "auto", max_length: int | None = None,
@@ -418,10 +527,15 @@ class ConversationCollate:
         self.tokenizer, self.image_token_id = mm.tokenizer, mm.image_token_id
         self.image_token = mm.image_token
         self.template = chat_template(mm.tokenizer, template)
-        self.image_tokens = mm.tower.num_image_tokens(image_size or mm.processor.size)
+        if image_size is not None and mm.tower.tiling is not None:
+            raise ValueError(f"image_size {image_size} is for an untiled tower; a tiled "
+                             "tower counts each image by its original size")
+        self.count_tokens = ImageTokens.of(mm, image_size)
+        self.image_tokens, self.least_image_tokens = (self.count_tokens.fixed,
+                                                      self.count_tokens.least)
         self.max_length = _max_length(mm, max_length)
 
-    def encode(self, item: ConversationItem) -> tuple[list[int], list[int], list[torch.Tensor]]:
+    def encode(self, item: ConversationItem) -> tuple[list[int], list[int], list[Pixels]]:
         """Ids, labels and pixels of one record after truncation.
 
         Raises:
@@ -436,11 +550,11 @@ class ConversationCollate:
         if placeholders != images:
             raise ValueError(f"the tokenizer reads {placeholders} image tokens for "
                              f"{images} image(s)")
-        if len(item.pixels) * self.image_tokens > self.max_length:
-            raise ValueError(f"its {len(item.pixels)} image(s) take "
-                             f"{len(item.pixels) * self.image_tokens} tokens, more than "
-                             f"max_length {self.max_length}")
-        keep = truncate(ids, self.image_token_id, self.image_tokens, self.max_length)
+        counts = [self.count_tokens(pixels) for pixels in item.pixels]
+        if sum(counts) > self.max_length:
+            raise ValueError(f"its {len(item.pixels)} image(s) take {sum(counts)} tokens, more "
+                             f"than max_length {self.max_length}")
+        keep = truncate(ids, self.image_token_id, counts, self.max_length)
         ids, labels = ids[:keep], labels[:keep]
         if all(label == IGNORE_INDEX for label in labels):
             raise ValueError(f"no assistant token is left within max_length {self.max_length}")
@@ -458,23 +572,21 @@ class ConversationCollate:
             except ValueError as error:
                 dropped.append(UndecodableImage(item.where, str(error)))
         if self.packing:
-            return ImageBatch(_packed_batch(rows, self.image_token_id, self.image_tokens,
+            return ImageBatch(_packed_batch(rows, self.image_token_id, self.count_tokens,
                                             self.max_length), dropped)
-        batch = ConversationBatch([row[0] for row in rows], [row[1] for row in rows],
-                                  [row[2] for row in rows])
-        return ImageBatch(batch, dropped)
+        return ImageBatch(_records_batch(rows), dropped)
 
 
 # -- tar shards (`vlm-vit shards --captions` / `--llava`) ------------------------------------
 
 
-def _shard_pixels(processor: ImageProcessor, sample: Any, data: bytes) -> torch.Tensor:
-    """A sample's encoded image, decoded and preprocessed as `preprocess_one` does a file.
+def _shard_pixels(processor: ImageProcessor, sample: Any, data: bytes) -> Pixels:
+    """A sample's encoded image, decoded and preprocessed as `load_pixels` does a file.
 
     Raises:
         ValueError: naming `shard:key` when it does not decode or is too large.
     """
-    return processor.preprocess_one(processor.load(data, f"image {sample.name}"))
+    return load_pixels(processor, processor.load(data, f"image {sample.name}"))
 
 
 def _own_reason(error: ValueError, name: str) -> str:
@@ -489,7 +601,8 @@ class CaptionShardDecode:
 
     Small and picklable: each DataLoader worker holds a copy.
 
-    Returns (from a call on a `Sample`): `(pixels [3, H, W], caption, prompt or None)`;
+    Returns (from a call on a `Sample`): `(pixels, caption, prompt or None)`, the pixels as
+    `load_pixels` gives them;
     `(UndecodableImage, caption, prompt)` for an image that does not decode, and
     `(UndecodableImage, "", None)` for a bad record (no caption; a json field that is not a
     JSON object; a prompt that is not a string holding the image token once), each naming
@@ -505,7 +618,7 @@ class CaptionShardDecode:
         self.processor, self.image_token = processor, image_token
 
     def __call__(self, sample: Any
-                 ) -> tuple[torch.Tensor | UndecodableImage, str, str | None] | None:
+                 ) -> tuple[Pixels | UndecodableImage, str, str | None] | None:
         data = sample.image()
         if data is None:
             return None
