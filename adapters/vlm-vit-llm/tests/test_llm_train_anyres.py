@@ -231,19 +231,25 @@ def test_a_record_whose_tiled_image_alone_is_too_long_is_dropped_and_named(tmp_p
         {"id": "landscape", "image": "0.png",
          "conversations": [human("<image>"), gpt("the green tree")]},
         {"id": "strip", "image": "2.png", "conversations": [human("<image>"), gpt("blue")]},
+        # Cut within its second answer, at max_length exactly (at the strip's 52 tokens).
+        {"id": "cut", "image": "2.png", "conversations": [
+            human("<image>"), gpt("blue"), human("and?"), gpt("two blue dogs " * 8)]},
         # At least 5 x 16 base-view tokens: dropped before any image is decoded.
         {"id": "five", "image": ["2.png"] * 5, "conversations": [human("<image>" * 5),
                                                                  gpt("blue")]},
     ]
     _, dataset = conversation_data(tmp_path, mm, records, max_length=limit)
-    assert len(dataset) == 2
+    assert len(dataset) == 3
     assert dataset.records.skipped.named == [
-        f"{tmp_path / 'data.jsonl'}:3 (id five): its 5 image(s) take at least 80 tokens, "
+        f"{tmp_path / 'data.jsonl'}:4 (id five): its 5 image(s) take at least 80 tokens, "
         f"more than max_length {limit}"]
     items = [dataset[index] for index in range(len(dataset))]
     for packing in (False, True):
         batch = ConversationCollate(mm, max_length=limit, packing=packing)(items)
-        assert len(batch.pixel_values) == 1  # the strip's 52 tokens and its answer fit
+        assert len(batch.pixel_values) == 2  # the strip whole, the cut record truncated
+        kept = batch.pixel_values
+        cut = mm.prepare(kept.input_ids[1:], kept.images[1:])
+        assert cut.attention_mask.sum().item() == limit  # counted at 52 image tokens
         assert [(bad.path, bad.reason) for bad in batch.undecodable] == [
             (f"{tmp_path / 'data.jsonl'}:1 (id landscape)",
              f"its 1 image(s) take {counts[0]} tokens, more than max_length {limit}")]
