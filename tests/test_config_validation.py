@@ -74,6 +74,35 @@ def test_sizes_and_their_combinations_are_bounded(changes, text):
         tiny_config(**changes)
 
 
+SWIGLU = dict(mlp="swiglu", act="silu")
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(mlp_norm=True), "mlp_norm normalises SwiGLU's gated hidden activation: it needs mlp "
+     "'swiglu', got mlp 'mlp'"),
+    (dict(SWIGLU, mlp_norm="yes"), "mlp_norm must be true or false, got 'yes'"),
+    (dict(rope_reference_grid=(16, 16)), "rope_reference_grid rescales 2D RoPE positions: it "
+     "needs rope_theta, which is null (got (16, 16))"),
+    (dict(rope_theta=10000, rope_reference_grid=(16, 0)), "rope_reference_grid must be an int "
+     "or a (height, width) pair of ints (1..16384), got (16, 0)"),
+    (dict(rope_theta=10000, rope_reference_grid=[16, 16, 16]), "rope_reference_grid must be an "
+     "int or a (height, width) pair of ints (1..16384), got [16, 16, 16]"),
+])
+def test_eva02_sub_ln_and_rope_reference_grid_are_validated(changes, message):
+    with pytest.raises(ConfigError) as info:
+        tiny_config(**changes)
+    assert str(info.value) == message
+
+
+def test_eva02_sub_ln_and_rope_reference_grid_round_trip():
+    config = tiny_config(**SWIGLU, mlp_norm=True, rope_theta=10000, rope_reference_grid=[16, 16])
+    assert (config.mlp_norm, config.rope_reference_grid) == (True, (16, 16))
+    assert tiny_config(rope_theta=10000, rope_reference_grid=np.int64(24)).rope_reference_grid \
+        == (24, 24)  # timm's to_2tuple
+    data = json.loads(json.dumps(config.to_dict()))
+    assert data["rope_reference_grid"] == [16, 16] and EncoderConfig.from_dict(data) == config
+
+
 def test_the_largest_real_vits_and_numpy_ints_pass():
     # ViT-22B (Dehghani et al. 2023): width 6144, depth 48, 48 heads, MLP 24576, patch 14.
     giant = EncoderConfig(width=6144, depth=48, heads=48, mlp_width=24576, patch_size=14)

@@ -44,7 +44,7 @@ LIMITS: dict[str, tuple[int, int]] = {
 MAX_GRID_TOKENS = 1024 * 1024  # patches per image at `image_size`: a 1024 x 1024 grid
 MAX_NORM_EPS = 1.0  # LayerNorm eps in (0, 1]; 1e-12 .. 1e-5 in practice
 BOOLEAN_FIELDS = ("class_token", "pre_norm", "final_norm", "qkv_bias", "patch_bias",
-                  "pos_resize_antialias")
+                  "pos_resize_antialias", "mlp_norm")
 CHOICES = {"act": ACTIVATIONS, "pos_resize_mode": POS_RESIZE_MODES, "norm": NORMS, "mlp": MLPS,
            "pos_embed": POS_EMBEDS, "rope_frequencies": ROPE_FREQUENCIES}
 
@@ -52,7 +52,8 @@ CHOICES = {"act": ACTIVATIONS, "pos_resize_mode": POS_RESIZE_MODES, "norm": NORM
 # The mechanism fields at the paper's block: what a writer of a plain-ViT layout (CLIP,
 # SigLIP, open_clip) needs them to be.
 PAPER_MECHANISMS: dict[str, Any] = dict(layer_scale_init=None, norm="layernorm", mlp="mlp",
-                                        hybrid_layers=None, pos_embed="learned", rope_theta=None,
+                                        mlp_norm=False, hybrid_layers=None, pos_embed="learned",
+                                        rope_theta=None, rope_reference_grid=None,
                                         temporal_patch_size=None, window_size=None)
 
 
@@ -115,7 +116,7 @@ def check_choice(field: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 def _as_pair(value: Any, name: str) -> tuple[int, int]:
-    low, high = LIMITS[name]
+    low, high = LIMITS["image_size"]  # image_size, or rope_reference_grid in patches
     if is_int(value):
         value = (value, value)
     if isinstance(value, (tuple, list)) and len(value) == 2 and all(
@@ -158,6 +159,7 @@ class EncoderConfig:
     layer_scale_init: float | None = None  # LayerScale's start value on both branches (DINOv2)
     norm: str = "layernorm"  # every norm of the encoder; rmsnorm in Qwen2.5-VL's tower
     mlp: str = "mlp"  # fc1, act, fc2; or swiglu: fc2(act(fc1_g) * fc1_x), act silu (EVA-02)
+    mlp_norm: bool = False  # swiglu's hidden normed (`norm`) before fc2: EVA-02 B/L's sub-LN
     # The hybrid (paper 3.1): patches cut from a ResNet's feature map, these blocks per stage
     # ((3, 4, 9) for R50+ViT-B/16); patch_size is then the ResNet's stride, `hybrid_stride`.
     hybrid_layers: tuple[int, ...] | None = None
@@ -167,6 +169,9 @@ class EncoderConfig:
     # Qwen2-VL) or take the even and odd ones of head_dim/2 ("alternating", Pixtral).
     rope_theta: float | None = None
     rope_frequencies: str = "shared"
+    # RoPE positions scaled so every image's grid spans this (rows, cols) one, row i at
+    # i * ref_rows / rows (EVA-02's ref_feat_shape, its pretraining grid); null: patch indices.
+    rope_reference_grid: tuple[int, int] | None = None
     # A Conv3d patch embedding over this many frames (Qwen2-VL: 2), so images and video share
     # a tower; an image is its frame repeated (`layers.temporal_patch_embed`). null: Conv2d.
     temporal_patch_size: int | None = None
@@ -187,9 +192,11 @@ class EncoderConfig:
         `MAX_GRID_TOKENS` (1024 x 1024) patches at `image_size`, and `norm_eps` a finite
         number in (0, 1]; the booleans must be booleans and `act` / `pos_resize_mode` /
         `norm` / `mlp` one of their names; `layer_scale_init` null or a finite number > 0;
-        `mlp` swiglu with `act` silu; `hybrid_layers` null or 1 to 4 stages of 1..64 blocks,
-        with `patch_size` the ResNet's stride; `pos_embed` learned or none; `rope_theta` null
-        or a finite number > 0, with a head dimension (width / heads) divisible by 4;
+        `mlp` swiglu with `act` silu; `mlp_norm` only with swiglu; `hybrid_layers` null or 1
+        to 4 stages of 1..64 blocks, with `patch_size` the ResNet's stride; `pos_embed`
+        learned or none; `rope_theta` null or a finite number > 0, with a head dimension
+        (width / heads) divisible by 4;
+        `rope_reference_grid` null or a (rows, cols) of 1..16384, only with `rope_theta`;
         `temporal_patch_size` null or 1..16, not with the hybrid; `window_size` null or a
         positive int no larger than the grid at `image_size` on both sides, without class or
         register tokens; `full_attention_blocks` distinct block indices, only with a window.
@@ -270,6 +277,10 @@ class EncoderConfig:
             raise ConfigError("act", self.act, "silu with mlp swiglu",
                               problem=f"mlp 'swiglu' gates with SiLU: act must be 'silu', got "
                               f"{self.act!r}")
+        if self.mlp_norm and self.mlp != "swiglu":
+            raise ConfigError("mlp_norm", True, "false unless mlp is swiglu",
+                              problem=f"mlp_norm normalises SwiGLU's gated hidden activation: it "
+                              f"needs mlp 'swiglu', got mlp {self.mlp!r}")
         frames = self.temporal_patch_size
         if frames is not None:
             self.temporal_patch_size = check_int("temporal_patch_size", frames, 1,
@@ -295,10 +306,17 @@ class EncoderConfig:
                               f"{self.patch_size}")
 
     def _validate_rope(self) -> None:
-        """`rope_theta`, and a head dimension 2D RoPE can split (see `validate`)."""
-        theta = self.rope_theta
+        """`rope_theta`, `rope_reference_grid`, and a head dimension 2D RoPE can split (see
+        `validate`)."""
+        theta, reference = self.rope_theta, self.rope_reference_grid
         if theta is None:
+            if reference is not None:
+                raise ConfigError("rope_reference_grid", reference, "null without rope_theta",
+                                  problem="rope_reference_grid rescales 2D RoPE positions: it "
+                                  f"needs rope_theta, which is null (got {reference!r})")
             return
+        if reference is not None:
+            self.rope_reference_grid = _as_pair(reference, "rope_reference_grid")
         if not (is_real(theta) and theta > 0):
             raise ConfigError("rope_theta", theta, "null or a finite number > 0")
         self.rope_theta = float(theta)
@@ -341,6 +359,8 @@ class EncoderConfig:
         if self.hybrid_layers is not None:
             data["hybrid_layers"] = list(self.hybrid_layers)
         data["full_attention_blocks"] = list(self.full_attention_blocks)
+        if self.rope_reference_grid is not None:
+            data["rope_reference_grid"] = list(self.rope_reference_grid)
         return data
 
     @classmethod

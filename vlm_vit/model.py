@@ -43,7 +43,9 @@ class Block(nn.Module):
         self.attn = Attention(width, config.heads, qkv_bias=config.qkv_bias)
         self.ls1 = layers.build_layer_scale(width, config.layer_scale_init)
         self.norm2 = layers.build_norm(config.norm, width, config.norm_eps)
-        self.mlp = layers.build_mlp(config.mlp, width, config.mlp_width, act=config.act)
+        self.mlp = layers.build_mlp(config.mlp, width, config.mlp_width, act=config.act,
+                                    inner_norm=config.norm if config.mlp_norm else None,
+                                    norm_eps=config.norm_eps)
         self.ls2 = layers.build_layer_scale(width, config.layer_scale_init)
 
     def forward(
@@ -97,7 +99,7 @@ class VisionEncoder(NativeFormat, nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, entries, width)) \
             if config.pos_embed == "learned" else None
         self.rope = layers.build_rope(width // config.heads, config.rope_theta,
-                                      config.rope_frequencies)
+                                      config.rope_frequencies, config.rope_reference_grid)
         self.norm_pre = layers.build_norm(config.norm, width, config.norm_eps) if config.pre_norm \
             else None
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))

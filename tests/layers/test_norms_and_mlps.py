@@ -80,3 +80,24 @@ def test_swiglu_linear_names_and_injected_activation():
     x = torch.randn(3, 8)
     expected = geglu.fc2(torch.nn.functional.gelu(geglu.fc1_g(x)) * geglu.fc1_x(x))
     assert torch.equal(geglu(x), expected)
+
+
+def test_swiglu_inner_norm_matches_timm_swiglu_with_norm_layer():
+    from timm.layers import LayerNorm as TimmLayerNorm
+    from timm.layers import SwiGLU as TimmSwiGLU
+
+    from vlm_vit.layers.mlp import build_mlp
+
+    torch.manual_seed(0)
+    # EVA-02 base's `scale_mlp`: the block's LayerNorm (eps 1e-6) on the hidden activation
+    theirs = TimmSwiGLU(32, 48, norm_layer=TimmLayerNorm)
+    for parameter in theirs.parameters():
+        parameter.data.normal_()
+    ours = build_mlp("swiglu", 32, 48, act="silu", inner_norm="layernorm", norm_eps=1e-6)
+    ours.load_state_dict(theirs.state_dict())  # strict: timm's names, norm included
+    x = torch.randn(2, 9, 32)
+    # measured 0: the same Linears, SiLU and LayerNorm in the same order
+    torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=1e-6)
+    assert "norm" not in dict(SwiGLU(32, 48).named_children())  # no module without a norm
+    with pytest.raises(ValueError, match=r"inner MLP norm \('layernorm'\) needs the swiglu"):
+        build_mlp("mlp", 32, 48, inner_norm="layernorm")

@@ -123,3 +123,24 @@ def test_a_head_dim_not_divisible_by_4_is_refused(head_dim):
 def test_a_merger_on_an_odd_grid_is_refused():
     with pytest.raises(ValueError, match=r"patch grid 5x6 is not divisible into 2x2 merge"):
         grid_positions((5, 6), merge_size=2)
+
+
+@pytest.mark.parametrize(("grid", "reference"), [((6, 6), (4, 4)), ((8, 5), (4, 6))])
+def test_reference_grid_positions_are_timms_ref_feat_shape_scaling(grid, reference):
+    from timm.layers.pos_embed_sincos import _build_grid
+
+    theirs = _build_grid(grid, grid_type="index", ref_feat_shape=reference).reshape(-1, 2)
+    rope = Rope2D(HEAD_DIM, reference_grid=reference)
+    assert torch.equal(rope.positions(grid), theirs)  # the same float32 divide, then multiply
+    assert torch.equal(Rope2D(HEAD_DIM).positions(grid), grid_positions(grid))  # no reference
+
+
+def test_packed_grids_are_each_scaled_from_their_own_grid():
+    rope = Rope2D(HEAD_DIM, reference_grid=(4, 4))
+    cos, sin = rope.for_grids([(6, 6), (2, 8)], num_prefix_tokens=1)
+    for part, grid in zip((slice(0, 37), slice(37, 54)), [(6, 6), (2, 8)], strict=True):
+        alone = rope(rope.positions(grid), num_prefix_tokens=1)
+        assert torch.equal(cos[part], alone[0]) and torch.equal(sin[part], alone[1])
+    # patch i of R rows sits at i / R * 4: the last at 4 - 4 / R, whatever R
+    assert rope.positions((6, 6))[-1].tolist() == pytest.approx([10 / 3, 10 / 3])
+    assert rope.positions((2, 8))[-1].tolist() == pytest.approx([2.0, 3.5])

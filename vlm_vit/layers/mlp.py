@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlm_vit.layers.norm import build_norm
 from vlm_vit.layers.swiglu import SwiGLU
 
 
@@ -63,15 +64,23 @@ class Mlp(nn.Module):
         return self.fc2(inplace(hidden))
 
 
-def build_mlp(kind: str, width: int, hidden_width: int, act: str = "gelu") -> nn.Module:
+def build_mlp(kind: str, width: int, hidden_width: int, act: str = "gelu",
+              inner_norm: str | None = None, norm_eps: float = 1e-6) -> nn.Module:
     """The block's MLP by `EncoderConfig.mlp`: "mlp" (`Mlp`: fc1, act, fc2) or "swiglu"
     (`SwiGLU`: fc1_g, fc1_x, fc2, gated by `act`).
 
+    Args:
+        inner_norm: for "swiglu", the norm (`build_norm`'s name, with `norm_eps`) of the
+            hidden activation before fc2 (`EncoderConfig.mlp_norm`); None for none.
+
     Raises:
-        ValueError: for an unknown kind or activation.
+        ValueError: for an unknown kind or activation, or an inner norm without SwiGLU.
     """
+    if inner_norm is not None and kind != "swiglu":
+        raise ValueError(f"an inner MLP norm ({inner_norm!r}) needs the swiglu MLP, got {kind!r}")
     if kind == "mlp":
         return Mlp(width, hidden_width, act=act)
     if kind == "swiglu":
-        return SwiGLU(width, hidden_width, act=build_activation(act))
+        norm = None if inner_norm is None else build_norm(inner_norm, hidden_width, norm_eps)
+        return SwiGLU(width, hidden_width, act=build_activation(act), norm=norm)
     raise ValueError(f"unknown MLP {kind!r}; known: mlp, swiglu")

@@ -14,6 +14,11 @@ second quarter with the column. The frequencies come in two layouts (`Rope2D(fre
 
 Neither is EVA-02's interleaved pairing, so these weights need no permutation.
 
+Positions are patch indices, or, with a reference grid (`Rope2D(reference_grid=)`, EVA-02's
+`ref_feat_shape`: its pretraining grid), indices scaled so that each image's grid spans the
+reference one: row i of R rows at i / R * ref_rows, the same float32 operations as timm's
+`build_rotary_pos_embed`, for every image's own grid (as timm's Eva with `dynamic_img_size`).
+
 Token order: a tower with a 2x2 patch merger (Qwen2-VL's `spatial_merge_size`) lists its
 patches window by window (the four patches of each 2x2 window together, windows row-major),
 so the merger can take four neighbouring tokens at a time. `merge_window_order` gives that
@@ -75,13 +80,15 @@ class Rope2D(nn.Module):
         head_dim: channels per head; a multiple of 4 (a quarter per axis and rotation half).
         theta: the frequency base (10000 in Qwen2-VL, Qwen2.5-VL and Pixtral).
         frequencies: "shared" or "alternating" (see the module docstring).
+        reference_grid: (rows, cols) every image's positions are scaled to span, or None for
+            patch indices (see the module docstring).
 
     Raises:
         ValueError: when `head_dim` is not a positive multiple of 4, or for another layout.
     """
 
-    def __init__(self, head_dim: int, theta: float = 10000.0,
-                 frequencies: str = "shared") -> None:
+    def __init__(self, head_dim: int, theta: float = 10000.0, frequencies: str = "shared",
+                 reference_grid: tuple[int, int] | None = None) -> None:
         super().__init__()
         if head_dim <= 0 or head_dim % 4:
             raise ValueError(
@@ -91,6 +98,7 @@ class Rope2D(nn.Module):
         if frequencies not in ("shared", "alternating"):
             raise ValueError(f"RoPE frequencies {frequencies!r} are not shared or alternating")
         self.head_dim, self.theta, self.frequencies = head_dim, theta, frequencies
+        self.reference_grid = None if reference_grid is None else tuple(reference_grid)
 
     def inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The frequencies of rows and columns, float32 `[2, head_dim/4]`."""
@@ -100,6 +108,19 @@ class Rope2D(nn.Module):
             return (1.0 / self.theta ** (exponents / (head_dim // 2))).expand(2, -1)
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
         return (1.0 / self.theta**exponents).reshape(-1, 2).T  # (2, hd/4): even, odd
+
+    def positions(self, grid: tuple[int, int],
+                  device: torch.device | str | None = None) -> torch.Tensor:
+        """(row, col) of every patch of `grid`, row-major, as RoPE turns them: int64 patch
+        indices, or float32 ones scaled to the reference grid (index / grid * reference);
+        `[rows * cols, 2]`."""
+        positions = grid_positions(grid, device=device)
+        if self.reference_grid is None:
+            return positions
+        size = torch.tensor(grid, dtype=torch.float32, device=positions.device)
+        reference = torch.tensor(self.reference_grid, dtype=torch.float32,
+                                 device=positions.device)
+        return positions.float() / size * reference  # timm's t / feat_shape * ref_feat_shape
 
     def forward(
         self, positions: torch.Tensor, num_prefix_tokens: int = 0
@@ -129,28 +150,32 @@ class Rope2D(nn.Module):
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """Cosines and sines for images laid end to end, each `[prefix, row-major patches]`
         (the encoder's token order): `[sum(prefix + rows * cols), head_dim]` each. Every
-        image counts its rows and columns from 0, so packing mixed sizes changes no angle.
+        image counts its rows and columns from 0 (scaled to the reference grid, if any, from
+        its own grid), so packing mixed sizes changes no angle.
 
         Raises:
             ValueError: for no grids (a caller that did not say where its tokens lie).
         """
         if not grids:
             raise ValueError("2D RoPE needs each image's patch grid (grids=[(rows, cols), ...])")
-        parts = [self(grid_positions(grid, device=device), num_prefix_tokens)
+        parts = [self(self.positions(grid, device=device), num_prefix_tokens)
                  for grid in grids]
         if len(parts) == 1:
             return parts[0]
         return torch.cat([cos for cos, _ in parts]), torch.cat([sin for _, sin in parts])
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, theta={self.theta}, frequencies={self.frequencies}"
+        reference = "" if self.reference_grid is None else \
+            f", reference_grid={self.reference_grid}"
+        return f"head_dim={self.head_dim}, theta={self.theta}, frequencies={self.frequencies}" \
+            + reference
 
 
-def build_rope(head_dim: int, theta: float | None,
-               frequencies: str = "shared") -> Rope2D | None:
-    """The encoder's 2D RoPE (`EncoderConfig.rope_theta`, `rope_frequencies`); None when
-    `theta` is None."""
-    return None if theta is None else Rope2D(head_dim, theta, frequencies)
+def build_rope(head_dim: int, theta: float | None, frequencies: str = "shared",
+               reference_grid: tuple[int, int] | None = None) -> Rope2D | None:
+    """The encoder's 2D RoPE (`EncoderConfig.rope_theta`, `rope_frequencies`,
+    `rope_reference_grid`); None when `theta` is None."""
+    return None if theta is None else Rope2D(head_dim, theta, frequencies, reference_grid)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
