@@ -11,21 +11,26 @@ LayerScale; its attention has q and v biases and none for k. Converting it:
   so permuting the rows of q and k in each head (even channels first, then odd) makes the two
   rotations one; q.k is unchanged because q and k get the same permutation;
 - the packed SwiGLU (`GluMlp`, `fc1` of 2 x hidden, the gate first) splits into `fc1_g` and
-  `fc1_x`; `gamma_1`/`gamma_2` are LayerScale's `ls1`/`ls2`;
+  `fc1_x`; with `scale_mlp` (eva02 base and large, the EVA-02 CLIP towers) timm's `SwiGLU`
+  holds them apart already, and its `mlp.norm` (the block's LayerNorm over the hidden
+  activation, before `fc2`) is our `mlp_norm`; `gamma_1`/`gamma_2` are LayerScale's `ls1`/`ls2`;
+- `ref_feat_shape` (the 336 and 448 variants: RoPE positions scaled to the pretraining grid,
+  t / grid * ref, at every input size) is our `rope_reference_grid`;
 - the position table and register tokens are read as in timm's ViT (`convert.timm`).
 
 Most of an Eva's architecture is code, not tensors (RoPE, SwiGLU, heads): it comes from
 `config.json`'s `model_args` over the registration's own arguments (`ARCHITECTURES`, copied
 from timm's `eva.py`) over `Eva`'s defaults. What our block cannot hold is refused by name:
-the sub-LN inside SwiGLU (`scale_mlp`: eva02 base and large, the EVA-02 CLIP towers), the norm
-inside attention (`scale_attn_inner`), the post-norm block (eva02 enormous), RoPE positions
-rescaled to a reference grid other than the model's own (`ref_feat_shape`: the 336 and 448
-variants), and the other RoPE kinds of timm's `Eva` (PE, DINOv3, mixed).
+the norm inside attention (`scale_attn_inner`: the EVA-02 CLIP towers), a norm inside the GELU
+MLP (`scale_mlp` without SwiGLU), the post-norm block (eva02 enormous), and the other RoPE
+kinds of timm's `Eva` (PE, DINOv3, mixed).
 
 `write` goes the other way, to what `timm.create_model("local-dir:DIR", pretrained=True)`
 builds as an `Eva`: the permutation undone, SwiGLU packed again, the qkv bias split into
 `q_bias` and `v_bias` (a k bias that is not zero is refused: Eva has none), and every
-argument in `model_args`, RoPE counted on the model's own grid (`ref_feat_shape`).
+argument in `model_args`: `scale_mlp` from `mlp_norm` (SwiGLU then unpacked, as timm holds
+it), `ref_feat_shape` from `rope_reference_grid` (null for none: positions are patch indices
+at every size, as ours).
 """
 
 from __future__ import annotations
@@ -97,7 +102,6 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 # Settings our block cannot hold: (setting, the value we can, why), refused by name.
 UNSUPPORTED = (
-    ("scale_mlp", False, "a norm inside SwiGLU (sub-LN, `mlp.norm`)"),
     ("scale_attn_inner", False, "a norm inside attention (`attn.norm`)"),
     ("use_post_norm", False, "the post-norm block"),
     ("qk_norm", False, "q/k norms"),
@@ -118,7 +122,7 @@ KEY_MAP = {
     **{f"blocks.{{}}.{source}": f"blocks.{{}}.{target}" for source, target in {
         **{f"{part}.{kind}": f"{part}.{kind}" for kind in ("weight", "bias")
            for part in ("norm1", "norm2", "attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc1_g",
-                        "mlp.fc1_x", "mlp.fc2")},
+                        "mlp.fc1_x", "mlp.norm", "mlp.fc2")},
         "gamma_1": "ls1.gamma", "gamma_2": "ls2.gamma",
     }.items()},
 }
@@ -166,28 +170,49 @@ def eva_settings(config: dict[str, Any] | None, source: object,
 
 
 def refuse_unsupported(settings: dict[str, Any], tensors: dict[str, torch.Tensor],
-                       grid: tuple[int, int], source: object) -> None:
+                       source: object) -> None:
     """Raises for what our block cannot hold (see `UNSUPPORTED`), naming the setting.
 
     Raises:
         ValueError: naming `source`, the setting and what it is.
     """
     found = dict(settings)
-    found["scale_mlp"] = found["scale_mlp"] or "blocks.0.mlp.norm.weight" in tensors
     found["scale_attn_inner"] = found["scale_attn_inner"] or "blocks.0.attn.norm.weight" \
         in tensors
     for setting, ours, what in UNSUPPORTED:
         if found[setting] != ours:
             raise ValueError(f"{source}: timm Eva with {setting}={found[setting]!r} ({what}) "
                              "is not representable in vlm-vit's block")
-    reference = found["ref_feat_shape"]
-    if found["use_rot_pos_emb"] and reference is not None and tuple(reference) != grid:
-        raise ValueError(f"{source}: timm Eva scales RoPE positions to ref_feat_shape "
-                         f"{tuple(reference)}, not its own {grid[0]}x{grid[1]} grid; vlm-vit's "
-                         "RoPE counts positions on the grid (the 336/448 EVA-02 variants)")
+    if has_mlp_norm(settings, tensors) and not found["swiglu_mlp"]:
+        raise ValueError(f"{source}: timm Eva with scale_mlp=True and swiglu_mlp=False (a norm "
+                         "inside the GELU MLP) is not representable in vlm-vit's block: "
+                         "mlp_norm is SwiGLU's")
     if "blocks.0.norm1.weight" in tensors and "blocks.0.norm1.bias" not in tensors:
         raise ValueError(f"{source}: timm Eva with norms without bias (RmsNorm) is not an "
                          "EVA-02 vlm-vit reads")
+
+
+def has_mlp_norm(settings: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+    """timm's `scale_mlp`: a norm inside the MLP, by the setting or by its tensor."""
+    return bool(settings["scale_mlp"]) or "blocks.0.mlp.norm.weight" in tensors
+
+
+def rope_reference(settings: dict[str, Any]) -> Any:
+    """`ref_feat_shape` for `EncoderConfig.rope_reference_grid` (an int or a pair, which it
+    validates), None without RoPE."""
+    reference = settings["ref_feat_shape"]
+    if not settings["use_rot_pos_emb"] or reference is None:
+        return None
+    return tuple(reference) if isinstance(reference, list) else reference
+
+
+def table_grid_tokens(table_length: int, cls: int, registers: int, grid_tokens: int) -> int:
+    """Patch entries in Eva's position table: the config's grid when a prefix layout fits it,
+    else guessed from the length (`timm._grid_tokens`). The guess alone would take a 6 x 4
+    grid with a class token (25 entries) for a 5 x 5 one without."""
+    if table_length - grid_tokens in (cls + registers, cls, 0):
+        return grid_tokens
+    return _grid_tokens(table_length, cls, registers)
 
 
 def split_packed_swiglu(state: dict[str, torch.Tensor], depth: int) -> None:
@@ -259,15 +284,15 @@ class TimmEvaFormat:
         image_size = settings["img_size"]
         height, width_px = (image_size, image_size) if isinstance(image_size, int) \
             else tuple(image_size)
-        refuse_unsupported(settings, tensors, (height // patch_size, width_px // patch_size),
-                           source)
+        refuse_unsupported(settings, tensors, source)
         state = rename(tensors, {**KEY_MAP, **_attention_names()}, depth, ignore=IGNORED,
                        source=checkpoint.path)
         registers = state["reg_token"].shape[1] if "reg_token" in state else 0
         has_table = "pos_embed" in state
         if has_table:
-            grid_tokens = _grid_tokens(state["pos_embed"].shape[1], int("cls_token" in state),
-                                       registers)
+            grid = (height // patch_size) * (width_px // patch_size)  # rows * cols
+            grid_tokens = table_grid_tokens(state["pos_embed"].shape[1],
+                                            int("cls_token" in state), registers, grid)
             _fold_positions(state, grid_tokens, rules)
         fuse_attention(state, depth)
         if settings["swiglu_mlp"]:
@@ -279,6 +304,9 @@ class TimmEvaFormat:
             interleaved_to_half(state, depth, heads)
             rules.append("RoPE's interleaved channel pairs permuted to rotate-half order in q "
                          "and k")
+        if rope_reference(settings) is not None:
+            rules.append(f"RoPE positions scaled to ref_feat_shape {settings['ref_feat_shape']} "
+                         "from every image's own grid")
         if "fc_norm.weight" in tensors:
             rules.append("fc_norm (the norm of the pooled token) dropped with the head")
         mlp = "swiglu" if settings["swiglu_mlp"] else "mlp"
@@ -298,7 +326,8 @@ class TimmEvaFormat:
                 act="silu" if mlp == "swiglu" else "gelu", norm_eps=1e-6,
                 layer_scale_init=scale, mlp=mlp, pos_embed="learned" if has_table else "none",
                 rope_theta=settings["rope_temperature"] if rope else None,
-                rope_frequencies="shared")
+                rope_frequencies="shared", mlp_norm=has_mlp_norm(settings, tensors),
+                rope_reference_grid=rope_reference(settings))
         except ConfigError as error:
             raise error.located(source) from None
         pool = "cls" if settings["global_pool"] == "token" and config.class_token else "mean"
@@ -354,16 +383,16 @@ def eva_model_args(config: EncoderConfig) -> dict[str, Any]:
     if problems:
         raise ValueError("timm's Eva cannot hold this encoder: " + "; ".join(problems))
     rope = config.rope_theta is not None
-    grid = [side // config.patch_size for side in config.image_size]
     return dict(
         img_size=list(config.image_size), patch_size=config.patch_size,
         in_chans=config.in_channels, embed_dim=config.width, depth=config.depth,
         num_heads=config.heads, mlp_ratio=config.mlp_width / config.width,
-        qkv_bias=config.qkv_bias, swiglu_mlp=swiglu, scale_mlp=False,
+        qkv_bias=config.qkv_bias, swiglu_mlp=swiglu, scale_mlp=config.mlp_norm,
         class_token=config.class_token, num_reg_tokens=config.num_register_tokens,
         no_embed_class=False, use_abs_pos_emb=config.pos_embed == "learned",
         use_rot_pos_emb=rope, rope_temperature=config.rope_theta if rope else 10000.0,
-        ref_feat_shape=grid if rope else None, init_values=config.layer_scale_init,
+        ref_feat_shape=None if config.rope_reference_grid is None
+        else list(config.rope_reference_grid), init_values=config.layer_scale_init,
         use_pre_transformer_norm=config.pre_norm, use_post_transformer_norm=config.final_norm,
         use_fc_norm=False, global_pool="token" if config.class_token else "avg",
         num_classes=0)
@@ -387,7 +416,8 @@ def eva_tensors(encoder: nn.Module) -> dict[str, torch.Tensor]:
             q_bias, k_bias, v_bias = bias.chunk(3)
             nonzero += [f"{attn}qkv.bias"] if k_bias.any() else []
             state[attn + "q_bias"], state[attn + "v_bias"] = q_bias, v_bias
-        for kind in ("weight", "bias") if config.mlp == "swiglu" else ():
+        # timm's Eva packs SwiGLU (GluMlp) unless it has the inner norm (SwiGLU, fc1_g, fc1_x)
+        for kind in ("weight", "bias") if config.mlp == "swiglu" and not config.mlp_norm else ():
             gate, value = state.pop(f"{mlp}fc1_g.{kind}"), state.pop(f"{mlp}fc1_x.{kind}")
             state[f"{mlp}fc1.{kind}"] = torch.cat([gate, value])  # GluMlp: the gate first
     if nonzero:
