@@ -325,3 +325,18 @@ def test_timm_eva_refuses_what_it_cannot_hold(tmp_path):
     biased = perturbed(VisionEncoder(EncoderConfig(**PLAIN)))
     with pytest.raises(ValueError, match=r"no k bias, .* blocks\.0\.attn\.qkv\.bias$"):
         FORMATS.get("timm_eva").write(biased, tmp_path / "refused")
+
+
+@pytest.mark.parametrize("format_name, field", [("hf_pixtral", "rope_reference_grid"),
+                                                ("hf_qwen2_vl", "rope_reference_grid"),
+                                                ("hf_dinov2", "mlp_norm")])
+def test_writers_refuse_the_eva_mechanisms_by_name(tmp_path, format_name, field):
+    from vlm_vit import EncoderConfig, VisionEncoder
+    from vlm_vit.convert import FORMATS
+
+    extra = dict(rope_reference_grid=(2, 2), pos_embed="none", rope_theta=10000.0) \
+        if field == "rope_reference_grid" else dict(mlp="swiglu", act="silu", mlp_norm=True)
+    encoder = VisionEncoder(EncoderConfig(image_size=32, patch_size=8, width=32, depth=1,
+                                          heads=2, mlp_width=64, **extra))
+    with pytest.raises(ValueError, match=field):
+        FORMATS.get(format_name).write(encoder, tmp_path / "out")

@@ -238,7 +238,8 @@ class HfDinov2Format:
 # -- writing ----------------------------------------------------------------------------------
 
 # What a DINOv2 model fixes, in EncoderConfig fields; `write` refuses anything else.
-WRITE_ARCHITECTURE = dict(class_token=True, pre_norm=False, final_norm=True, patch_bias=True,
+WRITE_ARCHITECTURE = dict(mlp_norm=False,
+                          class_token=True, pre_norm=False, final_norm=True, patch_bias=True,
                           norm="layernorm", hybrid_layers=None, pos_embed="learned",
                           rope_theta=None, temporal_patch_size=None, window_size=None)
 # Native module -> the name `save_pretrained` writes (each has a weight and a bias).

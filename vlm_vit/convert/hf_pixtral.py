@@ -201,7 +201,8 @@ class HfPixtralFormat:
 # -- writing ----------------------------------------------------------------------------------
 
 # What a Pixtral tower fixes, in EncoderConfig fields; `write` refuses anything else.
-WRITE_ARCHITECTURE = dict(class_token=False, num_register_tokens=0, pre_norm=True,
+WRITE_ARCHITECTURE = dict(rope_reference_grid=None, mlp_norm=False,
+                          class_token=False, num_register_tokens=0, pre_norm=True,
                           final_norm=False, qkv_bias=False, patch_bias=False, norm="rmsnorm",
                           mlp="swiglu", norm_eps=NORM_EPS, layer_scale_init=None,
                           hybrid_layers=None, pos_embed="none", rope_frequencies="alternating",

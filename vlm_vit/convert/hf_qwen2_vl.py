@@ -185,7 +185,8 @@ class HfQwen2VLVisionFormat:
 # -- writing ----------------------------------------------------------------------------------
 
 # What both Qwen towers fix, in EncoderConfig fields; their writers refuse anything else.
-QWEN_ARCHITECTURE = dict(class_token=False, num_register_tokens=0, pre_norm=False,
+QWEN_ARCHITECTURE = dict(rope_reference_grid=None, mlp_norm=False,
+                         class_token=False, num_register_tokens=0, pre_norm=False,
                          final_norm=False, qkv_bias=True, patch_bias=False, norm_eps=NORM_EPS,
                          layer_scale_init=None, hybrid_layers=None, pos_embed="none",
                          rope_frequencies="shared")
