@@ -354,7 +354,7 @@ class ConversationDataset(torch.utils.data.Dataset):
         self.records, self.processor = records, processor
         self.root = records.path
         if max_length is not None:
-            if least_image_tokens is None:
+            if least_image_tokens is None or least_image_tokens == image_tokens:  # untiled
                 records.limit_length(max_length, image_tokens)
             else:
                 records.limit_length(max_length, least_image_tokens, exact=False)
