@@ -1,6 +1,7 @@
 """Issue 33's families load by Hub name from an offline cache exactly as by path: HF Dinov2,
-Pixtral and Qwen2-VL's vision tower saved by transformers, timm's DINOv2 with registers and
-timm's EVA-02 in timm's hub layout (config.json with the architecture and model_args)."""
+Pixtral, Qwen2-VL's and Qwen2.5-VL's vision towers and SigLIP 2 (NaFlex) saved by
+transformers, timm's DINOv2 with registers, timm's EVA-02 and the paper's hybrid (R50+ViT) in
+timm's hub layout (config.json with the architecture and model_args)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,44 @@ def save_qwen2_vl(folder: Path) -> Path:
     return folder
 
 
+def save_qwen2_5_vl(folder: Path) -> Path:
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+        Qwen2_5_VisionTransformerPretrainedModel,
+    )
+
+    config = Qwen2_5_VLVisionConfig(depth=2, hidden_size=32, intermediate_size=48,
+                                    out_hidden_size=40, num_heads=4, patch_size=8,
+                                    temporal_patch_size=2, spatial_merge_size=2, window_size=32,
+                                    fullatt_block_indexes=[1])
+    perturbed(Qwen2_5_VisionTransformerPretrainedModel(config)).save_pretrained(folder)
+    return folder
+
+
+def save_siglip2(folder: Path) -> Path:
+    config = transformers.Siglip2VisionConfig(hidden_size=32, num_hidden_layers=2,
+                                              num_attention_heads=4, intermediate_size=48,
+                                              patch_size=8, num_patches=16)
+    perturbed(transformers.Siglip2VisionModel(config)).save_pretrained(folder)
+    return folder
+
+
+def save_timm_hybrid(folder: Path) -> Path:
+    """vit_base_r50_s16_384's architecture (a ResNetV2 stem) at tiny size, as timm's hub
+    layout: the stem's stages are read from the weights."""
+    from .convert.test_timm_mechanisms import timm_hybrid
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_safetensors(timm_hybrid().state_dict(), folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(
+        {"architecture": "vit_base_r50_s16_384", "num_classes": 0,
+         "model_args": {"img_size": 32, "patch_size": 1, "embed_dim": 32, "depth": 2,
+                        "num_heads": 4},
+         "pretrained_cfg": {"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5],
+                            "input_size": [3, 32, 32]}}))
+    return folder
+
+
 def save_timm_dinov2_registers(folder: Path) -> Path:
     """vit_small_patch14_reg4_dinov2's arguments at tiny size, as timm's hub layout."""
     from timm.models.vision_transformer import VisionTransformer
@@ -78,6 +117,9 @@ def save_timm_eva02(folder: Path) -> Path:
 FAMILIES = {"hf_dinov2": ("facebook/dinov2-tiny", save_dinov2),
             "hf_pixtral": ("mistral-community/pixtral-tiny", save_pixtral),
             "hf_qwen2_vl": ("Qwen/qwen2-vl-vision-tiny", save_qwen2_vl),
+            "hf_qwen2_5_vl": ("Qwen/qwen2.5-vl-vision-tiny", save_qwen2_5_vl),
+            "hf_siglip2": ("google/siglip2-naflex-tiny", save_siglip2),
+            "timm hybrid": ("timm/vit_base_r50_s16_384.tiny", save_timm_hybrid),
             "timm": ("timm/vit_small_patch14_reg4_dinov2.tiny", save_timm_dinov2_registers),
             "timm_eva": ("timm/eva02_tiny_patch14_224.tiny", save_timm_eva02)}
 
@@ -86,7 +128,7 @@ FAMILIES = {"hf_dinov2": ("facebook/dinov2-tiny", save_dinov2),
 def test_a_new_family_loads_by_name_as_by_path(tmp_path, cache, family):  # noqa: F811
     repo_id, save = FAMILIES[family]
     snapshot = put_in_cache(cache, repo_id, save(tmp_path / family))
-    assert detect_format(read_checkpoint(snapshot)).name == family
+    assert detect_format(read_checkpoint(snapshot)).name == family.split()[0]
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     by_path = load_encoder(snapshot).eval()
     for name in (repo_id, f"hf-hub:{repo_id}", f"{repo_id}@main"):

@@ -100,7 +100,10 @@ def mechanisms(config: EncoderConfig) -> list[str]:
         frames = config.temporal_patch_size
         found.append(f"Conv3d over {frames} frame{'s' if frames > 1 else ''}")
     if config.rope_theta is not None:
-        found.append(f"RoPE ({config.rope_frequencies}, θ={config.rope_theta:g})")
+        reference = config.rope_reference_grid
+        found.append(f"RoPE ({config.rope_frequencies}, θ={config.rope_theta:g}"
+                     + (f", reference grid {reference[0]}x{reference[1]}" if reference else "")
+                     + ")")
     if config.window_size is not None:
         full = config.full_attention_blocks
         found.append(f"{config.window_size}x{config.window_size} window attention"
@@ -113,7 +116,7 @@ def mechanisms(config: EncoderConfig) -> list[str]:
     if config.norm == "rmsnorm":
         found.append("RMSNorm")
     if config.mlp == "swiglu":
-        found.append("SwiGLU")
+        found.append("SwiGLU" + (" with sub-LN" if config.mlp_norm else ""))
     if config.pos_embed == "none":
         found.append("no position table")
     return found
