@@ -22,13 +22,15 @@ from torch.utils.checkpoint import checkpoint
 import vlm_vit.layers as layers
 from vlm_vit.config import EncoderConfig
 from vlm_vit.layers import Attention, Segments, resample_pos_embed
-from vlm_vit.layers.pos_embed import is_symbolic
+from vlm_vit.layers.patch_masking import keep_patches, mask_patches
+from vlm_vit.layers.pos_embed import resample_pos_embed_cached
+from vlm_vit.layers.residual import add_residual as add_residual  # re-exported (benchmarks)
 from vlm_vit.native import CONFIG_NAME as CONFIG_NAME  # re-exported: importers use these names
 from vlm_vit.native import MODEL_TYPE as MODEL_TYPE
 from vlm_vit.native import WEIGHTS_NAME as WEIGHTS_NAME
 from vlm_vit.native import NativeFormat
 from vlm_vit.native import check_state_dict as check_state_dict
-from vlm_vit.outputs import BlocksOutput, EncoderOutput, PackedOutput
+from vlm_vit.outputs import BlocksOutput, BlocksRecorder, EncoderOutput, PackedOutput
 from vlm_vit.packing import encode_packed
 
 
@@ -58,16 +60,6 @@ class Block(nn.Module):
         x = add_residual(x, self.ls1(attended))
         x = add_residual(x, self.ls2(self.mlp(self.norm2(x))))
         return x, weights
-
-
-def add_residual(x: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    """x + update. When autograd is not recording, the sum goes into `update` (a sublayer's
-    fresh output, which nothing else holds): the same numbers, one `[B, T, D]` buffer fewer;
-    `x` itself is never changed, since `hidden_states` may hold it."""
-    if (torch.is_grad_enabled() and (x.requires_grad or update.requires_grad)) \
-            or update.shape != x.shape or update.dtype != torch.result_type(x, update):
-        return x + update
-    return update.add_(x)
 
 
 class VisionEncoder(NativeFormat, nn.Module):
@@ -131,29 +123,12 @@ class VisionEncoder(NativeFormat, nn.Module):
     # -- eq. 1: patch embedding, class token, position embedding -----------------------------
 
     def position_table(self, grid: tuple[int, int]) -> torch.Tensor:
-        """E_pos for a patch grid, `[1, class + rows * cols, D]`, resized if needed.
-
-        A resized table is cached per grid while the table is not being trained; the cache
-        notices in-place updates (an optimizer step) through the parameter's version counter.
-        Under `torch.export` the resize is traced instead (no cache, no comparison of a
-        symbolic grid with the native one), so the program resizes for any grid.
-        """
-        table = self.pos_embed
-        if not is_symbolic(grid) and tuple(grid) == self.config.grid:
-            return table
-        resize = dict(num_prefix_tokens=int(self.config.class_token),
-                      mode=self.config.pos_resize_mode,
-                      antialias=self.config.pos_resize_antialias)
-        if (torch.is_grad_enabled() and table.requires_grad) or torch.compiler.is_exporting():
-            return resample_pos_embed(table, self.config.grid, grid, **resize)
-        key = (tuple(grid), table.device, table.dtype, table.data_ptr(), table._version)
-        cached = self._pos_cache.get(key)
-        if cached is None:
-            self._pos_cache = {k: v for k, v in self._pos_cache.items() if k[3:] == key[3:]}
-            with torch.no_grad():
-                cached = resample_pos_embed(table, self.config.grid, grid, **resize)
-            self._pos_cache[key] = cached
-        return cached
+        """E_pos for a patch grid, `[1, class + rows * cols, D]`, resized if needed: cached
+        per grid while not trained, traced under `torch.export` (`resample_pos_embed_cached`)."""
+        return resample_pos_embed_cached(
+            self.pos_embed, self.config.grid, grid, self._pos_cache,
+            num_prefix_tokens=int(self.config.class_token), mode=self.config.pos_resize_mode,
+            antialias=self.config.pos_resize_antialias)
 
     def prepare_tokens(
         self,
@@ -181,31 +156,20 @@ class VisionEncoder(NativeFormat, nn.Module):
             Tokens `[B, prefix + N (or K), D]` and the full patch grid.
         """
         x, grid = self.patch_embed(pixel_values)  # (B, N, D)
-        batch, patches, width = x.shape
-        if source_index is not None:
-            _check_indices(source_index, (batch, patches), batch * patches, "source_index")
-            x = x.reshape(batch * patches, width)[source_index.reshape(-1)].reshape(x.shape)
-        if mask is not None:
-            if mask.shape != (batch, patches) or mask.dtype != torch.bool:
-                raise ValueError(f"mask must be a bool tensor [{batch}, {patches}], got "
-                                 f"{mask.dtype} {list(mask.shape)}")
-            if mask_token is None or mask_token.shape[-1] != width:
-                raise ValueError(f"a mask needs a mask_token of width {width}")
-            x = torch.where(mask[..., None], mask_token.to(x.dtype).reshape(1, 1, width), x)
+        x = mask_patches(x, mask=mask, mask_token=mask_token, source_index=source_index)
         return self.embed_patches(x, grid, keep=keep), grid
 
     def embed_patches(self, x: torch.Tensor, grid: tuple[int, int], *,
                       keep: torch.Tensor | None = None) -> torch.Tensor:
         """Patch embeddings `[B, N, D]` of a `grid` to z_0: E_pos added (resized to the grid),
         MAE's `keep` applied, then the class and register tokens in front."""
-        batch, patches, width = x.shape
+        batch, _, _ = x.shape  # (B, N, D)
         cls_entries = int(self.cls_token is not None)
         table = None if self.pos_embed is None else self.position_table(grid).to(x.dtype)
         if table is not None:
             x = x + table[:, cls_entries:]
         if keep is not None:
-            _check_indices(keep, (batch, keep.shape[-1]), patches, "keep")
-            x = torch.gather(x, 1, keep[..., None].expand(-1, -1, width))  # (B, K, D)
+            x = keep_patches(x, keep)  # (B, K, D)
         prefix = []
         if self.cls_token is not None:
             cls_token = self.cls_token if table is None else self.cls_token + table[:, :1]
@@ -283,18 +247,8 @@ class VisionEncoder(NativeFormat, nn.Module):
         run = self.run_blocks(x, feature_layers=feature_layers,
                               output_hidden_states=output_hidden_states,
                               output_attentions=output_attentions, grids=[grid])
-        tokens = run.tokens
-        return EncoderOutput(
-            tokens=tokens,
-            patch_tokens=tokens[:, self.num_prefix_tokens:] if tokens is not None else None,
-            cls_token=tokens[:, 0] if tokens is not None and self.cls_token is not None
-            else None,
-            num_prefix_tokens=self.num_prefix_tokens,
-            grid=grid,
-            hidden_states=run.hidden_states,
-            features=run.features,
-            attentions=run.attentions,
-        )
+        return EncoderOutput.from_blocks(run, grid, self.num_prefix_tokens,
+                                         has_class_token=self.cls_token is not None)
 
     def forward_packed(
         self,
@@ -355,9 +309,7 @@ class VisionEncoder(NativeFormat, nn.Module):
 
         if self.norm_pre is not None:
             x = self.norm_pre(x)
-        hidden_states = [x] if output_hidden_states else None
-        attentions = [] if output_attentions else None
-        kept = {0: x} if 0 in wanted else {}
+        record = BlocksRecorder(x, wanted, output_hidden_states, output_attentions)
         rope = None if self.rope is None else \
             self.rope.for_grids(grids, self.num_prefix_tokens, device=x.device)
         windows = layers.build_windows(  # Qwen2.5-VL's window attention, or None
@@ -373,22 +325,12 @@ class VisionEncoder(NativeFormat, nn.Module):
             else:
                 x, weights = block(x, need_weights=output_attentions, segments=segments,
                                    rope=rope, windows=local)
-            if hidden_states is not None:
-                hidden_states.append(x)
-            if attentions is not None:
-                attentions.append(weights)
-            if index in wanted:
-                kept[index] = x
+            record.add(index, x, weights)
 
         tokens = None
         if run_to == depth:
             tokens = self.norm(x) if self.norm is not None else x
-        return BlocksOutput(
-            tokens=tokens,
-            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
-            features=tuple(kept[i] for i in wanted) if feature_layers else None,
-            attentions=tuple(attentions) if attentions is not None else None,
-        )
+        return record.output(tokens)
 
     def resize_image(self, image_size: int | tuple[int, int]) -> None:
         """Makes `image_size` the native size, resizing the position table once (paper 3.2)."""
@@ -406,13 +348,3 @@ class VisionEncoder(NativeFormat, nn.Module):
         self.config = new
         self._pos_cache.clear()
 
-
-def _check_indices(index: torch.Tensor, shape: tuple[int, int], limit: int, name: str) -> None:
-    if index.dtype not in (torch.int64, torch.int32) or tuple(index.shape) != shape:
-        raise ValueError(f"{name} must be an integer tensor {list(shape)}, got {index.dtype} "
-                         f"{list(index.shape)}")
-    # The range check reads values, which would stall a GPU every step; there the gather
-    # itself asserts on a bad index.
-    if index.device.type == "cpu" and index.numel() and (index.min() < 0 or index.max() >= limit):
-        raise ValueError(f"{name} values must lie in [0, {limit}), got "
-                         f"[{index.min().item()}, {index.max().item()}]")

@@ -1,5 +1,6 @@
 """What the encoder returns: `EncoderOutput` for a batch, `PackedOutput` for a packed list of
-images of different sizes (`vlm_vit.packing`), and `BlocksOutput`, what the blocks return.
+images of different sizes (`vlm_vit.packing`), and `BlocksOutput`, what the blocks return
+(collected by `BlocksRecorder` as they run).
 
 A leaf module: it imports only torch and `vlm_vit.layers`, so the model, the packed path, the
 tower, poolers and analysis all depend on it and it on none of them.
@@ -45,6 +46,22 @@ class EncoderOutput:
     features: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
 
+    @classmethod
+    def from_blocks(cls, run: BlocksOutput, grid: tuple[int, int], num_prefix_tokens: int,
+                    has_class_token: bool) -> EncoderOutput:
+        """A batch's output from what its blocks returned."""
+        tokens = run.tokens
+        return cls(
+            tokens=tokens,
+            patch_tokens=tokens[:, num_prefix_tokens:] if tokens is not None else None,
+            cls_token=tokens[:, 0] if tokens is not None and has_class_token else None,
+            num_prefix_tokens=num_prefix_tokens,
+            grid=grid,
+            hidden_states=run.hidden_states,
+            features=run.features,
+            attentions=run.attentions,
+        )
+
 
 class BlocksOutput(NamedTuple):
     """What `VisionEncoder.run_blocks` returns (see `EncoderOutput` for each field)."""
@@ -53,6 +70,42 @@ class BlocksOutput(NamedTuple):
     hidden_states: tuple[torch.Tensor, ...] | None
     features: tuple[torch.Tensor, ...] | None
     attentions: tuple | None
+
+
+class BlocksRecorder:
+    """Keeps what a run of the blocks was asked for, block by block: every hidden state, the
+    attention maps, the raw tokens of the wanted feature layers.
+
+    Args:
+        x: the tokens entering the first block (hidden state 0).
+        wanted: hidden-state indices (0 to depth) whose tokens to keep, in the order asked.
+        output_hidden_states, output_attentions: as in `VisionEncoder.forward`.
+    """
+
+    def __init__(self, x: torch.Tensor, wanted: list[int], output_hidden_states: bool,
+                 output_attentions: bool) -> None:
+        self.wanted = wanted
+        self.hidden_states = [x] if output_hidden_states else None
+        self.attentions = [] if output_attentions else None
+        self.kept = {0: x} if 0 in wanted else {}
+
+    def add(self, index: int, x: torch.Tensor, weights: object) -> None:
+        """Records block `index`'s output `x` and its attention maps `weights`."""
+        if self.hidden_states is not None:
+            self.hidden_states.append(x)
+        if self.attentions is not None:
+            self.attentions.append(weights)
+        if index in self.wanted:
+            self.kept[index] = x
+
+    def output(self, tokens: torch.Tensor | None) -> BlocksOutput:
+        """What was recorded, with the final `tokens` (None when the run stopped early)."""
+        return BlocksOutput(
+            tokens=tokens,
+            hidden_states=tuple(self.hidden_states) if self.hidden_states is not None else None,
+            features=tuple(self.kept[i] for i in self.wanted) if self.wanted else None,
+            attentions=tuple(self.attentions) if self.attentions is not None else None,
+        )
 
 
 @dataclass

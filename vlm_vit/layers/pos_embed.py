@@ -1,5 +1,5 @@
-"""Position embeddings: resampling a learned table to a new grid (paper section 3.2) and the
-fixed 2D sin-cos table (MAE, big_vision)."""
+"""Position embeddings: resampling a learned table to a new grid (paper section 3.2), cached per
+grid, and the fixed 2D sin-cos table (MAE, big_vision)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,40 @@ def resample_pos_embed(
     )
     patches = patches.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], width)
     return torch.cat([prefix, patches.to(table.dtype)], dim=1)
+
+
+def resample_pos_embed_cached(
+    table: torch.Tensor,
+    old_grid: tuple[int, int],
+    new_grid: tuple[int, int],
+    cache: dict[tuple, torch.Tensor],
+    **resize,
+) -> torch.Tensor:
+    """`resample_pos_embed(table, old_grid, new_grid, **resize)`, cached per grid in `cache`
+    while the table is not being trained.
+
+    The cache notices in-place updates (an optimizer step) through the table's version
+    counter, and keeps only entries of the table as it is now. Under `torch.export` the
+    resize is traced instead (no cache, no comparison of a symbolic grid with the native
+    one), so the program resizes for any grid.
+
+    Returns:
+        The table itself for `old_grid`; else the resized table (a cached one is not to be
+        changed in place).
+    """
+    if not is_symbolic(new_grid) and tuple(new_grid) == old_grid:
+        return table
+    if (torch.is_grad_enabled() and table.requires_grad) or torch.compiler.is_exporting():
+        return resample_pos_embed(table, old_grid, new_grid, **resize)
+    key = (tuple(new_grid), table.device, table.dtype, table.data_ptr(), table._version)
+    cached = cache.get(key)
+    if cached is None:
+        for stale in [k for k in cache if k[3:] != key[3:]]:
+            del cache[stale]
+        with torch.no_grad():
+            cached = resample_pos_embed(table, old_grid, new_grid, **resize)
+        cache[key] = cached
+    return cached
 
 
 def is_symbolic(grid: tuple) -> bool:
