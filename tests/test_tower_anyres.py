@@ -5,6 +5,7 @@ the tiling and `image_newline`; what a tiled tower refuses."""
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from PIL import Image
 
 from vlm_vit import ImageProcessor, VisionTower, build_pooler, load_tower
 from vlm_vit.processor import NORMALIZATION, Tiling
-from vlm_vit.processor.anyres import num_image_tokens
+from vlm_vit.processor.anyres import num_image_tokens, pack_features, tile_grid, unpadded_box
 
 transformers = pytest.importorskip("transformers")
 
@@ -208,3 +209,51 @@ def test_a_tiled_tower_refuses_what_it_cannot_pack(llava_next, tmp_path):
                     processor=dataclasses.replace(processor(tiling), tiling=None))
     with pytest.raises(ValueError, match=r"image size \(0, 300\)"):
         tower.num_image_tokens((0, 300))
+
+
+@pytest.mark.parametrize("max_feature_tiles", [None, 1])
+def test_a_token_wise_projector_maps_only_the_kept_tokens_to_the_same_features(
+        llava_next, tmp_path, max_feature_tiles, monkeypatch):
+    tiling = Tiling(pinpoints=WIDE_PINPOINTS, tile_size=TILE, max_feature_tiles=max_feature_tiles)
+    tower = our_tower(llava_next, tmp_path, tiling, feature_layer=-2)
+    views, sizes = processor(tiling).tile([image(*size) for size in SIZES])
+    mapped = []
+    original = type(tower.pooler).map_tokens
+    monkeypatch.setattr(type(tower.pooler), "map_tokens",
+                        lambda self, tokens: mapped.append(len(tokens)) or original(self, tokens))
+    with torch.no_grad():
+        ours = tower(views, image_sizes=sizes)
+        monkeypatch.undo()
+        tokens, grid = tower.select(torch.cat(views))  # LLaVA's order: project every token
+        projected = tower.pooler(tokens, num_prefix_tokens=0, grid=grid)
+    reference = [pack_features(part, tiling, size, tower.image_newline) for part, size
+                 in zip(projected.split([len(v) for v in views]), sizes, strict=True)]
+    side = TILE // PATCH
+    assert mapped == [sum(side * side + math.prod(feature_grid_before_downscale(tiling, size))
+                          for size in sizes)]  # one call, the unpadded tokens only
+    assert mapped[0] < sum(len(v) for v in views) * side * side
+    for mine, theirs in zip(ours, reference, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=FEATURE_ATOL, rtol=0)
+
+
+def feature_grid_before_downscale(tiling, size):
+    rows, cols = tile_grid(tiling, size)
+    top, bottom, left, right = unpadded_box((rows * TILE // PATCH, cols * TILE // PATCH), size)
+    return bottom - top, right - left
+
+
+def test_a_pooler_that_is_not_token_wise_pools_every_view_first(llava_next, tmp_path):
+    tiling = Tiling(pinpoints=NEXT_PINPOINTS, tile_size=TILE, newline=False)
+    loaded = our_tower(llava_next, tmp_path, Tiling(pinpoints=NEXT_PINPOINTS, tile_size=TILE),
+                       feature_layer=-2)
+    shuffle = build_pooler("pixel_shuffle", in_dim=VISION["hidden_size"], out_dim=8)
+    tower = VisionTower(loaded.encoder, shuffle, feature_layer=-2, tiling=tiling).eval()
+    views, sizes = processor(tiling).tile([image(640, 427), image(33, 97)])
+    with torch.no_grad():
+        ours = tower(views, image_sizes=sizes)
+        tokens, grid = tower.select(torch.cat(views))
+        pooled = shuffle(tokens, num_prefix_tokens=0, grid=grid)
+    assert [len(t) for t in ours] == [tower.num_image_tokens(size) for size in sizes]
+    for mine, part, size in zip(ours, pooled.split([len(v) for v in views]), sizes,
+                                strict=True):
+        assert torch.equal(mine, pack_features(part, tiling, size))

@@ -18,8 +18,16 @@ from vlm_vit.integrity import verify_files, write_manifest
 from vlm_vit.model import VisionEncoder
 from vlm_vit.native import CONFIG_NAME, check_state_dict
 from vlm_vit.poolers import build_pooler, pool_packed
+from vlm_vit.poolers.base import TokenWise
 from vlm_vit.processor import PROCESSOR_CONFIG_NAME, ImageProcessor
-from vlm_vit.processor.anyres import Tiling, as_tiling, num_views, pack_features
+from vlm_vit.processor.anyres import (
+    Tiling,
+    as_tiling,
+    finish_grid,
+    num_views,
+    pack_features,
+    stitch_views,
+)
 from vlm_vit.processor.anyres import num_image_tokens as tiled_tokens
 from vlm_vit.registry import UnknownNameError
 from vlm_vit.tensor_files import read_safetensors
@@ -211,9 +219,31 @@ class VisionTower(nn.Module):
                                  f"{list(image.shape)}, its tiling needs [{expected}, C, {tile}, "
                                  f"{tile}]")
         tokens, grid = self.select(torch.cat(views))
-        pooled = self.pooler(tokens, num_prefix_tokens=0, grid=grid)  # [sum V_i, side**2, D]
-        return [pack_features(part, self.tiling, size, self.image_newline)
-                for part, size in zip(pooled.split([len(v) for v in views]), sizes, strict=True)]
+        counts = [len(v) for v in views]
+        if not isinstance(self.pooler, TokenWise):
+            pooled = self.pooler(tokens, num_prefix_tokens=0, grid=grid)  # [sum V_i, s*s, D]
+            return [pack_features(part, self.tiling, size, self.image_newline)
+                    for part, size in zip(pooled.split(counts), sizes, strict=True)]
+        return self._project_kept(tokens.split(counts), sizes)
+
+    def _project_kept(self, features: tuple[torch.Tensor, ...], sizes: list[tuple[int, int]]
+                      ) -> list[torch.Tensor]:
+        """A token-wise pooler maps only the tokens unpadding keeps, all in one call: the
+        same tokens as projecting every view first (LLaVA-NeXT's order), less work (a photo's
+        tiles are up to a third padding)."""
+        if features[0].shape[-1] != self.pooler.in_dim:
+            raise ValueError(f"tokens have width {features[0].shape[-1]}, the pooler expects "
+                             f"{self.pooler.in_dim}")
+        stitched = [stitch_views(part, self.tiling, size)
+                    for part, size in zip(features, sizes, strict=True)]
+        kept = [(len(base), tuple(grid.shape[:2])) for base, grid in stitched]
+        mapped = self.pooler.map_tokens(torch.cat(
+            [torch.cat([base, grid.reshape(-1, grid.shape[-1])]) for base, grid in stitched]))
+        parts = mapped.split([count + rows * cols for count, (rows, cols) in kept])
+        side = math.isqrt(features[0].shape[1])
+        return [finish_grid(part[:count], part[count:].unflatten(0, grid), self.tiling, side,
+                            self.image_newline) for part, (count, grid) in zip(parts, kept,
+                                                                              strict=True)]
 
     def num_image_tokens(self, image_size: int | tuple[int, int] | None = None) -> int | None:
         """Exactly how many tokens `forward` returns per image of this size (None: a vector);

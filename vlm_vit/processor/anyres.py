@@ -252,6 +252,49 @@ def num_image_tokens(tiling: Tiling, image_size: tuple[int, int], side: int) -> 
     return side * side * tiling.base_image + rows * cols + rows * tiling.newline
 
 
+def stitch_views(features: torch.Tensor, tiling: Tiling, image_size: tuple[int, int]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One image's views `[num_views, side**2, D]` (as `tile_views` orders them) to the base
+    view's tokens `[base * side**2, D]` and the tiles' grid stitched and unpadded,
+    `[rows, cols, D]` (the first half of LLaVA-NeXT's `pack_image_features`).
+
+    Raises:
+        ValueError: when the views do not fit the image size's tile grid.
+    """
+    rows, cols = tile_grid(tiling, image_size)
+    views, tokens, width = features.shape
+    side = math.isqrt(tokens)
+    if views != rows * cols + tiling.base_image or side * side != tokens:
+        raise ValueError(f"features of shape {list(features.shape)} do not fit an image of "
+                         f"size {tuple(image_size)}: {rows}x{cols} tiles"
+                         f"{' and the base view' if tiling.base_image else ''}, each a square "
+                         "grid of tokens")
+    base, tiles = features[:tiling.base_image], features[tiling.base_image:]
+    grid = tiles.reshape(rows, cols, side, side, width).transpose(1, 2)
+    grid = grid.reshape(rows * side, cols * side, width)
+    top, bottom, left, right = unpadded_box(tuple(grid.shape[:2]), image_size)
+    return base.reshape(-1, width), grid[top:bottom, left:right]
+
+
+def finish_grid(base: torch.Tensor, grid: torch.Tensor, tiling: Tiling, side: int,
+                newline: torch.Tensor | None = None) -> torch.Tensor:
+    """The base view's tokens `[B, D]` and an unpadded grid `[rows, cols, D]` (`stitch_views`)
+    to the image's tokens: the grid (OneVision) shrunk, a newline after each row, flattened
+    after the base view's (the second half of `pack_image_features`)."""
+    width = grid.shape[-1]
+    target = downscaled_grid(tuple(grid.shape[:2]), tiling.max_feature_tiles, side)
+    if target != tuple(grid.shape[:2]):
+        grid = (F.interpolate(grid.permute(2, 0, 1)[None], size=target, mode="bilinear")[0]
+                .permute(1, 2, 0)) if min(target) \
+            else grid.new_zeros(*target, width)  # a thin strip can shrink to nothing
+    if tiling.newline:
+        if newline is None:
+            raise ValueError("this tiling ends every row with a newline token; pass it")
+        ends = newline.to(grid)[None, None].expand(grid.shape[0], 1, width)
+        grid = torch.cat([grid, ends], dim=1)  # (rows, cols + 1, D)
+    return torch.cat([base, grid.reshape(-1, width)])
+
+
 def pack_features(features: torch.Tensor, tiling: Tiling, image_size: tuple[int, int],
                   newline: torch.Tensor | None = None) -> torch.Tensor:
     """One image's projected views `[num_views, side**2, D]` (as `tile_views` orders them)
@@ -267,26 +310,5 @@ def pack_features(features: torch.Tensor, tiling: Tiling, image_size: tuple[int,
         ValueError: when the views do not fit the image size's tile grid, or the newline
             token is missing.
     """
-    rows, cols = tile_grid(tiling, image_size)
-    views, tokens, width = features.shape
-    side = math.isqrt(tokens)
-    if views != rows * cols + tiling.base_image or side * side != tokens:
-        raise ValueError(f"features of shape {list(features.shape)} do not fit an image of "
-                         f"size {tuple(image_size)}: {rows}x{cols} tiles"
-                         f"{' and the base view' if tiling.base_image else ''}, each a square "
-                         "grid of tokens")
-    base, tiles = features[:tiling.base_image], features[tiling.base_image:]
-    grid = tiles.reshape(rows, cols, side, side, width).permute(4, 0, 2, 1, 3)
-    grid = grid.reshape(width, rows * side, cols * side)  # (D, rows * side, cols * side)
-    top, bottom, left, right = unpadded_box(tuple(grid.shape[1:]), image_size)
-    grid = grid[:, top:bottom, left:right]
-    target = downscaled_grid(tuple(grid.shape[1:]), tiling.max_feature_tiles, side)
-    if target != tuple(grid.shape[1:]):
-        grid = F.interpolate(grid[None], size=target, mode="bilinear")[0] if min(target) \
-            else grid.new_zeros(width, *target)  # a thin strip can shrink to nothing
-    if tiling.newline:
-        if newline is None:
-            raise ValueError("this tiling ends every row with a newline token; pass it")
-        ends = newline.to(grid)[:, None, None].expand(width, grid.shape[1], 1)
-        grid = torch.cat([grid, ends], dim=2)  # (D, rows, cols + 1)
-    return torch.cat([base.reshape(-1, width), grid.flatten(1).T])
+    base, grid = stitch_views(features, tiling, image_size)
+    return finish_grid(base, grid, tiling, math.isqrt(features.shape[1]), newline)
