@@ -16,87 +16,28 @@ from that size, and every view of the batch goes through the tower in one call.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import json
 import logging
-import numbers
 import re
-import warnings
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from vlm_vit import ImageProcessor, VisionEncoder, VisionTower
-from vlm_vit.card import PLACEHOLDER, model_card, write_card
-from vlm_vit.files import MODEL_FILES, atomic_directory, atomic_write, read_json
-from vlm_vit.integrity import MANIFEST_NAME, read_manifest, verify_files, write_manifest
-from vlm_vit_llm.parallel import idle_image_features
+from vlm_vit import ImageProcessor, VisionTower
+from vlm_vit_llm import multimodal_batch, saving
+from vlm_vit_llm.multimodal_batch import IGNORE_INDEX, MultimodalBatch, TiledImage
+from vlm_vit_llm.saving import CONFIG_NAME, _quiet_peft, _split_peft, merged_state
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAME = "multimodal_config.json"
-TOWER_DIR, LLM_DIR = "tower", "llm"
-LLM_ADAPTER_DIR, VISION_ADAPTER_DIR = "llm_adapter", "vision_adapter"
-# What a save replaces whole in an existing folder: the previous model's files and every
-# sub-folder (a new save without an adapter leaves no stale one behind); the user's own
-# files are carried over.
-SAVED_ENTRIES = (*MODEL_FILES, TOWER_DIR, LLM_DIR, LLM_ADAPTER_DIR, VISION_ADAPTER_DIR)
-# The sub-folders hashed in their own `manifest.json` (the tower writes its own).
-HASHED_DIRS = (LLM_DIR, LLM_ADAPTER_DIR, VISION_ADAPTER_DIR)
-UNHASHED_FILES = (MANIFEST_NAME, "README.md")  # a card the user may edit is not a weight
-IGNORE_INDEX = -100  # label positions the loss skips (Hugging Face's convention)
 DEFAULT_LLM_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-@dataclass
-class MultimodalBatch:
-    """Prompts (and targets) tokenised, with every image placeholder expanded.
-
-    Attributes:
-        input_ids: `[B, L]`; image positions hold the image token's id, padding the pad id.
-        attention_mask: `[B, L]`, 0 on padding.
-        position_ids: `[B, L]`, counting real tokens only (so left padding shifts nothing).
-        image_mask: `[B, L]` bool, True where an image token goes.
-        image_features: `[total image tokens, D]`, in the order of the True positions.
-        labels: `[B, L]` target ids, `IGNORE_INDEX` on prompt, image and pad positions; None
-            without targets.
-        record_index: `[B, L]`, the prompt each token belongs to (-1 on padding).
-        packing: None for one prompt per row (padded); for packed rows (`prepare(pack=...)`,
-            `vlm_vit_llm.packing`), the attention path that confines each record.
-        idle_features: `[M, D]`, a blank image's tokens when a batch without images must
-            still run the tower (`vlm_vit_llm.parallel.idle_image_features`): `embed` adds
-            them times 0.0, which changes no value but joins the tower to the graph; else
-            None.
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    image_mask: torch.Tensor
-    image_features: torch.Tensor
-    labels: torch.Tensor | None = None
-    record_index: torch.Tensor | None = None
-    packing: str | None = None
-    idle_features: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class TiledImage:
-    """One image as a tiled tower takes it (`ImageProcessor.tile`).
-
-    Attributes:
-        views: `[1 + tiles, C, t, t]`, the base view first, then the tiles row by row.
-        size: the original image's (height, width), which sets the tile grid, the
-            unpadding and the token count.
-    """
-
-    views: torch.Tensor
-    size: tuple[int, int]
+# Kept importable from here: the batch's types (`vlm_vit_llm.multimodal_batch`) and the
+# saved folder's config name and LoRA merge (`vlm_vit_llm.saving`).
+__all__ = ["CONFIG_NAME", "DEFAULT_LLM_LORA_TARGETS", "IGNORE_INDEX", "MultimodalBatch",
+           "MultimodalLM", "TiledImage", "merged_state", "target_ids"]
 
 
 class MultimodalLM(nn.Module):
@@ -283,125 +224,9 @@ class MultimodalLM(nn.Module):
                 its images, mismatched list lengths, or a sequence longer than the LLM's
                 context.
         """
-        if isinstance(texts, str):
-            raise ValueError("texts must be a list of prompts, not one string")
-        if len(texts) == 0:
-            raise ValueError("texts is empty: give one prompt or more (strings, or lists of "
-                             "token ids)")
-        images = _images_per_prompt(images, len(texts))
-        if targets is not None and len(targets) != len(texts):
-            raise ValueError(f"{len(texts)} prompts but {len(targets)} targets")
-        if token_labels is not None:
-            if targets is not None:
-                raise ValueError("give targets or token_labels, not both")
-            if len(token_labels) != len(texts) or any(
-                    isinstance(text, str) or len(text) != len(row)
-                    for text, row in zip(texts, token_labels, strict=True)):
-                raise ValueError("token_labels need prompts as token ids, one label per token")
-        if padding_side not in ("left", "right"):
-            raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-        token_ids = [self._prompt_ids(text, prompt) for prompt, text in enumerate(texts)]
-        pixels, counts, owners = [], [], []
-        for prompt, per_prompt in enumerate(images):
-            placeholders = token_ids[prompt].count(self.image_token_id)
-            if placeholders != len(per_prompt):
-                raise ValueError(f"prompt {prompt} has {placeholders} {self.image_token!r} "
-                                 f"placeholder(s) but {len(per_prompt)} image(s): "
-                                 f"{str(texts[prompt])[:80]!r}")
-            for image in per_prompt:
-                pixels.append(self._pixels(image, prompt))
-                counts.append(self._num_image_tokens(pixels[-1]))
-                owners.append(prompt)
-        features = self.image_features(pixels) if pixels else []  # one tower call
-        idle = None if pixels else idle_image_features(self)  # see vlm_vit_llm.parallel
-
-        sequences, label_rows, image_counts = [], [], iter(counts)
-        for prompt, ids in enumerate(token_ids):
-            expanded, labels = [], []
-            given = (self._token_ids(token_labels[prompt], f"token_labels[{prompt}]", labels=True)
-                     if token_labels is not None else [IGNORE_INDEX] * len(ids))
-            for token, label in zip(ids, given, strict=True):
-                if token == self.image_token_id:  # never learned, whatever the label says
-                    count = next(image_counts)
-                    expanded.extend([token] * count)
-                    labels.extend([IGNORE_INDEX] * count)
-                else:
-                    expanded.append(token)
-                    labels.append(label)
-            if targets is not None:
-                target = targets[prompt]
-                target = self.encode_target(target) if isinstance(target, str) else \
-                    self._token_ids(target, f"targets[{prompt}]", labels=True)
-                target = [t for t in target if t != IGNORE_INDEX]
-                if self.image_token_id in target:
-                    raise ValueError(f"target {prompt} holds the image token "
-                                     f"{self.image_token!r}; targets are text only")
-                expanded, labels = expanded + target, labels + target
-            if not expanded:
-                raise ValueError(f"texts[{prompt}] is empty: it gives no token (and no target "
-                                 f"follows it); every sequence needs one token or more")
-            sequences.append(expanded)
-            label_rows.append(labels)
-        limit = getattr(getattr(self.llm, "config", None), "max_position_embeddings", None)
-        longest = max(len(s) for s in sequences)
-        if limit is not None and longest > limit:
-            raise ValueError(f"a sequence of {longest} tokens (image tokens included) is longer "
-                             f"than the LLM's context of {limit}")
-
-        width = self.llm.get_input_embeddings().embedding_dim
-        if pack is not None:
-            return replace(self._packed(sequences, label_rows, pack, features, owners,
-                                        with_labels=targets is not None
-                                        or token_labels is not None), idle_features=idle)
-        batch, length = len(sequences), longest
-        input_ids = torch.full((batch, length), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
-        attention_mask = torch.zeros((batch, length), dtype=torch.long)
-        for row, (sequence, label_row) in enumerate(zip(sequences, label_rows, strict=True)):
-            span = slice(length - len(sequence), length) if padding_side == "left" \
-                else slice(0, len(sequence))
-            input_ids[row, span] = torch.tensor(sequence, dtype=torch.long)
-            labels[row, span] = torch.tensor(label_row, dtype=torch.long)
-            attention_mask[row, span] = 1
-        image_mask = (input_ids == self.image_token_id) & attention_mask.bool()
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        record_index = torch.where(attention_mask.bool(), torch.arange(batch)[:, None], -1)
-        device = self.device
-        image_features = torch.cat(features) if features else torch.zeros(0, width)
-        return MultimodalBatch(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-            position_ids=position_ids.to(device), image_mask=image_mask.to(device),
-            image_features=image_features.to(device),
-            labels=labels.to(device) if targets is not None or token_labels is not None
-            else None, record_index=record_index.to(device), idle_features=idle)
-
-    def _packed(self, sequences: list[list[int]], label_rows: list[list[int]],
-                pack: Sequence[Sequence[int]], features: list[torch.Tensor],
-                owners: list[int], with_labels: bool) -> MultimodalBatch:
-        """`prepare`'s packed rows: the prompts laid out as `pack` says, their image tokens
-        reordered to match (still from the one tower call)."""
-        from vlm_vit_llm.packing import ONE_ROW_PATHS, layout_rows
-
-        path = self.packed_attention()
-        layout = layout_rows(sequences, label_rows, pack, self.pad_token_id,
-                             one_row=path in ONE_ROW_PATHS)
-        order = [index for row in pack for index in row]
-        per_prompt: list[list[torch.Tensor]] = [[] for _ in sequences]
-        for owner, tokens in zip(owners, features, strict=True):
-            per_prompt[owner].append(tokens)
-        in_order = [tokens for index in order for tokens in per_prompt[index]]
-        width = self.llm.get_input_embeddings().embedding_dim
-        image_features = torch.cat(in_order) if in_order else torch.zeros(0, width)
-        attention_mask = layout["attention_mask"]
-        device = self.device
-        return MultimodalBatch(
-            input_ids=layout["input_ids"].to(device), attention_mask=attention_mask.to(device),
-            position_ids=layout["position_ids"].to(device),
-            image_mask=((layout["input_ids"] == self.image_token_id)
-                        & attention_mask.bool()).to(device),
-            image_features=image_features.to(device),
-            labels=layout["labels"].to(device) if with_labels else None,
-            record_index=layout["record_index"].to(device), packing=path)
+        return multimodal_batch.prepare(self, texts, images, targets,
+                                        token_labels=token_labels,
+                                        padding_side=padding_side, pack=pack)
 
     def packed_attention(self) -> str:
         """How packed rows confine attention to each record on this LLM
@@ -432,38 +257,6 @@ class MultimodalLM(nn.Module):
         check_packed_attention(self.llm, chosen)
         self._packed_attention = chosen
         return chosen
-
-    def _prompt_ids(self, text: str | Sequence[int], prompt: int) -> list[int]:
-        if not isinstance(text, str):
-            return self._token_ids(text, f"texts[{prompt}]")
-        ids = list(self.tokenizer(text)["input_ids"])
-        if ids.count(self.image_token_id) != text.count(self.image_token):
-            raise ValueError(f"prompt {prompt}: the tokenizer reads "
-                             f"{ids.count(self.image_token_id)} image tokens in "
-                             f"{text.count(self.image_token)} placeholders: {text[:80]!r}")
-        return ids
-
-    def _token_ids(self, ids: Sequence[int] | torch.Tensor, name: str, *,
-                   labels: bool = False) -> list[int]:
-        """`ids` as a list of ints, each a row of the LLM's embeddings (or, for `labels`,
-        `IGNORE_INDEX`).
-
-        Raises:
-            ValueError: naming `name[position]` for an entry that is no int or out of range.
-        """
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, torch.Tensor)):
-            raise ValueError(f"{name} is a {type(ids).__name__}; give a string or a list of "
-                             "token ids [L]")
-        values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        rows = self.llm.get_input_embeddings().num_embeddings
-        for position, value in enumerate(values):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise ValueError(f"{name}[{position}] is {value!r}, not a token id: {name} must "
-                                 f"be a flat list of ints [L] in 0..{rows - 1}")
-            if not 0 <= value < rows and not (labels and value == IGNORE_INDEX):
-                raise ValueError(f"{name}[{position}] is token id {value}, outside the "
-                                 f"vocabulary 0..{rows - 1} of the LLM's embeddings")
-        return [int(value) for value in values]
 
     def embed(self, batch: MultimodalBatch) -> torch.Tensor:
         """The LLM's input embeddings with the image tokens spliced in, `[B, L, D]`."""
@@ -582,63 +375,7 @@ class MultimodalLM(nn.Module):
         Returns:
             The directory.
         """
-        from vlm_vit.lora import save_adapter
-
-        directory = Path(directory)
-        llm_base, llm_adapter = _split_peft(self.llm)
-        encoder_base, encoder_adapter = _split_peft(self.tower.encoder)
-        tower = self.tower
-        if encoder_adapter is not None:  # the tower again, on the encoder without LoRA
-            encoder = VisionEncoder.from_state_dict(_base_state(encoder_base),
-                                                    encoder_base.config)
-            tower = VisionTower(encoder, tower.pooler, tower.feature_layer, tower.drop_prefix,
-                                processor=tower.processor, tiling=tower.tiling)
-            tower.image_newline = self.tower.image_newline  # the same parameter, or None
-        with atomic_directory(directory, replaces=SAVED_ENTRIES) as temp:
-            tower.save_pretrained(temp / TOWER_DIR)
-            self.processor.save_pretrained(temp / TOWER_DIR)
-            llm_base.save_pretrained(temp / LLM_DIR, state_dict=_base_state(llm_base))
-            self.tokenizer.save_pretrained(temp / LLM_DIR)
-            if llm_adapter is not None:
-                llm_adapter.save_pretrained(str(temp / LLM_ADAPTER_DIR))
-            if encoder_adapter is not None:
-                save_adapter(encoder_adapter, temp / VISION_ADAPTER_DIR)
-            for name in HASHED_DIRS:
-                if (temp / name).is_dir():
-                    write_manifest(temp / name, _hashed_files(temp / name))
-            config = {"format": "vlm_vit_llm", "format_version": 1,
-                      "image_token": self.image_token,
-                      "llm_adapter": llm_adapter is not None,
-                      "vision_adapter": encoder_adapter is not None}
-            with atomic_write(temp / CONFIG_NAME, "w") as handle:
-                json.dump(config, handle, indent=2)
-                handle.write("\n")
-            write_card(temp, self._model_card(llm_base))
-        logger.info("saved the multimodal model to %s", directory)
-        return directory
-
-    def _model_card(self, llm: nn.Module) -> str:
-        """The Hub card of a saved model: what it joins, and how to load it."""
-        base = getattr(getattr(llm, "config", None), "_name_or_path", "") or ""
-        facts = {"LLM": type(llm).__name__ + (f" ({base})" if base else ""),
-                 "vision encoder": f"{self.tower.encoder.config.width} wide, "
-                                   f"{self.tower.encoder.config.depth} blocks",
-                 "projector": getattr(self.tower.pooler, "pooler_spec", {}).get("name"),
-                 "feature layer": self.tower.feature_layer,
-                 "image tokens": self.tower.num_image_tokens(),
-                 "image token": f"`{self.image_token}`",
-                 "LoRA adapters": ", ".join(name for name, on in (
-                     ("LLM", hasattr(self.llm, "peft_config")),
-                     ("encoder", _split_peft(self.tower.encoder)[1] is not None)) if on)
-                                  or "none"}
-        metadata = {"library_name": "vlm-vit", "pipeline_tag": "image-text-to-text",
-                    "tags": ["vlm-vit", "llava", "multimodal"]}
-        if base and not Path(base).exists():  # a Hub name, not a local folder
-            metadata["base_model"] = base
-        usage = ("from vlm_vit_llm import MultimodalLM\n\n"
-                 f"mm = MultimodalLM.from_pretrained(\"{PLACEHOLDER}\")\n"
-                 f"mm.generate([\"{self.image_token}\\nDescribe it.\"], [[\"photo.jpg\"]])")
-        return model_card(metadata, "Multimodal LM (vlm-vit)", facts, usage)
+        return saving.save_pretrained(self, directory)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, trainable: bool = False,
@@ -659,38 +396,8 @@ class MultimodalLM(nn.Module):
             vlm_vit.integrity.IntegrityError: naming a file changed since it was saved, or
                 one its folder's manifest does not list.
         """
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from vlm_vit import hub
-
-        directory = hub.locate(directory, patterns=hub.LLM_PATTERNS).directory  # or a name
-        if not (directory / CONFIG_NAME).is_file() and (directory / "config.json").is_file():
-            from vlm_vit_llm.llava_next import MODEL_TYPES, read_llava
-
-            if read_json(directory / "config.json").get("model_type") in MODEL_TYPES:
-                return read_llava(directory, dtype=dtype)  # transformers' LLaVA-NeXT folder
-        config = read_json(directory / CONFIG_NAME)
-        if config.get("format") != "vlm_vit_llm":
-            raise ValueError(f"{directory / CONFIG_NAME} is not a vlm-vit-llm model config")
-        for name in HASHED_DIRS:  # all of them, before the LLM is read
-            if (directory / name).is_dir():
-                _verify_folder(directory / name, verify)
-        tower = VisionTower.from_pretrained(directory / TOWER_DIR, verify=verify)
-        processor = ImageProcessor.from_pretrained(directory / TOWER_DIR)
-        llm = AutoModelForCausalLM.from_pretrained(directory / LLM_DIR, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(directory / LLM_DIR)
-        if config.get("llm_adapter"):
-            from peft import PeftModel
-
-            with _quiet_peft():
-                llm = PeftModel.from_pretrained(llm, str(directory / LLM_ADAPTER_DIR),
-                                                is_trainable=trainable)
-        if config.get("vision_adapter"):
-            from vlm_vit.lora import load_adapter
-
-            tower.encoder = load_adapter(tower.encoder, directory / VISION_ADAPTER_DIR,
-                                         trainable=trainable)
-        return cls(tower, llm, tokenizer, image_token=config["image_token"], processor=processor)
+        return saving.from_pretrained(cls, directory, trainable=trainable, dtype=dtype,
+                                      verify=verify)
 
     def merged(self) -> MultimodalLM:
         """A copy with every LoRA adapter folded into its base weights (this one unchanged)."""
@@ -704,108 +411,7 @@ class MultimodalLM(nn.Module):
         return copied
 
 
-def _images_per_prompt(images: Any, count: int) -> list[list[Any]]:
-    """`prepare`'s images as one list per prompt (None or [] for a prompt without).
-
-    Raises:
-        ValueError: for images not given as a list of `count` lists, naming the entry.
-    """
-    if images is None:
-        return [[] for _ in range(count)]
-    if not isinstance(images, (list, tuple)):
-        raise ValueError(f"images must be a list with one list of images per prompt, got a "
-                         f"{type(images).__name__}: for one prompt with one image, [[image]]")
-    if len(images) != count:
-        raise ValueError(f"{count} prompts but images for {len(images)}")
-    for index, per_prompt in enumerate(images):
-        if per_prompt is not None and not isinstance(per_prompt, (list, tuple)):
-            raise ValueError(f"images[{index}] is a {type(per_prompt).__name__}, not a list of "
-                             f"that prompt's images: images takes one list per prompt, "
-                             f"[[image]] for one prompt with one image")
-    return [list(per_prompt or []) for per_prompt in images]
-
-
 def target_ids(tokenizer: Any, text: str) -> list[int]:
     """The token ids the model learns for a target text: the text, then end of sequence."""
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-
-
-def _hashed_files(folder: Path) -> list[str]:
-    """The files of a saved folder its manifest covers, relative to it (sub-folders too)."""
-    return sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*")
-                  if path.is_file() and path.name not in UNHASHED_FILES)
-
-
-def _verify_folder(folder: Path, verify: bool | None) -> None:
-    """Checks every file of `folder`, and every one its manifest lists, against the
-    manifest (a file planted beside the saved ones is refused as unlisted)."""
-    listed = read_manifest(folder) or {}
-    verify_files(folder, sorted({*_hashed_files(folder), *listed}), verify)
-
-
-def _split_peft(module: nn.Module) -> tuple[nn.Module, Any]:
-    """(the base model, the peft model or None)."""
-    base = getattr(module, "get_base_model", None)
-    if base is not None and hasattr(module, "peft_config"):
-        return base(), module
-    return module, None
-
-
-def _base_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """A module's state dict without LoRA: peft's LoRA tensors dropped and its wrapped
-    layers (`x.base_layer.weight`) under their own names again (`x.weight`)."""
-    return {name.replace(".base_layer.", "."): tensor
-            for name, tensor in module.state_dict().items() if ".lora_" not in name}
-
-
-@contextlib.contextmanager
-def _quiet_peft() -> Iterator[None]:
-    """Wrapping a model, peft reads a property transformers 5 deprecates, with a warning
-    the user can do nothing about."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
-        yield
-
-
-def merged_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """A module's weights with its active LoRA adapters folded in, under the plain module's
-    names (`x.weight`, not `x.base_layer.weight`); `module` itself is not changed.
-
-    Only the weights LoRA wraps are new tensors, `W + scaling * B @ A` one at a time (peft's
-    own `get_delta_weight`, with the layer's own per-adapter `scaling`); every other tensor is
-    the module's own, shared, not copied. A fused qkv under the `attn_qv` preset needs nothing
-    special: its lora_B key rows are zero, so the key rows of the sum are the base's exactly.
-    Dropout acts on the LoRA branch's input while training and has no part in the weight.
-
-    Args:
-        module: a plain module (its state dict is returned), or a peft model on one.
-
-    Raises:
-        ValueError: for an adapter that does not merge by addition (DoRA and other variants).
-    """
-    base, adapter = _split_peft(module)
-    if adapter is None:
-        return module.state_dict()
-    from peft.tuners.lora import LoraLayer
-
-    state = _base_state(base)
-    with torch.no_grad():
-        for name, layer in base.named_modules():
-            if not isinstance(layer, LoraLayer) or layer.disable_adapters:
-                continue
-            for active in layer.active_adapters:
-                if active in layer.merged_adapters or not (
-                        active in layer.lora_A or active in layer.lora_embedding_A):
-                    continue  # merged already (in the base weight), or not on this layer
-                if layer.use_dora.get(active) or active in getattr(layer, "lora_variant", {}):
-                    raise ValueError(f"{name}: adapter {active!r} is not plain LoRA (DoRA or "
-                                     "another variant) and does not merge by addition")
-                weight = state[f"{name}.weight"]
-                # As peft's merge: the sum in the wider dtype, stored in the weight's.
-                state[f"{name}.weight"] = (weight + layer.get_delta_weight(active)).to(weight.dtype)
-                if getattr(layer, "lora_bias", {}).get(active):
-                    bias = state[f"{name}.bias"]
-                    delta = layer.lora_B[active].bias * layer.scaling[active]
-                    state[f"{name}.bias"] = (bias + delta).to(bias.dtype)
-    return state

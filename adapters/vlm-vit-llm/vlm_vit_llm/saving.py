@@ -1,0 +1,222 @@
+"""A `MultimodalLM` on disk: `save_pretrained`'s folder, read back by `from_pretrained`,
+and the peft helpers both need (a model's base without its LoRA, LoRA folded in).
+
+    multimodal_config.json   the image token and which adapters there are
+    tower/                   the VisionTower (base weights) and the processor
+    llm/                     the LLM's base weights and config, and the tokenizer
+    llm_adapter/             peft's LoRA adapter on the LLM, when there is one
+    vision_adapter/          the encoder's LoRA adapter (`vlm_vit.lora`), likewise
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from vlm_vit import ImageProcessor, VisionEncoder, VisionTower
+from vlm_vit.card import PLACEHOLDER, model_card, write_card
+from vlm_vit.files import MODEL_FILES, atomic_directory, atomic_write, read_json
+from vlm_vit.integrity import MANIFEST_NAME, read_manifest, verify_files, write_manifest
+
+if TYPE_CHECKING:
+    from vlm_vit_llm.model import MultimodalLM
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "multimodal_config.json"
+TOWER_DIR, LLM_DIR = "tower", "llm"
+LLM_ADAPTER_DIR, VISION_ADAPTER_DIR = "llm_adapter", "vision_adapter"
+# What a save replaces whole in an existing folder: the previous model's files and every
+# sub-folder (a new save without an adapter leaves no stale one behind); the user's own
+# files are carried over.
+SAVED_ENTRIES = (*MODEL_FILES, TOWER_DIR, LLM_DIR, LLM_ADAPTER_DIR, VISION_ADAPTER_DIR)
+# The sub-folders hashed in their own `manifest.json` (the tower writes its own).
+HASHED_DIRS = (LLM_DIR, LLM_ADAPTER_DIR, VISION_ADAPTER_DIR)
+UNHASHED_FILES = (MANIFEST_NAME, "README.md")  # a card the user may edit is not a weight
+
+
+def save_pretrained(mm: MultimodalLM, directory: str | Path) -> Path:
+    """`MultimodalLM.save_pretrained` (see there)."""
+    from vlm_vit.lora import save_adapter
+
+    directory = Path(directory)
+    llm_base, llm_adapter = _split_peft(mm.llm)
+    encoder_base, encoder_adapter = _split_peft(mm.tower.encoder)
+    tower = mm.tower
+    if encoder_adapter is not None:  # the tower again, on the encoder without LoRA
+        encoder = VisionEncoder.from_state_dict(_base_state(encoder_base),
+                                                encoder_base.config)
+        tower = VisionTower(encoder, tower.pooler, tower.feature_layer, tower.drop_prefix,
+                            processor=tower.processor, tiling=tower.tiling)
+        tower.image_newline = mm.tower.image_newline  # the same parameter, or None
+    with atomic_directory(directory, replaces=SAVED_ENTRIES) as temp:
+        tower.save_pretrained(temp / TOWER_DIR)
+        mm.processor.save_pretrained(temp / TOWER_DIR)
+        llm_base.save_pretrained(temp / LLM_DIR, state_dict=_base_state(llm_base))
+        mm.tokenizer.save_pretrained(temp / LLM_DIR)
+        if llm_adapter is not None:
+            llm_adapter.save_pretrained(str(temp / LLM_ADAPTER_DIR))
+        if encoder_adapter is not None:
+            save_adapter(encoder_adapter, temp / VISION_ADAPTER_DIR)
+        for name in HASHED_DIRS:
+            if (temp / name).is_dir():
+                write_manifest(temp / name, _hashed_files(temp / name))
+        config = {"format": "vlm_vit_llm", "format_version": 1,
+                  "image_token": mm.image_token,
+                  "llm_adapter": llm_adapter is not None,
+                  "vision_adapter": encoder_adapter is not None}
+        with atomic_write(temp / CONFIG_NAME, "w") as handle:
+            json.dump(config, handle, indent=2)
+            handle.write("\n")
+        write_card(temp, _model_card(mm, llm_base))
+    logger.info("saved the multimodal model to %s", directory)
+    return directory
+
+
+def _model_card(mm: MultimodalLM, llm: nn.Module) -> str:
+    """The Hub card of a saved model: what it joins, and how to load it."""
+    base = getattr(getattr(llm, "config", None), "_name_or_path", "") or ""
+    facts = {"LLM": type(llm).__name__ + (f" ({base})" if base else ""),
+             "vision encoder": f"{mm.tower.encoder.config.width} wide, "
+                               f"{mm.tower.encoder.config.depth} blocks",
+             "projector": getattr(mm.tower.pooler, "pooler_spec", {}).get("name"),
+             "feature layer": mm.tower.feature_layer,
+             "image tokens": mm.tower.num_image_tokens(),
+             "image token": f"`{mm.image_token}`",
+             "LoRA adapters": ", ".join(name for name, on in (
+                 ("LLM", hasattr(mm.llm, "peft_config")),
+                 ("encoder", _split_peft(mm.tower.encoder)[1] is not None)) if on)
+                              or "none"}
+    metadata = {"library_name": "vlm-vit", "pipeline_tag": "image-text-to-text",
+                "tags": ["vlm-vit", "llava", "multimodal"]}
+    if base and not Path(base).exists():  # a Hub name, not a local folder
+        metadata["base_model"] = base
+    usage = ("from vlm_vit_llm import MultimodalLM\n\n"
+             f"mm = MultimodalLM.from_pretrained(\"{PLACEHOLDER}\")\n"
+             f"mm.generate([\"{mm.image_token}\\nDescribe it.\"], [[\"photo.jpg\"]])")
+    return model_card(metadata, "Multimodal LM (vlm-vit)", facts, usage)
+
+
+def from_pretrained(cls: type[MultimodalLM], directory: str | Path, *, trainable: bool,
+                    dtype: torch.dtype | None, verify: bool | None) -> MultimodalLM:
+    """`MultimodalLM.from_pretrained` (see there), building a `cls`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vlm_vit import hub
+
+    directory = hub.locate(directory, patterns=hub.LLM_PATTERNS).directory  # or a name
+    if not (directory / CONFIG_NAME).is_file() and (directory / "config.json").is_file():
+        from vlm_vit_llm.llava_next import MODEL_TYPES, read_llava
+
+        if read_json(directory / "config.json").get("model_type") in MODEL_TYPES:
+            return read_llava(directory, dtype=dtype)  # transformers' LLaVA-NeXT folder
+    config = read_json(directory / CONFIG_NAME)
+    if config.get("format") != "vlm_vit_llm":
+        raise ValueError(f"{directory / CONFIG_NAME} is not a vlm-vit-llm model config")
+    for name in HASHED_DIRS:  # all of them, before the LLM is read
+        if (directory / name).is_dir():
+            _verify_folder(directory / name, verify)
+    tower = VisionTower.from_pretrained(directory / TOWER_DIR, verify=verify)
+    processor = ImageProcessor.from_pretrained(directory / TOWER_DIR)
+    llm = AutoModelForCausalLM.from_pretrained(directory / LLM_DIR, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(directory / LLM_DIR)
+    if config.get("llm_adapter"):
+        from peft import PeftModel
+
+        with _quiet_peft():
+            llm = PeftModel.from_pretrained(llm, str(directory / LLM_ADAPTER_DIR),
+                                            is_trainable=trainable)
+    if config.get("vision_adapter"):
+        from vlm_vit.lora import load_adapter
+
+        tower.encoder = load_adapter(tower.encoder, directory / VISION_ADAPTER_DIR,
+                                     trainable=trainable)
+    return cls(tower, llm, tokenizer, image_token=config["image_token"], processor=processor)
+
+
+def _hashed_files(folder: Path) -> list[str]:
+    """The files of a saved folder its manifest covers, relative to it (sub-folders too)."""
+    return sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*")
+                  if path.is_file() and path.name not in UNHASHED_FILES)
+
+
+def _verify_folder(folder: Path, verify: bool | None) -> None:
+    """Checks every file of `folder`, and every one its manifest lists, against the
+    manifest (a file planted beside the saved ones is refused as unlisted)."""
+    listed = read_manifest(folder) or {}
+    verify_files(folder, sorted({*_hashed_files(folder), *listed}), verify)
+
+
+def _split_peft(module: nn.Module) -> tuple[nn.Module, Any]:
+    """(the base model, the peft model or None)."""
+    base = getattr(module, "get_base_model", None)
+    if base is not None and hasattr(module, "peft_config"):
+        return base(), module
+    return module, None
+
+
+def _base_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A module's state dict without LoRA: peft's LoRA tensors dropped and its wrapped
+    layers (`x.base_layer.weight`) under their own names again (`x.weight`)."""
+    return {name.replace(".base_layer.", "."): tensor
+            for name, tensor in module.state_dict().items() if ".lora_" not in name}
+
+
+@contextlib.contextmanager
+def _quiet_peft() -> Iterator[None]:
+    """Wrapping a model, peft reads a property transformers 5 deprecates, with a warning
+    the user can do nothing about."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
+        yield
+
+
+def merged_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A module's weights with its active LoRA adapters folded in, under the plain module's
+    names (`x.weight`, not `x.base_layer.weight`); `module` itself is not changed.
+
+    Only the weights LoRA wraps are new tensors, `W + scaling * B @ A` one at a time (peft's
+    own `get_delta_weight`, with the layer's own per-adapter `scaling`); every other tensor is
+    the module's own, shared, not copied. A fused qkv under the `attn_qv` preset needs nothing
+    special: its lora_B key rows are zero, so the key rows of the sum are the base's exactly.
+    Dropout acts on the LoRA branch's input while training and has no part in the weight.
+
+    Args:
+        module: a plain module (its state dict is returned), or a peft model on one.
+
+    Raises:
+        ValueError: for an adapter that does not merge by addition (DoRA and other variants).
+    """
+    base, adapter = _split_peft(module)
+    if adapter is None:
+        return module.state_dict()
+    from peft.tuners.lora import LoraLayer
+
+    state = _base_state(base)
+    with torch.no_grad():
+        for name, layer in base.named_modules():
+            if not isinstance(layer, LoraLayer) or layer.disable_adapters:
+                continue
+            for active in layer.active_adapters:
+                if active in layer.merged_adapters or not (
+                        active in layer.lora_A or active in layer.lora_embedding_A):
+                    continue  # merged already (in the base weight), or not on this layer
+                if layer.use_dora.get(active) or active in getattr(layer, "lora_variant", {}):
+                    raise ValueError(f"{name}: adapter {active!r} is not plain LoRA (DoRA or "
+                                     "another variant) and does not merge by addition")
+                weight = state[f"{name}.weight"]
+                # As peft's merge: the sum in the wider dtype, stored in the weight's.
+                state[f"{name}.weight"] = (weight + layer.get_delta_weight(active)).to(weight.dtype)
+                if getattr(layer, "lora_bias", {}).get(active):
+                    bias = state[f"{name}.bias"]
+                    delta = layer.lora_B[active].bias * layer.scaling[active]
+                    state[f"{name}.bias"] = (bias + delta).to(bias.dtype)
+    return state
