@@ -1,6 +1,8 @@
 """The package keeps the shape `docs/architecture.md` draws (issue 28): no import cycle
 (lazy imports inside functions included), no file over 500 lines, a trainer loop under 350,
-at most the documented long functions, the library never importing the CLI or a recipe."""
+at most the documented long functions, the library never importing the CLI or a recipe.
+The adapters' plugin packages (`adapters/*/vlm_vit_*/`) keep the same file and function
+limits."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ MAX_FILE_LINES = 500
 MAX_TRAINER_LINES = 350
 LONG_FUNCTION = 80
 # Functions allowed to reach LONG_FUNCTION lines, each with the reason it stays whole.
-DOCUMENTED_LONG: dict[str, str] = {}
+DOCUMENTED_LONG: dict[str, str] = {
+    "vlm_vit_llm.cli.add_parser": "the plugin's argparse table: one flat declaration per "
+                                  "option of its subcommands, no logic",
+}
 # Old import paths kept for one release, each reading its names from the new home with a
 # DeprecationWarning; nothing else may import them.
 SHIMS = {"vlm_vit.shards", "vlm_vit.evaluate", "vlm_vit.label_efficiency",
@@ -26,6 +31,12 @@ def modules() -> dict[str, Path]:
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         found[name] = path
     return found
+
+
+def adapter_modules() -> dict[str, Path]:
+    """The adapters' plugin modules (`adapters/*/vlm_vit_*/*.py`), by dotted name."""
+    return {f"{path.parent.name}.{path.stem}": path
+            for path in PACKAGE.parent.glob("adapters/*/vlm_vit_*/*.py")}
 
 
 def imports(name: str, path: Path, known: set[str]) -> set[str]:
@@ -119,14 +130,15 @@ def test_no_module_imports_a_deprecated_alias():
 
 
 def test_files_stay_small():
-    lines = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
+    lines = {name: len(path.read_text().splitlines())
+             for name, path in {**modules(), **adapter_modules()}.items()}
     assert {n: c for n, c in lines.items() if c > MAX_FILE_LINES} == {}
     assert lines["vlm_vit.train.trainer"] < MAX_TRAINER_LINES
 
 
 def test_long_functions_are_the_documented_ones():
     long = set()
-    for name, path in modules().items():
+    for name, path in {**modules(), **adapter_modules()}.items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
                     and node.end_lineno - node.lineno + 1 >= LONG_FUNCTION:
