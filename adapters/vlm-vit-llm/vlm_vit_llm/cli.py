@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -419,5 +420,7 @@ def run_export(args: argparse.Namespace) -> int:
     from vlm_vit_llm.llava import export_llava
 
     mm = load_multimodal(args.model, "MODEL")
-    print(f"wrote {export_llava(mm, args.out)} (LlavaForConditionalGeneration)")
+    written = export_llava(mm, args.out)
+    architectures = json.loads((written / "config.json").read_text())["architectures"]
+    print(f"wrote {written} ({', '.join(architectures)})")
     return 0

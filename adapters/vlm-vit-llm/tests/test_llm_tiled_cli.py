@@ -1,0 +1,104 @@
+"""A tiled (AnyRes) model through the command line and shards: `vlm-vit llm train` in both
+stages, padded and `--packing`, keeps the tiling; LLaVA shards decode to the same
+`TiledImage`s as the folder; `llm generate` and `llm export` (LLaVA-NeXT) on the result."""
+
+import json
+
+import pytest
+import torch
+from test_conversation_data import gpt, human, write_records
+from test_llm_shards import shard_items
+from test_llm_train import write_captions
+from test_llm_train_anyres import SIZES, tiled_mm, write_images
+
+from vlm_vit.cli import main
+from vlm_vit.data.shards.writer import write_shards
+from vlm_vit_llm import MultimodalLM, TiledImage
+from vlm_vit_llm.records import ConversationRecords
+from vlm_vit_llm.train import ConversationDataset, ConversationItem, ConversationShardDecode
+
+RECORDS = [  # one image a record: what the shard writer takes
+    {"id": "landscape", "image": "0.png",
+     "conversations": [human("<image> and?"), gpt("the green tree")]},
+    {"id": "portrait", "image": "1.png",
+     "conversations": [human("What is it? <image>"), gpt("two blue dogs")]},
+    {"id": "text", "conversations": [human("describe the picture"), gpt("a red square")]},
+    {"id": "strip", "image": "2.png", "conversations": [human("<image>"), gpt("a red square")]},
+]
+
+
+@pytest.fixture
+def tiled_model(tmp_path, tokenizer):
+    mm = tiled_mm(tokenizer, vocab_size=512)
+    mm.save_pretrained(tmp_path / "tiled")
+    return tmp_path / "tiled", mm.tower.tiling
+
+
+def caption_args(folder, model, out, *extra):
+    data = folder / "data"
+    if not data.exists():
+        write_captions(data)
+    return ["llm", "train", "--model", str(model), "--data", str(data), "--captions",
+            str(data / "captions.jsonl"), "--steps", "2", "--batch-size", "2",
+            "--num-workers", "0", "--device", "cpu", "--quiet", "--out", str(out), *extra]
+
+
+@pytest.mark.slow
+def test_a_tiled_model_trains_both_stages_packed_then_generates_and_exports(
+        tmp_path, tiled_model, capsys):
+    from transformers import LlavaNextForConditionalGeneration
+
+    model, tiling = tiled_model
+    assert main(caption_args(tmp_path, model, tmp_path / "s1", "--packing")) == 0
+    assert "trained stage 1 for 2 steps" in capsys.readouterr().out
+    stage_1 = MultimodalLM.from_pretrained(tmp_path / "s1" / "model")
+    assert stage_1.tower.tiling == tiling and stage_1.tower.image_newline is not None
+    assert main(caption_args(tmp_path, tmp_path / "s1" / "model", tmp_path / "s2", "--stage",
+                             "2", "--lora-r", "4")) == 0
+    capsys.readouterr()
+    stage_2 = tmp_path / "s2" / "model"
+    assert json.loads((stage_2 / "multimodal_config.json").read_text())["llm_adapter"]
+    assert MultimodalLM.from_pretrained(stage_2).tower.tiling == tiling
+    image = tmp_path / "data" / "0.png"
+    assert main(["llm", "generate", str(stage_2), "--image", str(image),
+                 "--max-new-tokens", "3"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+    assert main(["llm", "merge", str(stage_2), "--out", str(tmp_path / "merged")]) == 0
+    assert MultimodalLM.from_pretrained(tmp_path / "merged").tower.tiling == tiling
+    assert main(["llm", "export", str(tmp_path / "merged"), "--out",
+                 str(tmp_path / "next")]) == 0
+    assert "LlavaNextForConditionalGeneration" in capsys.readouterr().out
+    exported = LlavaNextForConditionalGeneration.from_pretrained(tmp_path / "next")
+    assert exported.config.image_grid_pinpoints == [list(p) for p in tiling.pinpoints]
+
+
+def test_llava_shards_decode_to_the_folder_s_tiled_images(tmp_path, tokenizer):
+    mm = tiled_mm(tokenizer, vocab_size=512)
+    images = write_images(tmp_path / "images")
+    records = write_records(tmp_path / "records.json", RECORDS, lines=False)
+    write_shards(images, tmp_path / "shards", per_shard=2, llava=records, progress=False)
+    dataset = ConversationDataset(ConversationRecords(records, images), mm.processor)
+    decode = ConversationShardDecode(mm.processor, mm.image_token)
+    by_id = shard_items(tmp_path / "shards", decode, lambda sample: sample.json()["id"])
+    for index, record in enumerate(RECORDS):
+        ours, theirs = by_id[record["id"]], dataset[index]
+        assert isinstance(ours, ConversationItem), ours
+        assert len(ours.pixels) == len(theirs.pixels) == ("image" in record)
+        for a, b in zip(ours.pixels, theirs.pixels, strict=True):
+            assert isinstance(a, TiledImage) and a.size == b.size
+            assert torch.equal(a.views, b.views)
+    assert [by_id[name].pixels[0].size for name in ("landscape", "portrait", "strip")] == SIZES
+
+
+@pytest.mark.slow
+def test_a_tiled_model_trains_on_llava_shards(tmp_path, tiled_model, capsys):
+    model, _ = tiled_model
+    images = write_images(tmp_path / "images")
+    records = write_records(tmp_path / "records.json", RECORDS, lines=False)
+    write_shards(images, tmp_path / "shards", per_shard=2, llava=records, progress=False)
+    assert main(["llm", "train", "--model", str(model), "--data-format", "llava", "--data",
+                 f"{tmp_path / 'shards'}/*.tar", "--template", "plain", "--steps", "2",
+                 "--batch-size", "2", "--num-workers", "0", "--device", "cpu", "--quiet",
+                 "--packing", "--out", str(tmp_path / "run")]) == 0
+    assert "trained stage 1 for 2 steps" in capsys.readouterr().out
+    assert MultimodalLM.from_pretrained(tmp_path / "run" / "model").tower.tiling is not None
