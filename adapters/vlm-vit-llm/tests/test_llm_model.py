@@ -168,6 +168,8 @@ def test_bad_calls_are_refused_by_name(mm):
     with pytest.raises(ValueError, match="not one string"):
         mm.prepare("<image>", [pixels(1)])
     with pytest.raises(ValueError, match=r"\[C, H, W\]"):
+        mm.prepare(["<image>"], [[torch.zeros(3, 32)]])
+    with pytest.raises(ValueError, match="a clip of 2 frames needs a tower with temporal"):
         mm.prepare(["<image>"], [[torch.zeros(2, 3, 32, 32)]])
     with pytest.raises(ValueError, match="target 0 holds the image token"):
         mm.prepare(["<image>"], [pixels(1)], targets=["a <image> b"])

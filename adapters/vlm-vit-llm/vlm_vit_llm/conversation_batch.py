@@ -24,17 +24,27 @@ from vlm_vit.processor.anyres import num_image_tokens as tiled_tokens
 from vlm_vit_llm.model import MultimodalLM, TiledImage
 from vlm_vit_llm.packing import LOSS_REDUCTIONS, loss_terms, loss_units, pack_rows, split_rows
 
-Pixels = torch.Tensor | TiledImage  # `[3, H, W]`, or a tiled tower's views with their size
+Pixels = torch.Tensor | TiledImage  # `[3, H, W]`, a clip `[T, 3, H, W]`, or tiled views
 
 
 def load_pixels(processor: ImageProcessor, image: Any) -> Pixels:
     """One image preprocessed as `MultimodalLM` takes it: `[3, H, W]` pixels
     (`preprocess_one`), or with the processor's tiling a `TiledImage` (`tile`: the views and
-    the original size, which sets the image's token count).
+    the original size, which sets the image's token count). A tuple is a video's frames (a
+    `Record`'s clip): `[T, 3, H, W]`, each frame preprocessed alone.
 
     Raises:
-        ValueError: as `preprocess_one` (ImageLoadError, ImageTooLargeError).
+        ValueError: as `preprocess_one` (ImageLoadError, ImageTooLargeError); for a clip with
+            a tiling, or whose frames preprocess to different sizes.
     """
+    if isinstance(image, tuple):
+        if processor.tiling is not None:
+            raise ValueError("a tiled (AnyRes) tower takes images, not video frames")
+        frames = [processor.preprocess_one(frame) for frame in image]
+        shapes = {tuple(frame.shape) for frame in frames}
+        if len(shapes) > 1:
+            raise ValueError(f"the frames of a clip preprocess to different sizes {sorted(shapes)}")
+        return torch.stack(frames)
     if processor.tiling is None:
         return processor.preprocess_one(image)
     views, sizes = processor.tile([image])
@@ -51,23 +61,32 @@ class ImageTokens:
             image's, only an estimate (for length-grouped and token-budget batches).
         tiling: the tower's tiling (AnyRes), or None: each image counts by its original size.
         tile_side: a tile's tokens per side after the pooler (`VisionTower.tile_side`).
+        temporal: frames per temporal patch (a clip of T frames counts ceil(T / temporal)
+            images), or None for a tower without temporal patches.
     """
 
     fixed: int
     tiling: Tiling | None = None
     tile_side: int = 0
+    temporal: int | None = None
 
     @classmethod
     def of(cls, mm: MultimodalLM, image_size: tuple[int, int] | None = None) -> ImageTokens:
         """The counts of `mm`'s tower, untiled at `image_size` (default: the processor's)."""
         tiling = mm.tower.tiling
         if tiling is None:
-            return cls(mm.tower.num_image_tokens(image_size or mm.processor.size))
+            return cls(mm.tower.num_image_tokens(image_size or mm.processor.size),
+                       temporal=mm.tower.encoder.config.temporal_patch_size)
         side = tiling.tile_size
         return cls(mm.tower.num_image_tokens((side, side)), tiling, mm.tower.tile_side)
 
     def __call__(self, pixels: Pixels) -> int:
-        """The tokens of one image as `load_pixels` gives it."""
+        """The tokens of one image (or clip) as `load_pixels` gives it."""
+        if isinstance(pixels, torch.Tensor) and pixels.ndim == 4:
+            if self.temporal is None:
+                raise ValueError("a clip needs a tower with temporal patches "
+                                 "(temporal_patch_size); this one has none")
+            return -(-len(pixels) // self.temporal) * self.fixed
         if self.tiling is None:
             return self.fixed
         return tiled_tokens(self.tiling, tuple(pixels.size), self.tile_side)

@@ -70,7 +70,8 @@ class ConversationDataset(torch.utils.data.Dataset):
         self.root = records.path
         if max_length is not None:
             if least_image_tokens is None or least_image_tokens == image_tokens:  # untiled
-                records.limit_length(max_length, image_tokens)
+                records.limit_length(max_length, image_tokens,  # a video: at least one image's
+                                     exact=not getattr(records, "has_videos", False))
             else:
                 records.limit_length(max_length, least_image_tokens, exact=False)
         estimate = records.text_lengths // 4 + records.image_counts * image_tokens + 1

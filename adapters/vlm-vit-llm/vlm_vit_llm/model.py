@@ -134,15 +134,24 @@ class MultimodalLM(nn.Module):
     # -- images ------------------------------------------------------------------------------
 
     def _pixels(self, image: Any, prompt: int) -> torch.Tensor | TiledImage:
+        """An image as the tower takes it: `[C, H, W]`, a `TiledImage` for a tiled tower, or
+        a clip `[T, C, H, W]` (a tuple of frames, or a 4-D tensor) for temporal patches."""
         if self.tower.tiling is not None:
             return self._tiled(image, prompt)
+        channels = self.tower.encoder.config.in_channels
+        if isinstance(image, tuple):  # a video's frames
+            image = torch.stack([self._pixels(frame, prompt) for frame in image]) if image \
+                else torch.empty(0)
         if isinstance(image, torch.Tensor):
             if image.ndim == 4 and image.shape[0] == 1:
                 image = image[0]
-            if image.ndim != 3 or image.shape[0] != self.tower.encoder.config.in_channels:
-                raise ValueError(f"prompt {prompt}: a pixel tensor must be [C, H, W] with C = "
-                                 f"{self.tower.encoder.config.in_channels}, got "
-                                 f"{tuple(image.shape)}")
+            clip = image.ndim == 4 and len(image) > 1
+            if clip and self.tower.encoder.config.temporal_patch_size is None:
+                raise ValueError(f"prompt {prompt}: a clip of {len(image)} frames needs a tower "
+                                 "with temporal patches (temporal_patch_size); this one has none")
+            if image.ndim != 3 + clip or image.shape[-3] != channels:
+                raise ValueError(f"prompt {prompt}: a pixel tensor must be [C, H, W] (or a clip "
+                                 f"[T, C, H, W]) with C = {channels}, got {tuple(image.shape)}")
             return image
         return self.processor.preprocess_one(image)
 
@@ -162,12 +171,15 @@ class MultimodalLM(nn.Module):
         """The tokens an image given as `_pixels` makes: by its original size when tiled."""
         if isinstance(pixels, TiledImage):
             return self.tower.num_image_tokens(tuple(pixels.size))
+        if pixels.ndim == 4:  # a clip: (frames, H, W)
+            return self.tower.num_image_tokens((len(pixels), *pixels.shape[2:]))
         return self.tower.num_image_tokens(tuple(pixels.shape[1:]))
 
     def image_features(self, pixels: Sequence[torch.Tensor | TiledImage]) -> list[torch.Tensor]:
         """The projected tokens of each image, `[M_i, D]`, from one tower call: a stacked
         batch when the images share a size, else one packed pass over all of them
-        (`vlm_vit.packing`: each image's tokens as if it were alone); for a tiled tower,
+        (`vlm_vit.packing`: each image's tokens as if it were alone; a clip's temporal
+        slices end to end); for a tiled tower,
         every view of every `TiledImage` in one batch, packed by their sizes."""
         parameter = next(self.tower.parameters())
         cast = {"device": parameter.device, "dtype": parameter.dtype}
@@ -179,14 +191,14 @@ class MultimodalLM(nn.Module):
                                   image_sizes=[image.size for image in pixels])
         else:
             images = [image.to(**cast) for image in pixels]
-            if len({tuple(image.shape) for image in images}) == 1:
+            if len({tuple(image.shape) for image in images}) == 1 and images[0].ndim == 3:
                 features = list(self.tower(torch.stack(images)))
             else:
                 features = self.tower(images)
         for image, tokens in zip(pixels, features, strict=True):
             expected = self._num_image_tokens(image)
             if tokens.ndim != 2 or tokens.shape[0] != expected:  # a pooler breaking its contract
-                size = image.size if isinstance(image, TiledImage) else tuple(image.shape[1:])
+                size = image.size if isinstance(image, TiledImage) else tuple(image.shape[-2:])
                 raise RuntimeError(f"the tower returned {tuple(tokens.shape)} tokens for a "
                                    f"{size[0]}x{size[1]} image but promised {expected}")
         return features

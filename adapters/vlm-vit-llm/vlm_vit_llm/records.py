@@ -10,10 +10,13 @@ array of records, or JSON lines with one record per line:
      "conversations": [{"from": "human", "value": "<image>\\nWhat are the colors of the bus?"},
                        {"from": "gpt", "value": "The bus is white and red."}, ...]}
 
-`image` is one path, a list of paths (in placeholder order) or absent (a text-only record);
-paths are relative to the image folder, and one that resolves outside it (`..`, an absolute
-path, a symbolic link out) is a bad record. Each `<image>` in a human turn stands for the next
-image. Roles are `human`/`user`, `gpt`/`assistant` and `system`; turns may also be spelled
+`image` is one path, a list of paths (in placeholder order) or absent (a text-only record).
+Instead of `image`, `video` is one clip given as its frames, a list of image paths in time
+order (LLaVA-Video's records, their video decoded to frames beforehand); its one `<image>`
+stands for the whole clip, for a tower with temporal patches. Paths are relative to the
+image folder, and one that resolves outside it (`..`, an absolute path, a symbolic link out)
+is a bad record. Each `<image>` in a human turn stands for the next image. Roles are
+`human`/`user`, `gpt`/`assistant` and `system`; turns may also be spelled
 `{"role": ..., "content": ...}`.
 
 Indexing parses every record once, checks it, and keeps only where it lies in the file (byte
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -40,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "system": "system"}
+MAX_FRAMES = 1024  # frames of one video record
 NAMED_SKIPS = 20  # bad records named one by one in the log; the rest are only counted
 
 
@@ -56,12 +61,13 @@ class Record(NamedTuple):
     Attributes:
         where: how messages name it (`file:line (id ...)`).
         turns: the messages in order.
-        images: absolute image paths, in placeholder order.
+        images: absolute image paths in placeholder order; a video is one tuple of its
+            frames' paths.
     """
 
     where: str
     turns: list[Turn]
-    images: list[Path]
+    images: list[Path | tuple[Path, ...]]
 
 
 class BadRecord(ValueError):
@@ -146,28 +152,48 @@ def parse_record(raw: Any, where: str, image_folder: Path, image_token: str = "<
     if not any(turn.role == "assistant" for turn in turns):
         raise bad("no assistant ('gpt') turn to learn", "no assistant turn")
 
-    image = raw.get("image", raw.get("images"))
-    names = [] if image is None else [image] if isinstance(image, str) else image
-    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
-        raise bad(f"'image' must be a path or a list of paths, got {image!r:.80}",
-                  "malformed image field")
+    names = _visual_names(raw, bad)
     placeholders = sum(turn.text.count(image_token) for turn in turns)
     if placeholders != len(names):
         raise bad(f"{placeholders} {image_token!r} placeholder(s) but {len(names)} image(s)",
                   "placeholders do not match images")
-    if any(_has_surrogate(name) for name in names):
-        raise bad(f"an image path holds a lone surrogate: {ascii(names)[:80]}", "lone surrogate")
-    paths = [image_folder / name for name in names]
+    files = [name for item in names for name in ([item] if isinstance(item, str) else item)]
+    if any(_has_surrogate(name) for name in files):
+        raise bad(f"an image path holds a lone surrogate: {ascii(files)[:80]}", "lone surrogate")
     if folder_root is not None:
-        for name, path in zip(names, paths, strict=True):
-            if not resolves_inside(path, folder_root):
+        for name in files:
+            if not resolves_inside(image_folder / name, folder_root):
                 raise bad(f"image {name!r} resolves outside the image folder {image_folder}",
                           "image outside the image folder")
     if check_files:
-        for path in paths:
-            if not path.is_file():
-                raise bad(f"no image {path}", "missing image")
-    return Record(where, turns, paths)
+        for name in files:
+            if not (image_folder / name).is_file():
+                raise bad(f"no image {image_folder / name}", "missing image")
+    return Record(where, turns, [image_folder / item if isinstance(item, str)
+                                 else tuple(image_folder / name for name in item)
+                                 for item in names])
+
+
+def _visual_names(raw: dict, bad: Callable[[str, str], BadRecord]) -> list[str | tuple]:
+    """The record's images in placeholder order, a video as one tuple of its frames."""
+    image, video = raw.get("image", raw.get("images")), raw.get("video")
+    if video is not None:
+        if image is not None:
+            raise bad("a record holds 'image' or 'video', not both", "image and video")
+        if isinstance(video, str):
+            raise bad(f"'video' must be the clip's frames, a list of image paths, got "
+                      f"{video!r:.80} (decode a video file to frames first)",
+                      "malformed video field")
+        if not isinstance(video, list) or not video or len(video) > MAX_FRAMES or not all(
+                isinstance(n, str) and n for n in video):
+            raise bad(f"'video' must be a list of 1 to {MAX_FRAMES} frame paths, got "
+                      f"{video!r:.80}", "malformed video field")
+        return [tuple(video)]
+    names = [] if image is None else [image] if isinstance(image, str) else image
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise bad(f"'image' must be a path or a list of paths, got {image!r:.80}",
+                  "malformed image field")
+    return names
 
 
 def _where(path: Path, line: int, raw: Any) -> str:
@@ -212,6 +238,7 @@ class ConversationRecords:
         self.strict = strict
         self.skipped = SkippedRecords()
         spans: list[tuple[int, int, int, int, int]] = []  # start, end, line, images, chars
+        self.has_videos = False  # a video's tokens vary by its frames: counts are lower bounds
         for start, end, line, raw, error in self._scan():
             where = _where(self.path, line, raw)
             try:
@@ -225,6 +252,7 @@ class ConversationRecords:
                 self.skipped.add(where, bad.reason, bad.kind)
                 continue
             chars = sum(len(turn.text) for turn in record.turns)
+            self.has_videos |= any(isinstance(item, tuple) for item in record.images)
             spans.append((start, end, line, len(record.images), chars))
         if not spans:
             raise ValueError(f"{self.path} holds no usable records"

@@ -117,6 +117,9 @@ class ConversationShardDecode:
         if isinstance(raw, dict):
             if raw.get("id") is not None:
                 where = f"{where} (id {raw['id']})"
+            if raw.get("video") is not None:
+                return UndecodableImage(where, "it is a video record (its frames); a shard "
+                                        "sample holds one image: train videos from a folder")
             if data is not None and raw.get("image", raw.get("images")) is None:
                 raw = {**raw, "image": sample.key}  # the sample's own image
         try:
