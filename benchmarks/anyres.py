@@ -19,8 +19,9 @@ and takes its projector and `image_newline`. One call encodes, projects and pack
 image_sizes=...)`, theirs `get_image_features(...).pooler_output` (which calls
 `pack_image_features`). The packed features are compared before timing.
 
-LLaVA reads layer -2: our encoder stops after block L-1, transformers runs all L and keeps
-one hidden state. At `--depth 4` that alone saves a quarter of the blocks (1/24 of the
+Our tower projects only the tokens unpadding keeps (a token-wise projector commutes with the
+crop); transformers projects every view's tokens, then unpads. LLaVA reads layer -2: our
+encoder stops after block L-1, transformers runs all L and keeps one hidden state. At `--depth 4` that alone saves a quarter of the blocks (1/24 of the
 released model), so `ratio_per_block_run` is reported beside the headline: the speed ratio
 times our blocks over theirs, roughly the ratio with that saving taken out. The candidates
 alternate call by call after a warm-up (`timing.alternate`); peak memory is measured per
