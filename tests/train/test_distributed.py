@@ -98,3 +98,28 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     # Rank 0 alone wrote the metrics (one row per step) and the encoder.
     assert len((run_dir / "metrics.csv").read_text().splitlines()) == 1 + 3
     assert (run_dir / "encoder" / "model.safetensors").is_file()
+
+
+def test_a_closed_failure_watch_has_left_the_store(monkeypatch):
+    """`close` waits for the watch thread: one still inside a store call at interpreter exit
+    aborts the process (seen once in a two-rank run under load)."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from vlm_vit.train.distributed import DistributedContext, FailureWatch
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    master = dist.TCPStore("127.0.0.1", port, is_master=True,
+                           timeout=datetime.timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    watch = FailureWatch(DistributedContext(rank=0, world_size=2), poll_seconds=0.01)
+    assert watch._thread.is_alive()
+    time.sleep(0.05)  # a few polls of the store
+    watch.close()
+    assert not watch._thread.is_alive()
+    del master

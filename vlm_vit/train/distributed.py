@@ -159,6 +159,9 @@ def setup(device: str = "auto") -> DistributedContext:
 _FAILED_KEY = "vlm_vit/failed"
 
 
+CLOSE_WAIT_SECONDS = 10.0  # beyond one poll: a store call in flight finishes within it
+
+
 class FailureWatch:
     """Makes every rank stop at once when one fails, with that rank's one-line error.
 
@@ -197,7 +200,12 @@ class FailureWatch:
             self.store.set(self.key, message)
 
     def close(self) -> None:
+        """Stops watching and waits for the thread to leave the store: a daemon thread still
+        inside a store call when the interpreter exits aborts the process ("terminate called
+        without an active exception", C++ unwinding through a release of the GIL)."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.poll_seconds + CLOSE_WAIT_SECONDS)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_seconds):
