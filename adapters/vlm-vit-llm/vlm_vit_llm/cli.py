@@ -23,86 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "merge, export", description="A vision tower feeding a causal LM (plugin vlm-vit-llm).")
     commands = parser.add_subparsers(dest="llm_command", required=True, metavar="SUBCOMMAND")
 
-    train = commands.add_parser(
-        "train", help="LLaVA stage 1 (projector only) or 2 (+ LoRA) on conversations or "
-        "captions",
-        description="Trains on LLaVA-format conversations (--data-format llava: --data "
-        "FILE.json or .jsonl, --image-folder DIR; rendered with the tokenizer's chat "
-        "template, the loss on the assistant turns) or captioned images (--data-format "
-        'captions: --data DIR, --captions FILE.jsonl with {"image": "a.jpg", "caption": '
-        '"..."} per line). Either may be tar shards instead (--data SHARDS, as `vlm-vit '
-        "shards --captions` or `--llava` writes them), which carry their images, captions "
-        "and records: no --captions or --image-folder. A bad shard sample is named "
-        "(shard:key) and skipped, counted with the images that do not decode; a caption "
-        "sample without an image is counted as such. Starts from --model (a saved "
-        "multimodal model) or builds one from --tower and --llm. Leaves RUN_DIR/model.")
-    start = train.add_argument_group("the model")
-    start.add_argument("--model", type=Path, metavar="DIR_OR_NAME",
-                       help="a multimodal model saved by an earlier run (RUN_DIR/model), or its "
-                       "Hub name")
-    start.add_argument("--tower", metavar="PATH_OR_NAME",
-                       help="a vision checkpoint, saved tower or model name (with --llm, "
-                       "instead of --model)")
-    start.add_argument("--llm", type=Path, metavar="DIR_OR_NAME",
-                       help="a Hugging Face causal LM folder with its tokenizer, or its name")
-    start.add_argument("--projector", default="mlp2x_gelu", help="pooler for a new tower")
-    start.add_argument("--feature-layer", type=int, default=-2,
-                       help="hidden state a new tower reads (LLaVA: -2)")
-    train.add_argument("--data", required=True, metavar="PATH_OR_SHARDS",
-                       help="llava: the conversations file; captions: the image folder; or, "
-                       "for either, tar shards (a brace pattern like shards/{00000..00031}.tar, "
-                       "a glob, a folder of .tar files or a URL)")
-    train.add_argument("--data-format", choices=DATA_FORMATS, default="captions")
-    train.add_argument("--out", required=True, type=Path, metavar="RUN_DIR")
-    train.add_argument("--stage", type=int, choices=STAGES, default=1)
-    llava = train.add_argument_group("conversations (--data-format llava)")
-    llava.add_argument("--image-folder", type=Path, metavar="DIR",
-                       help="where the records' image paths start (LLaVA's --image_folder)")
-    llava.add_argument("--template", default="auto",
-                       help="chat template: auto (the tokenizer's own, else vicuna_v1), "
-                       "plain (LLaVA stage 1), vicuna_v1 or chatml")
-    llava.add_argument("--max-length", type=int, default=None,
-                       help="longest sequence, image tokens included (default: the LLM's "
-                       "context); longer records are truncated, never through an image")
-    llava.add_argument("--strict", action="store_true",
-                       help="stop at the first bad record instead of skipping it (a "
-                       "conversations file only)")
-    llava.add_argument("--group-by-length", action="store_true",
-                       help="batches of records of similar length (LLaVA's "
-                       "group_by_modality_length): less padding (a conversations file only)")
-    captions = train.add_argument_group("captions (--data-format captions)")
-    captions.add_argument("--captions", type=Path, metavar="FILE.jsonl")
-    captions.add_argument("--prompt", default="<image>\n",
-                          help="what precedes each caption, for lines without their own")
-    add_packing_arguments(train)
-    train.add_argument("--steps", type=int, default=1000)
-    train.add_argument("--batch-size", type=int, default=32)
-    train.add_argument("--lr", type=float, default=None, help="default: 1e-3 stage 1, 2e-4 stage 2")
-    train.add_argument("--warmup-steps", type=int, default=None, help="default: steps / 30")
-    train.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
-                       help="default: bf16 on a GPU, fp32 on a CPU")
-    train.add_argument("--device", default="auto")
-    train.add_argument("--grad-checkpointing", action="store_true",
-                       help="recompute activations in backward (LLM and encoder): less memory")
-    add_strategy_arguments(train)
-    train.add_argument("--num-workers", type=int, default=2)
-    train.add_argument("--checkpoint-every", type=int, default=500, metavar="N",
-                       help="steps between checkpoints (default %(default)s; Ctrl-C or "
-                       "SIGTERM also saves one, at the step it stops)")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--resume", action="store_true")
-    train.add_argument("--overwrite", action="store_true",
-                        help="replace an earlier run's files in the run directory")
-    train.add_argument("--quiet", action="store_true",
-                       help="no progress bars (training's and transformers' loading bars)")
-    lora = train.add_argument_group("LoRA (stage 2)")
-    lora.add_argument("--lora-r", type=int, default=16)
-    lora.add_argument("--lora-alpha", type=float, default=32)
-    lora.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
-                      help="LLM module names (default: q_proj k_proj v_proj o_proj)")
-    lora.add_argument("--lora-encoder", default=None, metavar="PRESET",
-                      help="also LoRA on the encoder: attn, attn_qv, mlp or all")
-    train.set_defaults(run=run_train)
+    _add_train(commands)
 
     generate = commands.add_parser("generate", help="continue a prompt about images")
     generate.add_argument("model", type=Path, metavar="MODEL_DIR_OR_NAME")
@@ -131,6 +52,104 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--out", required=True, type=Path, metavar="DIR")
     export.set_defaults(run=run_export)
 
+
+def _add_train(commands: argparse._SubParsersAction) -> None:
+    """`llm train`."""
+    train = commands.add_parser(
+        "train", help="LLaVA stage 1 (projector only) or 2 (+ LoRA) on conversations or "
+        "captions",
+        description="Trains on LLaVA-format conversations (--data-format llava: --data "
+        "FILE.json or .jsonl, --image-folder DIR; rendered with the tokenizer's chat "
+        "template, the loss on the assistant turns) or captioned images (--data-format "
+        'captions: --data DIR, --captions FILE.jsonl with {"image": "a.jpg", "caption": '
+        '"..."} per line). Either may be tar shards instead (--data SHARDS, as `vlm-vit '
+        "shards --captions` or `--llava` writes them), which carry their images, captions "
+        "and records: no --captions or --image-folder. A bad shard sample is named "
+        "(shard:key) and skipped, counted with the images that do not decode; a caption "
+        "sample without an image is counted as such. Starts from --model (a saved "
+        "multimodal model) or builds one from --tower and --llm. Leaves RUN_DIR/model.")
+    _add_model_arguments(train)
+    train.add_argument("--data", required=True, metavar="PATH_OR_SHARDS",
+                       help="llava: the conversations file; captions: the image folder; or, "
+                       "for either, tar shards (a brace pattern like shards/{00000..00031}.tar, "
+                       "a glob, a folder of .tar files or a URL)")
+    train.add_argument("--data-format", choices=DATA_FORMATS, default="captions")
+    train.add_argument("--out", required=True, type=Path, metavar="RUN_DIR")
+    train.add_argument("--stage", type=int, choices=STAGES, default=1)
+    _add_data_arguments(train)
+    add_packing_arguments(train)
+    train.add_argument("--steps", type=int, default=1000)
+    train.add_argument("--batch-size", type=int, default=32)
+    train.add_argument("--lr", type=float, default=None, help="default: 1e-3 stage 1, 2e-4 stage 2")
+    train.add_argument("--warmup-steps", type=int, default=None, help="default: steps / 30")
+    train.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+                       help="default: bf16 on a GPU, fp32 on a CPU")
+    train.add_argument("--device", default="auto")
+    train.add_argument("--grad-checkpointing", action="store_true",
+                       help="recompute activations in backward (LLM and encoder): less memory")
+    add_strategy_arguments(train)
+    train.add_argument("--num-workers", type=int, default=2)
+    train.add_argument("--checkpoint-every", type=int, default=500, metavar="N",
+                       help="steps between checkpoints (default %(default)s; Ctrl-C or "
+                       "SIGTERM also saves one, at the step it stops)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--resume", action="store_true")
+    train.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier run's files in the run directory")
+    train.add_argument("--quiet", action="store_true",
+                       help="no progress bars (training's and transformers' loading bars)")
+    _add_lora_arguments(train)
+    train.set_defaults(run=run_train)
+
+
+def _add_model_arguments(train: argparse.ArgumentParser) -> None:
+    """Where `llm train` starts: --model, or --tower with --llm."""
+    start = train.add_argument_group("the model")
+    start.add_argument("--model", type=Path, metavar="DIR_OR_NAME",
+                       help="a multimodal model saved by an earlier run (RUN_DIR/model), or its "
+                       "Hub name")
+    start.add_argument("--tower", metavar="PATH_OR_NAME",
+                       help="a vision checkpoint, saved tower or model name (with --llm, "
+                       "instead of --model)")
+    start.add_argument("--llm", type=Path, metavar="DIR_OR_NAME",
+                       help="a Hugging Face causal LM folder with its tokenizer, or its name")
+    start.add_argument("--projector", default="mlp2x_gelu", help="pooler for a new tower")
+    start.add_argument("--feature-layer", type=int, default=-2,
+                       help="hidden state a new tower reads (LLaVA: -2)")
+
+
+def _add_data_arguments(train: argparse.ArgumentParser) -> None:
+    """The options of each data format."""
+    llava = train.add_argument_group("conversations (--data-format llava)")
+    llava.add_argument("--image-folder", type=Path, metavar="DIR",
+                       help="where the records' image paths start (LLaVA's --image_folder)")
+    llava.add_argument("--template", default="auto",
+                       help="chat template: auto (the tokenizer's own, else vicuna_v1), "
+                       "plain (LLaVA stage 1), vicuna_v1 or chatml")
+    llava.add_argument("--max-length", type=int, default=None,
+                       help="longest sequence, image tokens included (default: the LLM's "
+                       "context); longer records are truncated, never through an image")
+    llava.add_argument("--strict", action="store_true",
+                       help="stop at the first bad record instead of skipping it (a "
+                       "conversations file only)")
+    llava.add_argument("--group-by-length", action="store_true",
+                       help="batches of records of similar length (LLaVA's "
+                       "group_by_modality_length): less padding (a conversations file only)")
+    captions = train.add_argument_group("captions (--data-format captions)")
+    captions.add_argument("--captions", type=Path, metavar="FILE.jsonl")
+    captions.add_argument("--prompt", default="<image>\n",
+                          help="what precedes each caption, for lines without their own")
+
+
+def _add_lora_arguments(train: argparse.ArgumentParser) -> None:
+    """Stage 2's LoRA."""
+    lora = train.add_argument_group("LoRA (stage 2)")
+    lora.add_argument("--lora-r", type=int, default=16)
+    lora.add_argument("--lora-alpha", type=float, default=32)
+    lora.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
+                      help="LLM module names (default: q_proj k_proj v_proj o_proj)")
+    lora.add_argument("--lora-encoder", default=None, metavar="PRESET",
+                      help="also LoRA on the encoder: attn, attn_qv, mlp or all")
 
 def _existing(path: Path, what: str) -> Path:
     if not path.exists():
