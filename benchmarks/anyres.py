@@ -21,11 +21,12 @@ image_sizes=...)`, theirs `get_image_features(...).pooler_output` (which calls
 
 Our tower projects only the tokens unpadding keeps (a token-wise projector commutes with the
 crop); transformers projects every view's tokens, then unpads. LLaVA reads layer -2: our
-encoder stops after block L-1, transformers runs all L and keeps one hidden state. At `--depth 4` that alone saves a quarter of the blocks (1/24 of the
-released model), so `ratio_per_block_run` is reported beside the headline: the speed ratio
-times our blocks over theirs, roughly the ratio with that saving taken out. The candidates
-alternate call by call after a warm-up (`timing.alternate`); peak memory is measured per
-candidate in a fresh process (`--child`), once the model is built.
+encoder stops after block L-1, transformers runs all L and keeps one hidden state. At
+`--depth 4` that alone saves a quarter of the blocks (1/24 of the released model), so
+`ratio_per_block_run` is reported beside the headline: the speed ratio times our blocks over
+theirs (it leaves the projector out, so it only roughly takes that saving out). The
+candidates alternate call by call after a warm-up (`timing.alternate`); peak memory is
+measured per candidate in a fresh process (`--child`), once the model is built.
 """
 
 from __future__ import annotations

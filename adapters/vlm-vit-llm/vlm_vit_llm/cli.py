@@ -47,7 +47,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="where the merged model goes (not MODEL, nor a folder holding it)")
     merge.set_defaults(run=run_merge)
 
-    export = commands.add_parser("export", help="write the Hugging Face LLaVA layout")
+    export = commands.add_parser("export", help="write the Hugging Face LLaVA layout "
+                                 "(LLaVA-NeXT or OneVision for a tiled tower)")
     export.add_argument("model", type=Path, metavar="MODEL_DIR_OR_NAME")
     export.add_argument("--out", required=True, type=Path, metavar="DIR")
     export.set_defaults(run=run_export)
