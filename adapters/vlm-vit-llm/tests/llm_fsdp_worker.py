@@ -5,7 +5,8 @@ each run trains a tiny bridge (`conftest.tiny_tower`, `tiny_llm`) on the convers
 `ConversationObjective` and writes RUN_DIR/model/ (the export) and, from rank 0,
 RUN_DIR/losses.json. A run with "split" trains that many steps first, then resumes from that
 run's distributed checkpoint on a model built afresh, up to "steps". "packing" packs each
-batch's records into rows; "grad_checkpointing" recomputes activations in backward.
+batch's records into rows; "grad_checkpointing" recomputes activations in backward; "tiled"
+tiles every image (AnyRes, `test_llm_anyres.PINPOINTS`).
 
 The process group is set up here, once, so that one launch trains every run (the trainer
 leaves a group it did not create in place).
@@ -33,11 +34,21 @@ from vlm_vit_llm.train import (  # noqa: E402
 )
 
 
-def bridge(tokenizer, stage: str, llm_seed: int = 0) -> ConversationObjective:
+def bridge(tokenizer, stage: str, llm_seed: int = 0, tiled: bool = False
+           ) -> ConversationObjective:
     """A tiny bridge set up for `stage` ("projector", or "lora" on the LLM and the encoder),
     the same on every rank and every call; the loss is each record's mean, then the mean
     over records (so two ranks' equal shares average to one process's whole batch)."""
-    mm = MultimodalLM(tiny_tower(), tiny_llm(vocab_size=512, seed=llm_seed), tokenizer)
+    tower = tiny_tower()
+    if tiled:
+        from test_llm_anyres import PINPOINTS
+
+        from vlm_vit import VisionTower
+        from vlm_vit.processor import Tiling
+
+        tower = VisionTower(tower.encoder, tower.pooler, feature_layer=-2,
+                            tiling=Tiling(pinpoints=PINPOINTS, tile_size=32))
+    mm = MultimodalLM(tower, tiny_llm(vocab_size=512, seed=llm_seed), tokenizer)
     if stage == "projector":
         mm.train_projector_only()
     else:
@@ -52,7 +63,8 @@ def train(spec: dict, run: dict, steps: int, resume: bool) -> list[float]:
     from transformers import LlamaTokenizer
 
     objective = bridge(LlamaTokenizer.from_pretrained(spec["tokenizer"]),
-                       "projector" if run["stage"] == 1 else "lora")
+                       "projector" if run["stage"] == 1 else "lora", tiled=run.get("tiled",
+                                                                                   False))
     mm = objective.mm
     dataset = ConversationDataset(ConversationRecords(spec["data"], spec["images"]),
                                   mm.processor, image_tokens=mm.tower.num_image_tokens())

@@ -290,3 +290,30 @@ def test_a_rank_that_sees_only_text_finishes_and_matches_one_process(tmp_path,
     losses = train_run(spec, one, steps, resume=False)
     for strategy in ("ddp", "fsdp"):
         assert_same_run(tmp_path / strategy, tmp_path / "one", reference_losses=losses)
+
+
+@pytest.mark.slow  # two processes, two runs, and one process
+def test_a_tiled_tower_trains_under_ddp_and_fsdp_as_one_process(tmp_path, chat_tokenizer_dir):
+    """AnyRes at two ranks: photos of four shapes (so the ranks' tiled views differ in
+    number), rank 1's records text-only in the second step; DDP and FSDP2, packed, give one
+    process's losses and weights on the union of the batches."""
+    from test_llm_anyres import image
+
+    steps = 2
+    rank_1 = {index for batch in GlobalBatchSampler(4 * steps, 4, seed=0, rank=1,
+                                                     world_size=2) for index in batch}
+    text_only = set(sorted(rank_1)[len(rank_1) // 2:])
+    data = write_conversations(tmp_path, text_only, 4 * steps)
+    for index, size in enumerate([(90, 120), (61, 41), (40, 100), (33, 33)]):
+        image(*size).save(tmp_path / "images" / f"{index}.png")
+    spec = {"tokenizer": str(chat_tokenizer_dir), "data": str(data),
+            "images": str(tmp_path / "images"),
+            "runs": [{"stage": 1, "strategy": strategy, "steps": steps, "lr": LR,
+                      "packing": True, "tiled": True, "run_dir": str(tmp_path / strategy)}
+                     for strategy in ("ddp", "fsdp")]}
+    launch(tmp_path, spec)
+    one = {**spec["runs"][0], "run_dir": str(tmp_path / "one")}
+    losses = train_run(spec, one, steps, resume=False)
+    assert MultimodalLM.from_pretrained(tmp_path / "fsdp" / MODEL_DIR).tower.tiling is not None
+    for strategy in ("ddp", "fsdp"):
+        assert_same_run(tmp_path / strategy, tmp_path / "one", reference_losses=losses)
