@@ -36,7 +36,7 @@ from timing import alternate, peak_memory_in_child, peak_memory_mib, write_json
 
 from vlm_vit import EncoderConfig, VisionEncoder
 from vlm_vit.flops import count_macs
-from vlm_vit.model import add_residual
+from vlm_vit.layers import add_residual
 
 # (height, width) in pixels: 16 x 4:3, 16 x 3:4, 13 x 16:9, 8 x 3:2, 8 x 1:1, 3 x 2:1, in an
 # interleaved order, so the first N (`--images`) are a mix too.

@@ -24,7 +24,7 @@ from vlm_vit.config import EncoderConfig
 from vlm_vit.layers import Attention, Segments, resample_pos_embed
 from vlm_vit.layers.patch_masking import keep_patches, mask_patches
 from vlm_vit.layers.pos_embed import resample_pos_embed_cached
-from vlm_vit.layers.residual import add_residual as add_residual  # re-exported (benchmarks)
+from vlm_vit.layers.residual import add_residual
 from vlm_vit.native import CONFIG_NAME as CONFIG_NAME  # re-exported: importers use these names
 from vlm_vit.native import MODEL_TYPE as MODEL_TYPE
 from vlm_vit.native import WEIGHTS_NAME as WEIGHTS_NAME
