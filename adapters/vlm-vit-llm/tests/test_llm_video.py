@@ -118,7 +118,7 @@ def test_a_video_record_trains_as_the_record_built_by_hand(tmp_path, chat_tokeni
             assert prepared.image_mask.sum().item() == 8 + 4
             torch.testing.assert_close(loss, mm.run(prepared).loss, rtol=LOSS_RTOL, atol=0)
     result = one_step(ConversationObjective(mm), dataset, collate, tmp_path / "run", 3)
-    assert result.losses[0] == pytest.approx(loss.item(), rel=1e-5)
+    assert result.losses[0] == pytest.approx(loss.item(), rel=LOSS_RTOL)  # measured 1.1e-7
 
 
 def test_a_clip_is_refused_where_it_cannot_go(tmp_path, tokenizer, chat_tokenizer):
