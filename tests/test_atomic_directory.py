@@ -213,3 +213,37 @@ def test_a_tower_re_saved_inside_another_save_gets_its_new_pooler(tmp_path):
     assert same_weights(loaded.pooler, new.pooler)
     assert (tmp_path / "outer" / "chat_template.jinja").read_text() == "template 1"
     assert [p.name for p in tmp_path.iterdir()] == ["outer"]
+
+
+def test_a_save_refuses_a_folder_of_the_user_s_own_files_and_keeps_them(tmp_path):
+    """Issue 40: a save into a non-empty folder that holds no model used to drop its .json
+    and .safetensors files (labels.json, features.safetensors)."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "labels.json").write_text('{"a": 1}')
+    (folder / "features.safetensors").write_bytes(b"not mine to delete")
+    with pytest.raises(ValueError, match="holds files but no model"):
+        encoder(0).save_pretrained(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["features.safetensors", "labels.json"]
+    assert (folder / "features.safetensors").read_bytes() == b"not mine to delete"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    encoder(0).save_pretrained(empty)  # an empty folder is written
+    assert same_weights(load_encoder(empty), encoder(0))
+
+
+def test_a_save_never_writes_through_a_link(tmp_path):
+    """Issue 40: a symlinked output replaced the link's target (and dropped its files)."""
+    target = tmp_path / "elsewhere"
+    encoder(0).save_pretrained(target)
+    (target / "notes.json").write_text("{}")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    before = sorted(p.name for p in target.iterdir())
+    with pytest.raises(ValueError, match="is a symbolic link"):
+        encoder(1).save_pretrained(link)
+    assert link.is_symlink() and sorted(p.name for p in target.iterdir()) == before
+    assert same_weights(load_encoder(target), encoder(0))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        encoder(1).save_pretrained(tmp_path / "file")

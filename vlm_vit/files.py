@@ -78,6 +78,10 @@ MODEL_FILES = ("*.safetensors", "*.json")
 # Entries where the folder's copy wins over the new save's: the model card, as a user's own
 # card is never replaced (`vlm_vit.card.write_card`).
 KEPT_FILES = ("README.md",)
+# Any of these at the top of a folder marks it as a model's (ours, a converted one, the LLM
+# bridge's, another library's): a save may replace it. A non-empty folder holding none of
+# them is the user's own, and a save refuses it rather than replace its .json files.
+MODEL_MARKERS = ("config.json", "manifest.json", "multimodal_config.json")
 _FILLING: set[Path] = set()  # temporary folders an atomic_directory of this process fills
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
@@ -220,12 +224,17 @@ def atomic_directory(path: str | Path, *, replaces: tuple[str, ...] = MODEL_FILE
         replaces: `fnmatch` patterns of top-level names that belong to the model `path`
             held: dropped where the new save did not write them (a saver whose models have
             sub-folders or optional parts names those too, e.g. `(*MODEL_FILES, "tower")`).
+
+    Raises:
+        ValueError: for a folder no save may replace (`check_replaceable`): a link, a file,
+            or a user's non-empty folder that holds no model.
     """
     path = Path(path)
     if path.resolve() in _FILLING or path.parent.resolve() in _FILLING:
         path.mkdir(parents=True, exist_ok=True)
         yield path  # the outer atomic_directory makes it appear at once
         return
+    check_replaceable(path)
     path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     recover_directory(path)
@@ -258,6 +267,28 @@ def atomic_directory(path: str | Path, *, replaces: tuple[str, ...] = MODEL_FILE
         raise
     finally:
         _FILLING.discard(filling)
+
+
+def check_replaceable(path: str | Path) -> None:
+    """Refuses a folder a save must not replace: a symbolic link (the save would replace the
+    link's target, somewhere else), a file, or a non-empty folder that holds no model (no
+    `MODEL_MARKERS` entry: the user's own files, whose .json and .safetensors a save would
+    drop). A missing or empty folder, or a model's, may be written.
+
+    Raises:
+        ValueError: naming the folder and why.
+    """
+    path = Path(path)
+    if path.is_symlink():
+        raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}); vlm-vit never "
+                         "writes through a link to another place: name the real folder")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file, not a folder; write the model to a folder")
+    if (path.is_dir() and any(path.iterdir())
+            and not any((path / marker).is_file() for marker in MODEL_MARKERS)):
+        raise ValueError(f"{path} holds files but no model (no {', '.join(MODEL_MARKERS)}); "
+                         "saving into it would replace its .json and .safetensors files: "
+                         "write to a new or empty folder")
 
 
 def resolves_inside(path: str | Path, *roots: Path) -> bool:

@@ -78,3 +78,20 @@ def test_user_errors_are_one_line(run_dir, tmp_path, capsys, case, expected):
     line = one_line(capsys, ["consolidate", *argv])
     assert expected.format(tmp=tmp_path) in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_out_that_is_the_user_s_folder_or_a_link_is_refused_and_kept(run_dir, tmp_path, capsys):
+    """Issue 40: `consolidate --out` on a user's folder deleted its .json and .safetensors
+    files, and through a symlinked --out replaced the link's target."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "labels.json").write_text("[]")
+    (mine / "features.safetensors").write_bytes(b"features")
+    line = one_line(capsys, ["consolidate", str(run_dir), "--out", str(mine)])
+    assert f"{mine} holds files but no model" in line
+    assert sorted(p.name for p in mine.iterdir()) == ["features.safetensors", "labels.json"]
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    line = one_line(capsys, ["consolidate", str(run_dir), "--out", str(link)])
+    assert f"{link} is a symbolic link" in line
+    assert sorted(p.name for p in mine.iterdir()) == ["features.safetensors", "labels.json"]

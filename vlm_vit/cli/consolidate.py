@@ -22,7 +22,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="a training run directory (pretrain, finetune --out), or one "
                         "checkpoint in its checkpoints/")
     parser.add_argument("--out", required=True, type=Path,
-                        help="the encoder directory to write (replaced if it exists)")
+                        help="the encoder directory to write: new, empty, or a model's (replaced); "
+                        "not a link, a folder of your own files, nor RUN_DIR's checkpoints")
     parser.add_argument("--step", type=int, metavar="N",
                         help="the checkpoint of step N (default: the newest usable one)")
     parser.set_defaults(run=run)

@@ -76,11 +76,12 @@ def test_merge_writes_a_plain_model_with_the_lora_models_logits_and_stage_2_cont
 
 def test_merge_refuses_an_out_that_is_or_holds_the_model_and_a_model_without_lora(
         lora_model, tmp_path, capsys):
-    for out in (lora_model, tmp_path):
+    for out, problem in ((lora_model, f"is inside the model folder {lora_model}"),
+                         (tmp_path, f"holds the model {lora_model}, which writing --out would "
+                          "replace")):
         assert main(["llm", "merge", str(lora_model), "--out", str(out)]) == 1
         assert one_error_line(capsys) == (
-            f"vlm-vit llm: error: --out {out} is MODEL or holds it ({lora_model}): write the "
-            "merged model to another folder")
+            f"vlm-vit llm: error: --out {out} {problem}; write the output elsewhere")
     assert (lora_model / "llm_adapter").is_dir()  # untouched
 
     assert main(["llm", "merge", str(lora_model), "--out", str(tmp_path / "m1")]) == 0

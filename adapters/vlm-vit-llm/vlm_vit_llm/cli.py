@@ -418,15 +418,13 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_merge(args: argparse.Namespace) -> int:
+    from vlm_vit.cli.common import check_output_apart
     from vlm_vit.files import read_json
     from vlm_vit_llm.merge import merge_adapters
     from vlm_vit_llm.model import CONFIG_NAME
 
     model = _model(args.model, "MODEL")
-    out, source = args.out.resolve(), model.resolve()
-    if out == source or out in source.parents:
-        raise ValueError(f"--out {args.out} is MODEL or holds it ({model}): write the merged "
-                         "model to another folder")
+    check_output_apart(args.out, model, [], flag="--out", replaced=True)
     config = read_json(model / CONFIG_NAME) if (model / CONFIG_NAME).is_file() else {}
     if config.get("format") == "vlm_vit_llm" and not (config.get("llm_adapter")
                                                      or config.get("vision_adapter")):
