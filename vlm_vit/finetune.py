@@ -30,6 +30,9 @@ from vlm_vit.tower import VisionTower, no_graph_if_frozen
 POOLINGS = ("cls", "mean")
 CLASSIFIER_CONFIG_NAME = "classifier.json"
 HEAD_WEIGHTS_NAME = "classifier_head.safetensors"
+# The most classes a classifier may have: ImageNet-21k has 21,843, the largest face and
+# product datasets about a million; more is a mistake, refused before anything is allocated.
+MAX_CLASSES = 1_000_000
 
 
 class ImageClassifier(nn.Module):
@@ -57,8 +60,9 @@ class ImageClassifier(nn.Module):
         if not 0 < layer_decay <= 1:
             raise ValueError(f"layer_decay must lie in (0, 1], got {layer_decay}")
         self.layer_decay = layer_decay
-        if num_classes < 2:
-            raise ValueError(f"a classifier needs at least 2 classes, got {num_classes}")
+        if not 2 <= num_classes <= MAX_CLASSES:
+            raise ValueError(f"a classifier needs 2 to {MAX_CLASSES:,} classes, got "
+                             f"{num_classes:,}")
         if pooling not in POOLINGS:
             raise ValueError(f"pooling {pooling!r} is not one of {', '.join(POOLINGS)}")
         self.backbone = backbone

@@ -165,3 +165,23 @@ def test_quiet_hides_the_progress_bar(setup, quiet, capsys):
                  *(["--quiet"] if quiet else [])]) == 0
     captured = capsys.readouterr()
     assert ("it/s]" in captured.err or "s/it]" in captured.err) != quiet, captured.err
+
+
+def test_a_huge_class_count_is_one_line_naming_the_flag(tmp_path, capsys):
+    """Issue 48: shards without a dataset.json and `--num-classes 10**12` built a list of
+    10**12 class names and died with MemoryError; now refused before any allocation."""
+    import io
+    import tarfile
+
+    with tarfile.open(tmp_path / "train-000000.tar", "w") as tar:
+        for name, data in (("a.cls", b"0"), ("a.png", b"png")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    assert main(["finetune", "--encoder", str(tmp_path / "unread"), "--data",
+                 str(tmp_path / "train-000000.tar"), "--out", str(tmp_path / "run"),
+                 "--num-classes", str(10**12)]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["vlm-vit finetune: error: --num-classes 1,000,000,000,000 is over the "
+                     "1,000,000 classes a classifier may have"]
+    assert not (tmp_path / "run").exists()

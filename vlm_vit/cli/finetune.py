@@ -38,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "json instead of `cls`")
     parser.add_argument("--num-classes", type=int, metavar="K",
                         help="shards without the dataset.json of `vlm-vit shards`: the number "
-                        "of classes (labels 0..K-1)")
+                        "of classes (labels 0..K-1, K at most 1,000,000)")
     parser.add_argument("--out", required=True, type=Path, metavar="RUN_DIR")
     parser.add_argument("--lora", metavar="SPEC",
                         help="e.g. r=16,alpha=32,targets=attn_qv (targets: attn, attn_qv, mlp, "
@@ -271,6 +271,7 @@ def _folder_parts(args: argparse.Namespace, processor, classes: list[str]):
 def _shard_classes(args: argparse.Namespace) -> list[str]:
     """The class names of shards: `vlm-vit shards`' dataset.json, else --num-classes."""
     from vlm_vit.data.shards import expand_shards, read_dataset_index
+    from vlm_vit.finetune import MAX_CLASSES
 
     index = read_dataset_index(expand_shards(args.data))
     if index is not None and index.get("classes"):
@@ -278,6 +279,9 @@ def _shard_classes(args: argparse.Namespace) -> list[str]:
     if args.num_classes is None or args.num_classes < 2:
         raise ValueError(f"--data {args.data}: shards without a dataset.json naming their "
                          "classes need --num-classes K (K >= 2)")
+    if args.num_classes > MAX_CLASSES:
+        raise ValueError(f"--num-classes {args.num_classes:,} is over the {MAX_CLASSES:,} "
+                         "classes a classifier may have")
     return [str(k) for k in range(args.num_classes)]
 
 
