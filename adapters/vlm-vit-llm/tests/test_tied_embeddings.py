@@ -2,6 +2,8 @@
 Qwen2-0.5B, Gemma and small Llamas): the bridge, its folders and the LLaVA export keep the
 tie, one tensor and not two copies."""
 
+import json
+
 import pytest
 import torch
 from conftest import CORPUS, assert_export_matches, perturb_lora, photos, tiny_llm, tiny_tower
@@ -132,3 +134,80 @@ def test_lora_that_unties_the_head_is_refused(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="ties 'lm_head.weight' to 'model.embed_tokens.weight'"):
         export_llava(mm, tmp_path / "llava")
     assert not (tmp_path / "llava").exists()
+
+
+# ---- a LLaVA-NeXT / OneVision folder transformers wrote (issue 40) -------------------------
+
+def their_folder(tokenizer, folder, family: str, top: bool, text: bool):
+    """`save_pretrained` of transformers' own tiny random LLaVA-NeXT (or OneVision) whose
+    config says `tie_word_embeddings` `top` at the top level and `text` in its text config,
+    with our export's processor; returns (the model transformers reads back, its class)."""
+    from test_llava_next_export import TILINGS
+    from test_llm_anyres import tiled_mm
+    from transformers import AutoConfig, AutoProcessor
+
+    from vlm_vit_llm.llava_next import model_class
+
+    mm = tiled_mm(tokenizer, TILINGS[family])
+    export_llava(mm, folder / "export")
+    raw = json.loads((folder / "export" / "config.json").read_text())
+    raw["tie_word_embeddings"], raw["text_config"]["tie_word_embeddings"] = top, text
+    (folder / "theirs").mkdir()
+    (folder / "theirs" / "config.json").write_text(json.dumps(raw))
+    their_class = model_class(mm.tower.tiling)
+    model = their_class(AutoConfig.from_pretrained(folder / "theirs"))
+    torch.manual_seed(3)
+    with torch.no_grad():  # trained: a separate head now differs from the embeddings
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    model.save_pretrained(folder / "theirs")
+    AutoProcessor.from_pretrained(folder / "export").save_pretrained(folder / "theirs")
+    return their_class.from_pretrained(folder / "theirs").eval()
+
+
+@pytest.mark.filterwarnings("ignore:The tied weights mapping")
+@pytest.mark.parametrize("family", ["next", "onevision"])
+@pytest.mark.parametrize(("top", "text"), [(False, False), (False, True), (True, False),
+                                           (True, True)])
+def test_a_llava_next_folder_ties_its_head_as_transformers_does(tmp_path, tokenizer, family,
+                                                                top, text):
+    """LLaVA-NeXT ties by the top-level flag alone; OneVision (and LLaVA-1.5) also by the
+    text config's: a NeXT folder saying (False, True) holds a trained separate head, which
+    `from_pretrained` tied to the embeddings (every logit about 20 off on this model)."""
+    from test_llava_next_export import pil_processor
+    from test_llm_anyres import LOGITS_ATOL, image
+
+    hf = their_folder(tokenizer, tmp_path, family, top, text)
+    theirs_tied = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+    assert theirs_tied == (top or (text and family == "onevision"))
+    read = MultimodalLM.from_pretrained(tmp_path / "theirs")
+    if theirs_tied:
+        assert_tied(read.llm)
+    else:
+        assert not torch.equal(read.llm.get_output_embeddings().weight,
+                               read.llm.get_input_embeddings().weight)
+    prompts = ["<image>\nwhat is in the image", "the dog runs in the park"]
+    pictures = [image(90, 120)]
+    batch = read.prepare(prompts, [pictures, []])
+    encoded = pil_processor(tmp_path / "theirs")(text=prompts, images=pictures,
+                                                 return_tensors="pt", padding=True)
+    with torch.no_grad():
+        ours, theirs = read.run(batch).logits, hf(**encoded).logits
+    for row in range(2):
+        mine, real = encoded["attention_mask"][row].bool(), batch.attention_mask[row].bool()
+        assert encoded["input_ids"][row][mine].tolist() == batch.input_ids[row][real].tolist()
+        torch.testing.assert_close(ours[row][real], theirs[row][mine], rtol=0,
+                                   atol=LOGITS_ATOL)
+
+
+def test_an_untied_llava_next_folder_without_its_head_is_refused(tmp_path, tokenizer):
+    """A tied model's folder (the embeddings alone on disk) whose config is then set untied:
+    transformers would start the head at random; the read refuses, naming the file."""
+    their_folder(tokenizer, tmp_path, "next", True, True)
+    config = tmp_path / "theirs" / "config.json"
+    raw = json.loads(config.read_text())
+    raw["tie_word_embeddings"], raw["text_config"]["tie_word_embeddings"] = False, False
+    config.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"config.json: tie_word_embeddings is off .* no "
+                                         r"lm_head.weight"):
+        MultimodalLM.from_pretrained(tmp_path / "theirs")

@@ -10,15 +10,20 @@ tile, then the tiles of the best canvas), so the written processor gives our pix
 
 from __future__ import annotations
 
+import copy
 import logging
+import reprlib
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vlm_vit.config import is_int
 from vlm_vit.convert.hf_common import PIL_RESAMPLE
+from vlm_vit.files import read_json
 from vlm_vit.processor import ImageProcessor, Tiling
+from vlm_vit.processor.anyres import MAX_PINPOINTS
 
 if TYPE_CHECKING:
     from vlm_vit_llm.model import MultimodalLM
@@ -29,6 +34,7 @@ NEWLINE_KEY = "model.image_newline"
 ONEVISION_RATIO = "anyres_max_{}"  # OneVision's vision_aspect_ratio for max_feature_tiles N
 VIDEO_TOKEN = "<video>"
 MODEL_TYPES = {"llava_next": "LlavaNext", "llava_onevision": "LlavaOnevision"}
+MAX_ECHO = 120  # characters of a config's value an error message repeats
 
 
 def is_onevision(tiling: Tiling) -> bool:
@@ -147,44 +153,38 @@ def read_llava(directory: str | Path, *, dtype: torch.dtype | None = None) -> Mu
 
     The vision tower goes through vlm-vit's own converters (`load_tower`), the projector
     and `image_newline` are copied, the language model becomes its causal LM
-    (`AutoModelForCausalLM` on `text_config`), and the tokenizer and processor are read from
-    the folder.
+    (`AutoModelForCausalLM` on `text_config`), its head tied to the embeddings exactly when
+    transformers ties them (`_causal_lm`), and the tokenizer and processor are read from the
+    folder. `config.json` is checked (`check_config`) before any weight is read.
 
     Raises:
-        ValueError: naming the setting our tiled tower cannot hold (a projector other than
-            LLaVA's, the 'full' feature selection, an image token the tokenizer lacks).
+        ValueError: naming the file and the setting our tiled tower cannot hold (a projector
+            other than LLaVA's, the 'full' feature selection, pinpoints that are not a list
+            of at most `MAX_PINPOINTS` pairs, an image token the tokenizer lacks, an untied
+            head the weights do not hold), in one line of bounded length.
     """
     import transformers
+    from huggingface_hub.errors import StrictDataclassError
 
     from vlm_vit import VisionTower, build_pooler, load_tower
     from vlm_vit_llm.model import MultimodalLM
 
     directory = Path(directory)
-    config = transformers.AutoConfig.from_pretrained(directory)
-    if config.model_type not in MODEL_TYPES:
-        raise ValueError(f"{directory / 'config.json'}: model_type {config.model_type!r} is "
-                         f"not one of {sorted(MODEL_TYPES)}")
     source = f"{directory / 'config.json'}"
-    if config.projector_hidden_act != "gelu" or not config.multimodal_projector_bias:
-        raise ValueError(f"{source}: projector_hidden_act {config.projector_hidden_act!r} with "
-                         f"multimodal_projector_bias {config.multimodal_projector_bias}: "
-                         "vlm-vit's mlp2x_gelu is GELU with biases")
-    if config.vision_feature_select_strategy != "default":
-        raise ValueError(f"{source}: vision_feature_select_strategy "
-                         f"{config.vision_feature_select_strategy!r}: a tiled tower drops the "
-                         "class token ('default')")
-    max_tiles = None
-    if config.model_type == "llava_onevision":
-        ratio = config.vision_aspect_ratio
-        digits = ratio.removeprefix("anyres_max_")
-        if not (ratio.startswith("anyres_max_") and digits.isdigit()):
-            raise ValueError(f"{source}: vision_aspect_ratio {ratio!r} is not anyres_max_N")
-        max_tiles = int(digits)
-    model = getattr(transformers, MODEL_TYPES[config.model_type] + "ForConditionalGeneration"
-                    ).from_pretrained(directory, dtype=dtype)
+    max_tiles = check_config(read_json(directory / "config.json"), source)
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory)
+    except StrictDataclassError as error:  # a field of the wrong type: one bounded line
+        raise ValueError(f"{source}: {_bounded(error)}") from None
     vision = config.vision_config
-    tiling = Tiling(pinpoints=config.image_grid_pinpoints, tile_size=vision.image_size,
-                    max_feature_tiles=max_tiles)
+    try:
+        tiling = Tiling(pinpoints=config.image_grid_pinpoints, tile_size=vision.image_size,
+                        max_feature_tiles=max_tiles)
+    except ValueError as error:  # before the weights: image_grid_pinpoints and image_size
+        raise ValueError(f"{source}: {_bounded(error)}") from None
+    model, loading = getattr(transformers, MODEL_TYPES[config.model_type]
+                             + "ForConditionalGeneration").from_pretrained(
+        directory, dtype=dtype, output_loading_info=True)
     width = config.text_config.hidden_size
     with tempfile.TemporaryDirectory(prefix="vlm-vit-llava-") as folder:
         model.model.vision_tower.save_pretrained(folder)
@@ -201,7 +201,7 @@ def read_llava(directory: str | Path, *, dtype: torch.dtype | None = None) -> Mu
                         processor=processor, tiling=tiling)
     with torch.no_grad():
         tower.image_newline.copy_(model.model.image_newline)
-    llm = _causal_lm(model, config.text_config)
+    llm = _causal_lm(model, config, loading["missing_keys"], source)
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     image_token = getattr(tokenizer, "image_token", None) or _processor_field(
         directory, "image_token") or "<image>"
@@ -213,10 +213,84 @@ def read_llava(directory: str | Path, *, dtype: torch.dtype | None = None) -> Mu
                         processor=processor).eval()
 
 
-def _causal_lm(model: Any, text_config: Any):
-    """The causal LM of `text_config` on the model's language model and head (shared)."""
+def check_config(raw: dict[str, Any], source: str) -> int | None:
+    """Checks a LLaVA-NeXT / OneVision `config.json`, read as JSON, before transformers
+    builds anything from it or a weight is read; returns OneVision's `anyres_max_N` N (None
+    for LLaVA-NeXT).
+
+    `image_grid_pinpoints` must be absent (transformers' default) or a list of 1 to
+    `MAX_PINPOINTS` (height, width) pairs of positive ints; every value echoed is bounded,
+    so each message is one line of at most a few hundred characters.
+
+    Raises:
+        ValueError: naming `source` and the field.
+    """
+    model_type = raw.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"{source}: model_type {_bounded(model_type)} is not one of "
+                         f"{sorted(MODEL_TYPES)}")
+    pinpoints = raw.get("image_grid_pinpoints")
+    if pinpoints is not None:
+        if not isinstance(pinpoints, list) or not 0 < len(pinpoints) <= MAX_PINPOINTS:
+            size = f" of {len(pinpoints)}" if isinstance(pinpoints, list) else ""
+            raise ValueError(f"{source}: image_grid_pinpoints must be a list of 1 to "
+                             f"{MAX_PINPOINTS} [height, width] pairs, got "
+                             f"{type(pinpoints).__name__}{size} {_bounded(pinpoints)}")
+        for number, pinpoint in enumerate(pinpoints):
+            if not (isinstance(pinpoint, list) and len(pinpoint) == 2
+                    and all(is_int(side) and side > 0 for side in pinpoint)):
+                raise ValueError(f"{source}: image_grid_pinpoints[{number}] is not a [height, "
+                                 f"width] pair of positive ints: {_bounded(pinpoint)}")
+    for name, wanted, why in (
+            ("projector_hidden_act", "gelu", "vlm-vit's mlp2x_gelu is GELU"),
+            ("multimodal_projector_bias", True, "vlm-vit's mlp2x_gelu has biases"),
+            ("vision_feature_select_strategy", "default", "a tiled tower drops the class "
+             "token ('default')")):
+        if raw.get(name, wanted) != wanted:  # absent: transformers' default, the wanted one
+            raise ValueError(f"{source}: {name} {_bounded(raw[name])}: {why}")
+    if model_type != "llava_onevision":
+        return None
+    ratio = raw.get("vision_aspect_ratio", "anyres_max_9")  # transformers' default
+    digits = ratio.removeprefix("anyres_max_") if isinstance(ratio, str) else ""
+    if not (isinstance(ratio, str) and ratio.startswith("anyres_max_") and digits.isdigit()
+            and len(digits) <= 6):
+        raise ValueError(f"{source}: vision_aspect_ratio {_bounded(ratio)} is not anyres_max_N")
+    return int(digits)
+
+
+def _bounded(value: Any) -> str:
+    """`value` (an error's message as a string, anything else as its repr) cut to a few
+    hundred characters: a hostile config's values are echoed, never whole."""
+    text = str(value) if isinstance(value, BaseException) else reprlib.repr(value)
+    text = " ".join(text.split())  # one line
+    return text if len(text) <= MAX_ECHO else text[:MAX_ECHO - 3] + "..."
+
+
+def _causal_lm(model: Any, config: Any, missing_keys: Any, source: str):
+    """The causal LM of `config.text_config` on the model's language model and head
+    (shared), its head tied to the embeddings exactly when transformers tied `model`'s.
+
+    transformers 5 ties by the top-level `tie_word_embeddings` (`_tied_weights_keys`); the
+    LLaVA and OneVision configs take the text config's when the top level's is off, the
+    LLaVA-NeXT config does not (`LlavaNextConfig` keeps its own default, off); and a
+    checkpoint holding both matrices with different values is left untied. Reading the tie
+    off the loaded model follows all three rules; the text config's own flag would tie a
+    LLaVA-NeXT folder's trained separate head to the embeddings.
+
+    Raises:
+        ValueError: when the head is not tied but the weights hold none (transformers would
+            start it at random).
+    """
     import transformers
 
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    if not tied and "lm_head.weight" in set(missing_keys):
+        raise ValueError(f"{source}: tie_word_embeddings is off (top level "
+                         f"{config.tie_word_embeddings}, text_config "
+                         f"{getattr(config.text_config, 'tie_word_embeddings', None)}) but the "
+                         "weights hold no lm_head.weight: the output head would be random")
+    text_config = copy.deepcopy(config.text_config)
+    text_config.tie_word_embeddings = tied
     # Not on the meta device: the rotary tables are buffers no state dict carries.
     llm = transformers.AutoModelForCausalLM.from_config(text_config, dtype=model.dtype)
     state = {f"{llm.base_model_prefix}.{name}": tensor
@@ -228,8 +302,6 @@ def _causal_lm(model: Any, text_config: Any):
 
 
 def _processor_field(directory: Path, name: str) -> Any:
-    from vlm_vit.files import read_json
-
     path = directory / "processor_config.json"
     return read_json(path).get(name) if path.is_file() else None
 
@@ -237,8 +309,6 @@ def _processor_field(directory: Path, name: str) -> Any:
 def _our_processor(directory: Path, tiling: Tiling) -> ImageProcessor:
     """Our processor from the folder's `preprocessor_config.json` (mean, std, resample);
     CLIP's without one."""
-    from vlm_vit.files import read_json
-
     path = directory / "preprocessor_config.json"
     settings = read_json(path) if path.is_file() else {}
     resample = PIL_RESAMPLE.get(settings.get("resample", 3))
