@@ -40,6 +40,7 @@ SIDECAR_SUFFIX = ".sha256"
 VERIFY_ENV = "VLM_VIT_VERIFY"
 CHUNK_BYTES = 8 * 2**20
 _HEX = re.compile(r"^[0-9a-f]{64}$")
+_SIDECAR_BYTES = 4096  # a sha256, two spaces and a file name
 _OFF = ("0", "false", "no", "off")
 
 
@@ -202,27 +203,61 @@ def write_sidecar(path: str | Path, digest: str | None = None) -> Path:
 
 
 def verify_sidecar(path: str | Path, verify: bool | None = None) -> bool:
-    """Checks `path` against its sidecar.
+    """Checks `path` against its sidecar: the hash, and the file name it records (so two
+    files swapped together with their sidecars are refused, as `sha256sum -c` would).
 
     Returns:
         True when it was verified; False when there is no sidecar or verification is off.
 
     Raises:
-        IntegrityError: when the hash differs, or the sidecar is unreadable.
+        IntegrityError: when the hash or the name differs, or the sidecar is unreadable.
     """
     path = Path(path)
     sidecar = sidecar_path(path)
     if not verify_enabled(verify) or not sidecar.is_file():
         return False
+    unchecked = f"pass verify=False (or set {VERIFY_ENV}=0) to load {path.name} unchecked"
     try:
-        recorded = sidecar.read_text(encoding="ascii").split()[0]
-    except (UnicodeDecodeError, IndexError, OSError) as error:
-        raise IntegrityError(f"{sidecar} is not a sha256 line ({error}); pass verify=False "
-                             f"(or set {VERIFY_ENV}=0) to load {path.name} unchecked") from error
+        with open(sidecar, "rb") as handle:  # a line, never a whole file however large
+            line = handle.read(_SIDECAR_BYTES).decode("ascii").rstrip("\r\n")
+    except (UnicodeDecodeError, OSError) as error:
+        raise IntegrityError(f"{sidecar} is not a sha256 line ({str(error)[:100]}); "
+                             f"{unchecked}") from error
+    recorded, _, name = line.partition("  ")
     if not _HEX.match(recorded):
         raise IntegrityError(f"{sidecar} holds {recorded[:80]!r}, not a sha256 of 64 hex "
-                             f"digits; pass verify=False (or set {VERIFY_ENV}=0) to load "
-                             f"{path.name} unchecked")
+                             f"digits; {unchecked}")
+    if name.removeprefix("*") != path.name:  # "*": sha256sum's binary mode
+        raise IntegrityError(f"{sidecar} records the hash of {name[:100]!r}, not of "
+                             f"{path.name}: the files were swapped or renamed; {unchecked}")
     if file_sha256(path) != recorded:
         raise _mismatch(path, "recorded")
     return True
+
+
+def plain_file(directory: str | Path, name: object, named_by: str) -> Path:
+    """`directory / name`, checked to be a file of `directory` itself: `name` is a plain
+    file name (no separator, not "." or ".."), and the file a regular one, not a symbolic
+    link (whose target could be anywhere).
+
+    Args:
+        directory: where the file must be.
+        name: the name as a file recorded it.
+        named_by: what recorded it, for the error.
+
+    Raises:
+        ValueError: naming `named_by` and the name.
+    """
+    directory = Path(directory)
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name \
+            or "\0" in name:
+        raise ValueError(f"{named_by} names the file {str(name)[:200]!r}, which is not a plain "
+                         f"file name in {directory}, where the files it names must be; refusing it")
+    path = directory / name
+    if path.is_symlink():
+        raise ValueError(f"{path} is a symbolic link (named by {named_by}): a checkpoint's "
+                         f"files must be its own, not links to elsewhere; refusing it")
+    if not path.is_file():
+        raise ValueError(f"{path} (named by {named_by}) "
+                         f"{'is not a regular file' if path.exists() else 'does not exist'}")
+    return path

@@ -37,8 +37,10 @@ import torch
 
 from vlm_vit.files import atomic_write
 from vlm_vit.integrity import (
+    SIDECAR_SUFFIX,
     VERIFY_ENV,
     IntegrityError,
+    plain_file,
     sidecar_path,
     verify_enabled,
     verify_sidecar,
@@ -248,12 +250,26 @@ def load_checkpoint(path: str | Path, verify: bool | None = None) -> dict[str, A
 
 def _load_directory(path: Path, verify: bool | None) -> dict[str, Any]:
     """A distributed checkpoint's `trainer.pt`, after checking every file in the directory
-    against its hash (the weights are read later, into the model, by DCP)."""
+    against its hash (the weights are read later, into the model, by DCP, whose reader
+    refuses any file its metadata names that is not one of this directory's plain files).
+
+    Every file, whatever its name: DCP reads whichever files `.metadata` names, so a file
+    left unhashed would be one the metadata could point at. Its sidecar must record its
+    own name too, so files swapped together with their sidecars are refused.
+    """
+    if path.is_symlink():
+        raise ValueError(f"checkpoint {path} is a symbolic link: a run's checkpoints must be "
+                         "its own, not links to elsewhere; refusing it")
     if not (path / DCP_METADATA).is_file() or not (path / TRAINER_STATE).is_file():
         raise ValueError(f"checkpoint {path} lacks {DCP_METADATA} or {TRAINER_STATE}: not a "
                          "whole distributed checkpoint")
+    for name in (DCP_METADATA, TRAINER_STATE):
+        plain_file(path, name, f"checkpoint {path}")
     if verify_enabled(verify):
-        for file in [path / DCP_METADATA, *sorted(path.glob("__*.distcp"))]:
+        for file in sorted(path.iterdir()):
+            if file.name.endswith(SIDECAR_SUFFIX) and file.with_suffix("").exists():
+                continue  # a hash, checked with its file
+            plain_file(path, file.name, f"checkpoint {path}")
             if not sidecar_path(file).is_file():
                 raise IntegrityError(f"checkpoint file {file} has no {sidecar_path(file).name}"
                                      ": it was not written whole by this trainer")

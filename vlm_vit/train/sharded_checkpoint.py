@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 import pickle
 import shutil
 import warnings
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlm_vit.integrity import write_sidecar
+from vlm_vit.integrity import SIDECAR_SUFFIX, plain_file, write_sidecar
 from vlm_vit.train.checkpoint import DCP_METADATA as METADATA
 from vlm_vit.train.checkpoint import TRAINER_STATE, save_checkpoint
 
@@ -81,8 +82,12 @@ def save(path: str | Path, objective: nn.Module, optimizer: torch.optim.Optimize
 def load_weights(path: str | Path, objective: nn.Module,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
     """Loads a checkpoint directory's weights (and optimiser state) into `objective`,
-    sharded or whole, at this run's number of ranks; every rank calls it."""
-    import torch.distributed.checkpoint as dcp
+    sharded or whole, at this run's number of ranks; every rank calls it.
+
+    Raises:
+        ValueError: metadata that is not DCP's (`UnsafeMetadataError`), names a file that is
+            not one of the directory's own, or a file DCP fails to read, naming it.
+    """
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
         set_optimizer_state_dict,
@@ -91,8 +96,7 @@ def load_weights(path: str | Path, objective: nn.Module,
     state: dict[str, Any] = {"model": objective.state_dict()}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(objective, optimizer)
-    with _one_process_meant():
-        dcp.load(state, storage_reader=reader(path), no_dist=not _initialized())
+    _load(path, state, no_dist=not _initialized())
     objective.load_state_dict(state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(objective, optimizer, state["optim"])
@@ -103,7 +107,7 @@ def tensor_shapes(path: str | Path, prefix: str = "model.") -> dict[str, tuple[t
     """Every saved tensor under `prefix` (its name without it): its whole shape and dtype."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = reader(path).read_metadata()
+    metadata = read_metadata(path)
     return {name[len(prefix):]: (entry.size, entry.properties.dtype)
             for name, entry in metadata.state_dict_metadata.items()
             if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
@@ -113,54 +117,151 @@ def load_tensors(path: str | Path, shapes: dict[str, tuple[torch.Size, torch.dty
                  prefix: str = "model.") -> dict[str, torch.Tensor]:
     """The whole tensors `shapes` names (as `tensor_shapes` gives them), read from a
     checkpoint directory by this process alone, and nothing else."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     state = {"model": {name: torch.empty(shape, dtype=dtype)
                        for name, (shape, dtype) in shapes.items()}}
     if prefix != "model.":
         raise ValueError(f"only the model's tensors can be read by name, not {prefix!r}")
-    with _one_process_meant():
-        dcp.load(state, storage_reader=reader(path), no_dist=True,
-                 planner=DefaultLoadPlanner(allow_partial_load=True))
+    _load(path, state, no_dist=True, planner=DefaultLoadPlanner(allow_partial_load=True))
     return state["model"]
 
 
+def _load(path: str | Path, state: dict[str, Any], **options: Any) -> None:
+    """`dcp.load` of `state` from `path` through `reader`. DCP reports a failure to read as
+    a `CheckpointException`, a BaseException that `except Exception` lets through: here it
+    is a ValueError of one line naming the checkpoint, the file and why."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    storage = reader(path)
+    try:
+        with _one_process_meant():
+            dcp.load(state, storage_reader=storage, **options)
+    except CheckpointException as error:
+        rank = min(error.failures)  # the first failing rank, and its exception
+        cause = error.failures[rank][0]
+        where = f"reading {storage.reading}" if storage.reading and rank == _rank() else \
+            f"rank {rank} reading its files"
+        reason = " ".join(f"{type(cause).__name__}: {cause}".split())
+        raise ValueError(f"checkpoint {path}: {where} failed: {reason[:_REASON_CHARS]}; the "
+                         "file is damaged, or from another checkpoint") from error
+
+
 def reader(path: str | Path):
-    """A DCP reader of `path` whose metadata unpickler accepts only DCP's metadata classes."""
+    """A DCP reader of `path` whose metadata, read at once, holds only DCP's metadata classes
+    (`_MetadataUnpickler`) and names only plain files of `path`, none a link.
+
+    Raises:
+        ValueError: naming the metadata file and what it holds or names that is refused.
+    """
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    metadata = read_metadata(path)
 
     class _Reader(FileSystemReader):
+        reading: str | None = None  # the file read last, to name in an error
+
         def read_metadata(self, *args: Any, **kwargs: Any):
-            rank = kwargs.get("rank")
-            with open(Path(self.path) / (METADATA if rank is None else f"__{rank}{METADATA}"),
-                      "rb") as handle:
-                metadata = _MetadataUnpickler(handle).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
+            # Only `.metadata`, read above: rank-local metadata (`__<rank>.metadata`, which
+            # DCP looks for when the global one fails) is never written by `save`.
             metadata.storage_meta.load_id = self.load_id
             return metadata
+
+        def _slice_file(self, file, storage_info):
+            self.reading = storage_info.relative_path
+            return super()._slice_file(file, storage_info)
 
     return _Reader(os.fspath(path))
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata: its own classes, dtypes, sizes and paths; anything else (a
-    function, a class of another module) is refused."""
+def read_metadata(path: str | Path):
+    """A checkpoint directory's DCP metadata (`Metadata`), read with `_MetadataUnpickler`,
+    every storage file it names checked to be a plain file of the directory (`plain_file`),
+    not a hash and not transformed (`save` writes none)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
-                ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path"),
-                ("collections", "OrderedDict"),
-                ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+    file = plain_file(path, METADATA, f"checkpoint {path}")
+    named_by = f"distributed checkpoint metadata {file}"
+    with open(file, "rb") as handle:
+        try:
+            metadata = _MetadataUnpickler(handle, named_by).load()
+        except UnsafeMetadataError:
+            raise
+        except Exception as error:  # damaged bytes surface as any parser's error
+            raise ValueError(f"{named_by} is corrupt: {type(error).__name__}: "
+                             f"{str(error)[:_REASON_CHARS]}") from error
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(metadata, Metadata) or not isinstance(storage, dict):
+        raise ValueError(f"{named_by} holds a {type(metadata).__name__} whose storage_data is "
+                         f"a {type(storage).__name__}, not DCP's Metadata of a file system "
+                         "checkpoint")
+    names = set()
+    for index, info in storage.items():
+        if not isinstance(info, _StorageInfo) or info.transform_descriptors:
+            raise ValueError(f"{named_by}: the storage entry of {str(index)[:200]} is "
+                             f"{str(info)[:200]}, not a file's place (transforms: none)")
+        names.add(info.relative_path)
+    for name in sorted(names, key=str):
+        if isinstance(name, str) and name.endswith(SIDECAR_SUFFIX):
+            raise ValueError(f"{named_by} names the hash {name[:200]!r} as a storage file")
+        plain_file(path, name, named_by)
+    if not isinstance(metadata.storage_meta, StorageMeta):
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
+class UnsafeMetadataError(pickle.UnpicklingError, ValueError):
+    """DCP metadata naming something that is not part of DCP's metadata (a function, a
+    module, another module's class): refused before it is called."""
+
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_REASON_CHARS = 300  # an underlying error's message, bounded in ours
+
+
+def _metadata_global(module: str, name: str) -> Any:
+    """What DCP's metadata may name: the classes (dataclasses, enums) defined in DCP's
+    metadata module, `_StorageInfo`, torch dtypes and `torch.Size`, the function that maps a
+    layout's name to it, and `PosixPath` (`StorageMeta.checkpoint_id`). Listed from
+    the metadata torch 2.14.1 writes (FSDP2 and whole tensors, every dtype). None for
+    anything else, and for every dotted name (protocol 4 resolves `a.b` through `a`'s
+    imports: `metadata` holds `os`)."""
+    import torch.distributed.checkpoint.metadata as metadata
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    if not name.isidentifier():
+        return None
+    if module == _METADATA_MODULE:
+        found = vars(metadata).get(name)
+        return found if isinstance(found, type) and found.__module__ == module else None
+    if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
+        return vars(torch)[name]
+    return {("torch", "Size"): torch.Size,
+            # torch.layout pickles as `_get_layout("torch.strided")`: a lookup of layouts.
+            ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+            ("pathlib", "PosixPath"): pathlib.PosixPath,
+            ("pathlib._local", "PosixPath"): pathlib.PosixPath,  # as Python 3.13 names it
+            }.get((module, name))
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata: only what `_metadata_global` allows; anything else is refused
+    before it is looked up, so nothing named is imported or called."""
+
+    def __init__(self, file: Any, named_by: str) -> None:
+        super().__init__(file)
+        self.named_by = named_by
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self._ALLOWED or module == "torch.distributed.checkpoint.metadata":
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"distributed checkpoint metadata names {module}.{name}, "
-                                     "which is not part of DCP's metadata; refusing to load it")
+        found = _metadata_global(module, name)
+        if found is None:
+            raise UnsafeMetadataError(
+                f"{self.named_by} names {module[:100]}.{name[:100]}, which is not part of "
+                "DCP's metadata; refusing to load it")
+        return found
 
 
 @contextlib.contextmanager
@@ -175,6 +276,12 @@ def _initialized() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if _initialized() else 0
 
 
 def _barrier(world_size: int) -> None:
