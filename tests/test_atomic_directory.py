@@ -204,6 +204,7 @@ def test_a_tower_re_saved_inside_another_save_gets_its_new_pooler(tmp_path):
         with atomic_directory(tmp_path / "outer") as temp:
             tower.save_pretrained(temp / "tower")  # a tower saving its encoder inside
             (temp / "chat_template.jinja").write_text(f"template {seed}")
+            (temp / "config.json").write_text("{}")  # as every model's save (else refused)
         return tower
 
     save(0)

@@ -81,7 +81,8 @@ KEPT_FILES = ("README.md",)
 # Any of these at the top of a folder marks it as a model's (ours, a converted one, the LLM
 # bridge's, another library's): a save may replace it. A non-empty folder holding none of
 # them is the user's own, and a save refuses it rather than replace its .json files.
-MODEL_MARKERS = ("config.json", "manifest.json", "multimodal_config.json")
+MODEL_MARKERS = ("config.json", "manifest.json", "multimodal_config.json",
+                 "processor_config.json", "preprocessor_config.json", "classifier.json")
 _FILLING: set[Path] = set()  # temporary folders an atomic_directory of this process fills
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
@@ -271,9 +272,10 @@ def atomic_directory(path: str | Path, *, replaces: tuple[str, ...] = MODEL_FILE
 
 def check_replaceable(path: str | Path) -> None:
     """Refuses a folder a save must not replace: a symbolic link (the save would replace the
-    link's target, somewhere else), a file, or a non-empty folder that holds no model (no
-    `MODEL_MARKERS` entry: the user's own files, whose .json and .safetensors a save would
-    drop). A missing or empty folder, or a model's, may be written.
+    link's target, somewhere else), a file, or a folder that holds no model (no
+    `MODEL_MARKERS` entry) but other files (the user's own, whose .json and .safetensors a
+    save would drop). A missing folder, one holding only a card (`KEPT_FILES`, never
+    replaced) or hidden entries, or a model's, may be written.
 
     Raises:
         ValueError: naming the folder and why.
@@ -284,9 +286,11 @@ def check_replaceable(path: str | Path) -> None:
                          "writes through a link to another place: name the real folder")
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} is a file, not a folder; write the model to a folder")
-    if (path.is_dir() and any(path.iterdir())
-            and not any((path / marker).is_file() for marker in MODEL_MARKERS)):
-        raise ValueError(f"{path} holds files but no model (no {', '.join(MODEL_MARKERS)}); "
+    own = [entry for entry in path.iterdir() if entry.name not in KEPT_FILES
+           and not entry.name.startswith(".")] if path.is_dir() else []
+    if own and not any((path / marker).is_file() for marker in MODEL_MARKERS):
+        raise ValueError(f"{path} holds files but no model (no config.json, manifest.json or "
+                         "other model config); "
                          "saving into it would replace its .json and .safetensors files: "
                          "write to a new or empty folder")
 
