@@ -226,7 +226,7 @@ def check_config(raw: dict[str, Any], source: str) -> int | None:
         ValueError: naming `source` and the field.
     """
     model_type = raw.get("model_type")
-    if model_type not in MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise ValueError(f"{source}: model_type {_bounded(model_type)} is not one of "
                          f"{sorted(MODEL_TYPES)}")
     pinpoints = raw.get("image_grid_pinpoints")

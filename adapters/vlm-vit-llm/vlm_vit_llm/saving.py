@@ -116,7 +116,8 @@ def from_pretrained(cls: type[MultimodalLM], directory: str | Path, *, trainable
     if not (directory / CONFIG_NAME).is_file() and (directory / "config.json").is_file():
         from vlm_vit_llm.llava_next import MODEL_TYPES, read_llava
 
-        if read_json(directory / "config.json").get("model_type") in MODEL_TYPES:
+        model_type = read_json(directory / "config.json").get("model_type")
+        if isinstance(model_type, str) and model_type in MODEL_TYPES:
             return read_llava(directory, dtype=dtype)  # transformers' LLaVA-NeXT folder
     config = read_json(directory / CONFIG_NAME)
     if config.get("format") != "vlm_vit_llm":
