@@ -41,3 +41,23 @@ def test_the_readme_installs_torch_s_cpu_build_and_nothing_replaces_it():
     for pyproject in [REPO / "pyproject.toml", *REPO.glob("adapters/*/pyproject.toml")]:
         for name, spec in re.findall(r'"(torchvision|torch)\b\s*([^";]*)', pyproject.read_text()):
             assert spec == "" or re.fullmatch(r">=\s*[\d.]+", spec), (pyproject, name, spec)
+
+
+def test_the_test_command_names_a_failure_as_it_happens_and_the_slowest_at_the_end(tmp_path):
+    """Issue 47, 8: a contributor learns a failing test's name without waiting for the end."""
+    import subprocess
+    import sys
+
+    readme = (REPO / "README.md").read_text()
+    assert "HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q --durations=25\n" in readme
+    (tmp_path / "conftest.py").write_text((REPO / "conftest.py").read_text())
+    (tmp_path / "test_two.py").write_text(
+        "def test_breaks():\n    assert 1 == 2\n\n\ndef test_later():\n    pass\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "--durations=25", "-ra", "test_two.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    live = lines.index("FAILED test_two.py::test_breaks (call)")
+    assert live < next(i for i, line in enumerate(lines) if "FAILURES" in line), done.stdout
+    assert any("slowest" in line and "durations" in line for line in lines), done.stdout
+    assert "FAILED test_two.py::test_breaks - assert 1 == 2" in done.stdout  # the summary
