@@ -6,7 +6,8 @@ What vlm-vit writes records the sha256 of each weight file, verified when it is 
   `{"format": "vlm-vit-manifest", "version": 1, "files": {name: {"sha256", "size"}}}`;
 * a trainer checkpoint `step_XXXXXXXX.pt` has a `step_XXXXXXXX.pt.sha256` sidecar in
   `sha256sum`'s format (`sha256sum -c` checks it), written before the checkpoint is renamed
-  into place (a checkpoint without one is refused).
+  into place (a checkpoint without one is refused); both the hash and the file name it
+  records are checked, so files swapped together with their sidecars are refused.
 
 Verification is on by default. `verify=False` where a loader takes it, or the environment
 variable `VLM_VIT_VERIFY=0` (for every loader without an explicit `verify`), skips it. Files

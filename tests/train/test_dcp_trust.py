@@ -238,6 +238,29 @@ def test_a_truncated_shard_read_unverified_is_one_line_naming_it(run, tmp_path):
         assert f"checkpoint {step}" in message and "__0_0.distcp" in message, message
 
 
+def test_swapped_shards_read_unverified_are_one_line_naming_the_first_failing_file(tmp_path):
+    """One file per tensor (DCP's `single_file_per_rank=False`), two of them swapped: DCP
+    reads a tensor of the wrong size from the first."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    state = {"model": {"a": torch.zeros(2), "b": torch.ones(3, 4)}}
+    with pytest.warns(UserWarning):  # DCP's warning that it runs in one process
+        dcp.save(state, storage_writer=FileSystemWriter(tmp_path, single_file_per_rank=False),
+                 no_dist=True)
+    files = sorted(tmp_path.glob("__*.distcp"))
+    assert len(files) == 2
+    files[0].rename(tmp_path / "swap")
+    files[1].rename(files[0])
+    (tmp_path / "swap").rename(files[1])
+    shapes = sharded_checkpoint.tensor_shapes(tmp_path)
+    with pytest.raises(ValueError) as error:
+        sharded_checkpoint.load_tensors(tmp_path, shapes)
+    message = str(error.value)
+    assert "\n" not in message and len(message) < 600, message
+    assert f"checkpoint {tmp_path}: reading __0_" in message and "failed" in message, message
+
+
 # -- through the command line -------------------------------------------------------------
 
 

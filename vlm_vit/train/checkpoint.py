@@ -12,8 +12,9 @@ A checkpoint without its sidecar is not one this module wrote whole: refused whe
     run_dir/checkpoints/step_00000004.pt.sha256
 
 The "fsdp" strategy writes directories instead (`step_00000004/`, see
-`vlm_vit.train.sharded_checkpoint`): every file in one has its sidecar, and `trainer.pt` in
-it is a checkpoint of the kind above holding all but the weights and optimiser moments.
+`vlm_vit.train.sharded_checkpoint`): every file in one has its sidecar (all checked on
+load, whatever their names; none may be a link), and `trainer.pt` in it is a checkpoint of
+the kind above holding all but the weights and optimiser moments.
 Both kinds are listed, pruned and resumed from alike.
 
 The newest usable checkpoint is the one to resume from (`load_latest_checkpoint`): a newer

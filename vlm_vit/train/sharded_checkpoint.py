@@ -13,11 +13,18 @@ whatever layout the loading run has, so a checkpoint written by 2 ranks resumes 
 `trainer.pt` is an ordinary checkpoint (`vlm_vit.train.checkpoint.save_checkpoint`) of
 the rest; `vlm_vit.train.checkpoint.load_checkpoint` reads it, after checking every file.
 
-Every file has its sha256 beside it, written by the rank that wrote the file, and is checked
-before anything is read. The directory is written under a temporary name and renamed by rank
-0 once every rank's files and hashes are whole, so a kill at any moment leaves the previous
-checkpoint the newest usable one. DCP's `.metadata` is a pickle: it is read with an unpickler
-that accepts only DCP's own metadata classes, never code.
+Every file has its sha256 and name beside it, written by the rank that wrote the file;
+`load_checkpoint` checks every file of the directory, whatever its name, before anything is
+read. The directory is written under a temporary name and renamed by rank 0 once every
+rank's files and hashes are whole, so a kill at any moment leaves the previous checkpoint the
+newest usable one.
+
+DCP's `.metadata` is a pickle. `_MetadataUnpickler` resolves only the names DCP's metadata is
+made of (`_metadata_global`: the classes defined in DCP's metadata module, `_StorageInfo`,
+dtypes, `torch.Size`, layouts by name, `PosixPath`) and refuses every other one (a function,
+a module, another module's class, a dotted name) before importing or calling it: unpickling
+builds DCP's dataclasses and runs nothing else. Every file the metadata names must be a plain
+name of the checkpoint directory, a regular file, not a link (`read_metadata`).
 """
 
 from __future__ import annotations
@@ -168,7 +175,7 @@ def reader(path: str | Path):
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
-        def _slice_file(self, file, storage_info):
+        def _slice_file(self, file, storage_info):  # DCP's own, called for every item read
             self.reading = storage_info.relative_path
             return super()._slice_file(file, storage_info)
 
@@ -193,7 +200,8 @@ def read_metadata(path: str | Path):
             raise ValueError(f"{named_by} is corrupt: {type(error).__name__}: "
                              f"{str(error)[:_REASON_CHARS]}") from error
     storage = getattr(metadata, "storage_data", None)
-    if not isinstance(metadata, Metadata) or not isinstance(storage, dict):
+    if not isinstance(metadata, Metadata) or not isinstance(storage, dict) or \
+            not isinstance(metadata.state_dict_metadata, dict):
         raise ValueError(f"{named_by} holds a {type(metadata).__name__} whose storage_data is "
                          f"a {type(storage).__name__}, not DCP's Metadata of a file system "
                          "checkpoint")
@@ -224,8 +232,8 @@ _REASON_CHARS = 300  # an underlying error's message, bounded in ours
 def _metadata_global(module: str, name: str) -> Any:
     """What DCP's metadata may name: the classes (dataclasses, enums) defined in DCP's
     metadata module, `_StorageInfo`, torch dtypes and `torch.Size`, the function that maps a
-    layout's name to it, and `PosixPath` (`StorageMeta.checkpoint_id`). Listed from
-    the metadata torch 2.14.1 writes (FSDP2 and whole tensors, every dtype). None for
+    layout's name to it, and `PosixPath` (`StorageMeta.checkpoint_id`). Listed from the
+    metadata torch 2.14.1 writes (FSDP2 at two ranks and whole tensors, five dtypes). None for
     anything else, and for every dotted name (protocol 4 resolves `a.b` through `a`'s
     imports: `metadata` holds `os`)."""
     import torch.distributed.checkpoint.metadata as metadata
@@ -243,7 +251,7 @@ def _metadata_global(module: str, name: str) -> Any:
             ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
             ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
             ("pathlib", "PosixPath"): pathlib.PosixPath,
-            ("pathlib._local", "PosixPath"): pathlib.PosixPath,  # as Python 3.13 names it
+            ("pathlib._local", "PosixPath"): pathlib.PosixPath,  # as Python 3.13 pickles it
             }.get((module, name))
 
 
