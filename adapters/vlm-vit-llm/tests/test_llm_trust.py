@@ -78,3 +78,77 @@ def test_other_hostile_fields_are_one_short_line_naming_the_file(next_folder, fi
     line = str(caught.value)
     assert line.startswith(f"{config}: ") and message in line, line
     assert "\n" not in line and len(line) < MAX_LINE, len(line)
+
+
+# ---- issue 40: token budgets and lengths that leave nothing to train -----------------------
+
+@pytest.fixture
+def chat_parts(tmp_path, chat_tokenizer):
+    """An encoder checkpoint, an LLM folder with a chat tokenizer, and an image folder."""
+    from conftest import tiny_llm, tiny_tower
+    from test_conversation_data import write_images
+
+    tiny_tower().encoder.save_pretrained(tmp_path / "encoder")
+    tiny_llm(vocab_size=512).save_pretrained(tmp_path / "llm")
+    chat_tokenizer.save_pretrained(tmp_path / "llm")
+    write_images(tmp_path / "images")
+    return tmp_path
+
+
+def llava_train(parts, records, *extra):
+    """`vlm-vit llm train --data-format llava` on `records`: (exit code, stderr lines)."""
+    from test_conversation_data import write_records
+
+    from vlm_vit.cli import main
+
+    data = write_records(parts / "data.json", records, lines=False)
+    code = main(["llm", "train", "--data-format", "llava", "--data", str(data),
+                 "--image-folder", str(parts / "images"), "--steps", "2", "--num-workers", "0",
+                 "--device", "cpu", "--tower", str(parts / "encoder"), "--llm",
+                 str(parts / "llm"), "--template", "vicuna_v1", "--quiet",
+                 "--out", str(parts / "run"), *extra])
+    return code
+
+
+def error_line(capsys, parts) -> str:
+    """The one line a refused command leaves on stderr (short, but for the paths in it)."""
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("vlm-vit llm: error: "), lines[0]
+    assert len(lines[0].replace(str(parts), "")) < MAX_LINE, lines[0]
+    return lines[0]
+
+
+def six_records():
+    from test_conversation_data import GOOD
+
+    return [*GOOD, dict(GOOD[0], id="five"), dict(GOOD[2], id="six")]
+
+
+@pytest.mark.parametrize(("budget", "message"), [
+    (10**18, "--max-tokens-per-batch 1000000000000000000 is over the most a batch may hold, "
+             "10,000,000 tokens (MAX_TOKENS_PER_BATCH)"),
+    (100_000, "--max-tokens-per-batch 100000 packs the 6 record(s) of {data} into 1 batch(es), "
+              "fewer than --batch-size 2"),
+])
+def test_a_token_budget_that_makes_fewer_batches_than_a_step_names_the_flag(chat_parts, capsys,
+                                                                            budget, message):
+    """It said "the dataset has 1 items, fewer than one batch of 2", naming neither flag."""
+    assert llava_train(chat_parts, six_records(), "--batch-size", "2",
+                       "--max-tokens-per-batch", str(budget)) == 1
+    assert message.format(data=chat_parts / "data.json") in error_line(capsys, chat_parts)
+
+
+def test_a_max_length_that_keeps_no_assistant_token_names_the_flag(chat_parts, capsys):
+    """`--packing --max-length 64` where every record's prompt passes 64 tokens: it trained
+    nothing, then blamed "6 undecodable image files"."""
+    long_prompt = "describe the picture, what is in the image? " * 12
+    records = [dict(record, conversations=[
+        {"from": "human", "value": record["conversations"][0]["value"] + " " + long_prompt},
+        *record["conversations"][1:]]) for record in six_records()]
+    assert llava_train(chat_parts, records, "--batch-size", "2", "--packing",
+                       "--max-length", "64") == 1
+    line = error_line(capsys, chat_parts)
+    assert "--max-length 64 leaves nothing to train: 6 of the 6 record(s) of " in line, line
+    assert "(id one): no assistant token is left within max_length 64); raise --max-length" \
+        in line, line

@@ -393,8 +393,32 @@ def _data(args: argparse.Namespace, mm, records, shards: bool, packing: PackingO
                   f"images alone take more than --max-length {collate.max_length}"
                   + (f" (first: {named[0]})" if named else "") + "; --strict stops at the "
                   "first", file=sys.stderr)
+        _refuse_all_dropped(args, collate, records)
         dataset = packing.batches(dataset, collate.max_length)
+        if packing.max_tokens_per_batch is not None and len(dataset) < args.batch_size:
+            raise ValueError(f"--max-tokens-per-batch {packing.max_tokens_per_batch} packs the "
+                             f"{len(records)} record(s) of {args.data} into {len(dataset)} "
+                             f"batch(es), fewer than --batch-size {args.batch_size} (a step "
+                             "takes --batch-size of them): lower either")
     return dataset, collate, train.ConversationObjective
+
+
+def _refuse_all_dropped(args: argparse.Namespace, collate, records) -> None:
+    """Refuses a conversations file of which the collate would drop every record (before
+    any image is decoded), naming --max-length and how many records are too long for it;
+    else the run would train nothing and blame undecodable images."""
+    dropped = collate.drops_all(records)
+    if dropped is None:
+        return
+    too_long = [(where, why) for where, why in dropped if "max_length" in why]
+    where, why = (too_long or dropped)[0]
+    if not too_long:
+        raise ValueError(f"none of the {len(dropped)} record(s) of {args.data} can be trained "
+                         f"on (first: {where}: {why})")
+    raise ValueError(f"--max-length {collate.max_length} leaves nothing to train: "
+                     f"{len(too_long)} of the {len(dropped)} record(s) of {args.data} are too "
+                     f"long for it, keeping no assistant token (first: {where}: {why}); raise "
+                     "--max-length")
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -162,24 +162,52 @@ class ConversationCollate:
         Raises:
             ValueError: naming the record when it cannot be used (see the class docstring).
         """
+        counts = [self.count_tokens(pixels) for pixels in item.pixels]
+        ids, labels = self._truncated(item.turns, counts)
+        return ids, labels, item.pixels[:ids.count(self.image_token_id)]
+
+    def _truncated(self, all_turns: Sequence[Turn], counts: list[int]
+                   ) -> tuple[list[int], list[int]]:
+        """Ids and labels of a record whose images take `counts` tokens, after truncation."""
         # Only the turns that can reach max_length tokens are rendered (`bounded_turns`).
-        turns = bounded_turns(item.turns, self.max_length)
+        turns = bounded_turns(all_turns, self.max_length)
         ids, labels = tokenize_conversation(self.tokenizer, turns, self.template)
         placeholders = ids.count(self.image_token_id)
-        images = len(item.pixels) if turns == list(item.turns) else sum(  # the kept ones
+        images = len(counts) if turns == list(all_turns) else sum(  # the kept ones
             turn.text.count(self.image_token) for turn in turns if turn.role == "user")
         if placeholders != images:
             raise ValueError(f"the tokenizer reads {placeholders} image tokens for "
                              f"{images} image(s)")
-        counts = [self.count_tokens(pixels) for pixels in item.pixels]
         if sum(counts) > self.max_length:
-            raise ValueError(f"its {len(item.pixels)} image(s) take {sum(counts)} tokens, more "
+            raise ValueError(f"its {len(counts)} image(s) take {sum(counts)} tokens, more "
                              f"than max_length {self.max_length}")
         keep = truncate(ids, self.image_token_id, counts, self.max_length)
         ids, labels = ids[:keep], labels[:keep]
         if all(label == IGNORE_INDEX for label in labels):
             raise ValueError(f"no assistant token is left within max_length {self.max_length}")
-        return ids, labels, item.pixels[:ids.count(self.image_token_id)]
+        return ids, labels
+
+    def drops_all(self, records: ConversationRecords) -> list[tuple[str, str]] | None:
+        """Whether this collate would drop every record of `records`, judged before any
+        image is decoded: on the text, each image (or clip) counted at the fewest tokens it
+        can take (`least_image_tokens`), so a record dropped here is dropped in training too.
+        Reading stops at the first record kept: a usable file costs one record.
+
+        Returns:
+            None when a record is kept; else every record's (where, why it is dropped).
+        """
+        dropped = []
+        for index in range(len(records)):
+            try:
+                record = records[index]
+                self._truncated(record.turns, [self.least_image_tokens] * len(record.images))
+            except BadRecord as bad:  # the file changed after indexing
+                dropped.append((bad.where, bad.reason))
+            except ValueError as error:
+                dropped.append((record.where, str(error)))
+            else:
+                return None
+        return dropped
 
     def __call__(self, items: Sequence[ConversationItem | UndecodableImage]) -> ImageBatch:
         items = _flattened(items)

@@ -16,6 +16,11 @@ from typing import Any
 
 from vlm_vit_llm.packing import LOSS_REDUCTIONS
 
+# The largest --max-tokens-per-batch: ten million tokens of one batch is past any
+# accelerator's activations; a larger budget is a typo (10**18) that packs a whole file into
+# one batch.
+MAX_TOKENS_PER_BATCH = 10_000_000
+
 
 @dataclass(frozen=True)
 class PackingOptions:
@@ -52,7 +57,7 @@ def add_packing_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-tokens-per-batch", type=int, default=None, metavar="N",
                        help="batches of at most N tokens (estimated per record) instead of "
                             "--batch-size records; --batch-size then counts such batches "
-                            "(conversations file only)")
+                            f"(conversations file only; at most {MAX_TOKENS_PER_BATCH:,})")
     group.add_argument("--loss-reduction", choices=LOSS_REDUCTIONS, default="token",
                        help="token: mean over the batch's supervised tokens (the default, as "
                             "padded training); record: each record's mean, then the mean "
@@ -67,7 +72,7 @@ def packing_from_args(args: argparse.Namespace, *, shards: bool = False) -> Pack
         shards: whether `--data` is a shard stream.
 
     Raises:
-        ValueError: naming the flag, for a budget that is not positive, or a budget with
+        ValueError: naming the flag, for a budget outside 1..`MAX_TOKENS_PER_BATCH`, or one with
             --group-by-length, with captions or with shards (it needs a conversations file's
             record lengths).
     """
@@ -75,6 +80,9 @@ def packing_from_args(args: argparse.Namespace, *, shards: bool = False) -> Pack
     if budget is not None:
         if budget <= 0:
             raise ValueError(f"--max-tokens-per-batch must be positive, got {budget}")
+        if budget > MAX_TOKENS_PER_BATCH:
+            raise ValueError(f"--max-tokens-per-batch {budget} is over the most a batch may "
+                             f"hold, {MAX_TOKENS_PER_BATCH:,} tokens (MAX_TOKENS_PER_BATCH)")
         reasons = {"--group-by-length": getattr(args, "group_by_length", False),
                    "captions (--data-format captions)":
                        getattr(args, "data_format", "llava") == "captions",
