@@ -107,6 +107,64 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{path} is not a readable safetensors file: {error}") from error
 
 
+# The safetensors name of each torch dtype a checkpoint holds.
+TORCH_SAFETENSORS_DTYPES = {
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16",
+    torch.int32: "I32", torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float32: "F32", torch.float64: "F64",
+}
+
+
+class SafetensorsStream:
+    """Writes one safetensors file tensor by tensor, so a file larger than memory can be
+    written one group of tensors at a time (the safetensors library writes a whole dict).
+
+    The header is laid out from `layout` first (every tensor's shape and dtype, in the order
+    they will be written); `write` then appends each tensor's bytes and checks it is the next
+    one declared, with the declared shape and dtype. Open it with `atomic_write`.
+
+    Args:
+        handle: the binary file to write.
+        layout: name -> (shape, dtype), in writing order.
+        metadata: the header's `__metadata__` (strings).
+    """
+
+    def __init__(self, handle, layout: dict[str, tuple[torch.Size, torch.dtype]],
+                 metadata: dict[str, str] | None = None) -> None:
+        header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        offset = 0
+        for name, (shape, dtype) in layout.items():
+            if dtype not in TORCH_SAFETENSORS_DTYPES:
+                raise ValueError(f"tensor {name!r} has dtype {dtype}, which safetensors "
+                                 "files here do not hold")
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": TORCH_SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the library's
+        handle.write(len(raw).to_bytes(8, "little") + raw)
+        self._handle, self._pending = handle, list(layout.items())
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if not self._pending or self._pending[0][0] != name:
+            expected = self._pending[0][0] if self._pending else "nothing more"
+            raise ValueError(f"tensor {name!r} written out of order: {expected!r} is next")
+        shape, dtype = self._pending[0][1]
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise ValueError(f"tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype}, "
+                             f"declared {tuple(shape)} {dtype}")
+        self._pending.pop(0)
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._handle.write(memoryview(data))
+
+    def close(self) -> None:
+        """Raises ValueError when a declared tensor was never written."""
+        if self._pending:
+            raise ValueError(f"{len(self._pending)} declared tensors were not written, "
+                             f"{self._pending[0][0]!r} first")
+
+
 # -- npz -----------------------------------------------------------------------------------
 
 

@@ -63,6 +63,7 @@ def test_a_damaged_file_is_one_line_naming_it(run_dir, tmp_path, capsys):
     ("no such step", "has no checkpoint of step 9; it has steps 2, 4"),
     ("out in the run", "would replace the run directory"),
     ("not a run", "has no run_config.json"),
+    ("bad shard size", "--max-shard-size: shard size 'big' is not a size like 5GB"),
 ])
 def test_user_errors_are_one_line(run_dir, tmp_path, capsys, case, expected):
     (tmp_path / "empty").mkdir()
@@ -74,6 +75,8 @@ def test_user_errors_are_one_line(run_dir, tmp_path, capsys, case, expected):
         "no such step": [str(run_dir), "--out", str(tmp_path / "out"), "--step", "9"],
         "out in the run": [str(run_dir), "--out", str(run_dir / "checkpoints")],
         "not a run": [str(bare), "--out", str(tmp_path / "out")],
+        "bad shard size": [str(run_dir), "--out", str(tmp_path / "out"), "--max-shard-size",
+                           "big"],
     }[case]
     line = one_line(capsys, ["consolidate", *argv])
     assert expected.format(tmp=tmp_path) in line, line

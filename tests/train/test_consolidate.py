@@ -108,9 +108,10 @@ def test_an_fsdp_run_consolidates_to_its_live_encoder_bit_exactly(fsdp_run, tmp_
     out = consolidate(fsdp_run, tmp_path / "encoder")
     assert_bit_equal(encoder_state(out), live_encoder(fsdp_run))
     assert_bit_equal(encoder_state(out), encoder_state(fsdp_run / "encoder"))
-    shards = sorted(path.name for path in out.glob("model-*.safetensors"))
-    assert shards == [f"model-{i:05d}-of-{DEPTH + 1:05d}.safetensors" for i in (1, 2, 3)]
-    assert (out / SHARD_INDEX).is_file() and (out / "manifest.json").is_file()
+    # Issue 47, 6: under the usual shard size, one file as save_pretrained writes (it was a
+    # file per block and an index: 13 files for a 22 MB ViT-Ti).
+    assert sorted(path.name for path in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (out / SHARD_INDEX).exists() and (out / "manifest.json").is_file()
     recorded = vlm_vit.files.read_json(out / "config.json")["consolidated_from"]
     assert recorded == {"checkpoint": "checkpoints/step_00000004", "step": 4}
 
@@ -122,6 +123,21 @@ def test_no_more_than_one_block_is_held_at_a_time(fsdp_run, tmp_path, monkeypatc
     assert len(held.calls) == DEPTH + 1  # the rest, then each block
     assert held.peak <= block_bytes(live), (held.calls, held.peak, block_bytes(live))
     assert sum(held.calls) == sum(t.numel() * t.element_size() for t in live.values())
+
+
+def test_a_smaller_shard_size_writes_whole_groups_per_shard_one_block_held(fsdp_run, tmp_path,
+                                                                          monkeypatch):
+    live = live_encoder(fsdp_run)
+    held = Held(monkeypatch)
+    out = consolidate(fsdp_run, tmp_path / "encoder", max_shard_size=block_bytes(live))
+    assert held.peak <= block_bytes(live)
+    shards = sorted(path.name for path in out.glob("model-*.safetensors"))
+    assert shards == [f"model-{i:05d}-of-{DEPTH + 1:05d}.safetensors" for i in (1, 2, 3)]
+    assert (out / SHARD_INDEX).is_file()
+    assert_bit_equal(encoder_state(out), live)
+    two = consolidate(fsdp_run, tmp_path / "two", max_shard_size=2 * block_bytes(live))
+    assert len(list(two.glob("model-*.safetensors"))) == 2  # the rest and block 0, block 1
+    assert_bit_equal(encoder_state(two), live)
 
 
 def test_block_groups_put_each_block_apart_from_the_rest():

@@ -6,11 +6,12 @@
 A distributed checkpoint (the "fsdp" strategy, `vlm_vit.train.sharded_checkpoint`) holds each
 weight in pieces across the ranks' files. Its metadata gives every tensor's whole shape, so
 the encoder's tensors are grouped (each `blocks.<i>.`, then the rest: embeddings, final
-norm), and each group is read whole by this process alone, written as one shard of the
-sharded native format (`vlm_vit.weights`: `model-0000k-of-0000n.safetensors` and
-`model.safetensors.index.json`) and freed before the next is read. Memory holds the larger
-of one block and the rest, never the model. A "ddp" checkpoint (one `step_N.pt` of whole
-tensors) is read whole and written the same way.
+norm), and each group is read whole by this process alone, appended to the weight file
+being written (`vlm_vit.tensor_files.SafetensorsStream`) and freed before the next is read.
+Memory holds the larger of one block and the rest, never the model. The files are those
+`save_pretrained` writes: one `model.safetensors` for an encoder under 5 GB, else shards
+(`model-0000k-of-0000n.safetensors`, whole groups each) and their index. A "ddp"
+checkpoint (one `step_N.pt` of whole tensors) is read whole and written the same way.
 
 Every file of the checkpoint is checked against its sha256 first (`load_checkpoint`); without
 a step, a newer checkpoint that fails is reported and the previous one used. The encoder's
@@ -23,6 +24,7 @@ and model card.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -33,11 +35,18 @@ import torch
 import vlm_vit.train.checkpoint as ckpt
 import vlm_vit.train.sharded_checkpoint as sharded_checkpoint
 from vlm_vit.config import EncoderConfig
-from vlm_vit.files import atomic_directory, read_json, write_safetensors
+from vlm_vit.files import atomic_directory, atomic_write, read_json
 from vlm_vit.integrity import write_manifest
 from vlm_vit.native import CONFIG_NAME, check_state_dict, write_config
+from vlm_vit.tensor_files import SafetensorsStream
 from vlm_vit.train.run_dir import ENCODER_DIR, RUN_CONFIG_NAME
-from vlm_vit.weights import shard_file_name, write_index
+from vlm_vit.weights import (
+    DEFAULT_MAX_SHARD_SIZE,
+    WEIGHTS_NAME,
+    parse_size,
+    shard_file_name,
+    write_index,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +57,8 @@ Shapes = dict[str, tuple[torch.Size, torch.dtype]]
 
 
 def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, *,
-                verify: bool | None = None) -> Path:
+                verify: bool | None = None,
+                max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Writes the encoder of a run's checkpoint as a native directory (`load_encoder` reads
     it), holding at most one transformer block's weights at a time for a distributed one.
 
@@ -59,6 +69,8 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, *
             hashes; newer ones that do not are logged at WARNING level and skipped).
         verify: check the checkpoint's files against their sha256 (default: on, unless the
             environment sets `VLM_VIT_VERIFY=0`).
+        max_shard_size: the largest weight file written (default 5 GB, as transformers):
+            an encoder under it is one `model.safetensors`.
 
     Returns:
         `out`.
@@ -79,7 +91,8 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, *
     shapes, read = _reader(path, state, objective, config)
     source = {"checkpoint": path.relative_to(run_dir).as_posix(), "step": int(state["step"])
               if isinstance(state.get("step"), int) else None}
-    written = write_encoder(out, config, block_groups(shapes), read, {SOURCE_KEY: source})
+    written = write_encoder(out, config, block_groups(shapes), shapes, read,
+                            {SOURCE_KEY: source}, max_shard_size)
     logger.info("wrote %s from %s", written, path)
     return written
 
@@ -99,41 +112,72 @@ def block_groups(names: Shapes | list[str]) -> list[list[str]]:
     return [group for group in (rest, *(blocks[i] for i in sorted(blocks))) if group]
 
 
-def write_encoder(out: Path, config: EncoderConfig, groups: list[list[str]],
+def write_encoder(out: Path, config: EncoderConfig, groups: list[list[str]], shapes: Shapes,
                   read: Callable[[list[str]], dict[str, torch.Tensor]],
-                  extra_config: dict[str, Any] | None = None) -> Path:
+                  extra_config: dict[str, Any] | None = None,
+                  max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Writes a native encoder directory group by group: each group's tensors, read by
-    `read(names)`, become one shard, freed before the next group is read.
+    `read(names)`, are appended to the weight file being written and freed before the next
+    group is read. Consecutive groups share a file while it stays under `max_shard_size`, so
+    an encoder under it is one `model.safetensors`, as `save_pretrained` writes it; a larger
+    one is shards with their index.
 
     Args:
-        out: the directory; it appears at once, replacing one that exists.
+        out: the directory; it appears at once, replacing a model's that exists.
         config: the encoder's architecture, for `config.json`.
-        groups: the tensor names (with `encoder.`) of each shard, in order.
+        groups: the tensor names (with `encoder.`) of each group, in order.
+        shapes: each name's whole shape and dtype.
         read: the whole tensors of the names given, keyed by them.
         extra_config: further top-level sections of `config.json`.
+        max_shard_size: the largest weight file (bytes, or "5GB"); a group larger than it
+            is a file of its own.
 
     Returns:
         `out`.
     """
     from vlm_vit.card import write_model_card
 
+    files = _pack(groups, shapes, parse_size(max_shard_size))
     weight_map: dict[str, str] = {}
-    files, total = [], 0
+    written, total = [], 0
     with atomic_directory(out) as temp:
-        for number, names in enumerate(groups, 1):
-            shard = shard_file_name(number, len(groups))
-            tensors = read(names)
-            write_safetensors({name[len(ENCODER_PREFIX):]: tensor
-                               for name, tensor in tensors.items()}, temp / shard)
-            total += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-            del tensors  # before the next group is read: one group in memory at a time
-            weight_map.update((name[len(ENCODER_PREFIX):], shard) for name in names)
-            files.append(temp / shard)
-        write_index(temp, weight_map, total)
+        for number, file_groups in enumerate(files, 1):
+            name = WEIGHTS_NAME if len(files) == 1 else shard_file_name(number, len(files))
+            layout = {tensor[len(ENCODER_PREFIX):]: shapes[tensor]
+                      for group in file_groups for tensor in group}
+            with atomic_write(temp / name) as handle:
+                stream = SafetensorsStream(handle, layout)
+                for group in file_groups:
+                    tensors = read(group)
+                    for tensor in group:
+                        stream.write(tensor[len(ENCODER_PREFIX):], tensors[tensor])
+                    total += sum(t.numel() * t.element_size() for t in tensors.values())
+                    del tensors  # before the next group is read: one group in memory
+                stream.close()
+            weight_map.update((tensor, name) for tensor in layout)
+            written.append(temp / name)
+        if len(files) > 1:
+            write_index(temp, weight_map, total)
         write_config(temp, config, extra_config)
-        write_manifest(temp, files)
+        write_manifest(temp, written)
         write_model_card(temp, config, extra_config)
     return out
+
+
+def _pack(groups: list[list[str]], shapes: Shapes, limit: int) -> list[list[list[str]]]:
+    """The groups of each weight file, in order: consecutive groups while their bytes stay
+    within `limit` (a larger group alone)."""
+    files: list[list[list[str]]] = []
+    used = limit + 1
+    for group in groups:
+        size = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                   for shape, dtype in (shapes[name] for name in group))
+        if used + size > limit:
+            files.append([])
+            used = 0
+        files[-1].append(group)
+        used += size
+    return files
 
 
 def _candidates(path: Path, step: int | None) -> tuple[Path, list[Path]]:
