@@ -49,7 +49,7 @@ from vlm_vit.convert.hf_common import (
     hf_encoder_config,
     processor_from_hf,
 )
-from vlm_vit.convert.keymap import fuse_qkv, invert, rename, split_qkv
+from vlm_vit.convert.keymap import fuse_qkv, invert, origins, rename, split_qkv
 from vlm_vit.files import atomic_directory, atomic_write
 from vlm_vit.model import VisionEncoder
 from vlm_vit.native import CONFIG_NAME
@@ -208,7 +208,8 @@ class HFVisionFormat:
                        source=checkpoint.path)
         head = split_pooler(state)
         add_batch_axis(state)
-        fuse_qkv(state, config.depth)
+        fuse_qkv(state, config.depth, width=config.width, source=checkpoint.path,
+                 origin=origins(checkpoint.tensors, key_map, config.depth))
         self.fix_up(state, config, checkpoint.path)
         processor = self.image_processor(checkpoint.files.get(PREPROCESSOR_NAME), config, rules,
                                          checkpoint.path / PREPROCESSOR_NAME)

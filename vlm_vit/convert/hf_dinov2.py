@@ -56,7 +56,7 @@ from vlm_vit.convert.hf_writing import (
     refuse,
     write_hf_directory,
 )
-from vlm_vit.convert.keymap import fuse_qkv, rename, split_qkv
+from vlm_vit.convert.keymap import fuse_qkv, origins, rename, split_qkv
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
 from vlm_vit.weights import DEFAULT_MAX_SHARD_SIZE
 
@@ -192,7 +192,8 @@ class HfDinov2Format:
         check_block_count(config.depth, held_blocks(tensors, BLOCK_PATTERN), checkpoint.path,
                           CONFIG_FILE)
         state = rename(tensors, KEY_MAP, config.depth, ignore=IGNORED, source=checkpoint.path)
-        fuse_qkv(state, config.depth)
+        fuse_qkv(state, config.depth, width=config.width, source=checkpoint.path,
+                 origin=origins(tensors, KEY_MAP, config.depth))
         split_swiglu(state, config.depth)
         processor, rules = image_processor(checkpoint.files.get(PREPROCESSOR_NAME),
                                            config.image_size, checkpoint.path)

@@ -28,7 +28,7 @@ from vlm_vit.convert.hf_common import (
     hf_encoder_config,
     processor_from_hf,
 )
-from vlm_vit.convert.keymap import fuse_qkv, rename
+from vlm_vit.convert.keymap import fuse_qkv, origins, rename
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
 
 MODEL_TYPE = "vit"
@@ -178,7 +178,8 @@ class HfVitFormat:
         check_block_count(config.depth, held_blocks(tensors, BLOCK_PATTERN), checkpoint.path,
                           CONFIG_FILE)
         state = rename(tensors, KEY_MAP, config.depth, ignore=IGNORED, source=checkpoint.path)
-        fuse_qkv(state, config.depth)
+        fuse_qkv(state, config.depth, width=config.width, source=checkpoint.path,
+                 origin=origins(tensors, KEY_MAP, config.depth))
         processor, rules = image_processor(checkpoint.files.get(PREPROCESSOR_CONFIG),
                                            config.image_size, checkpoint.path)
         rules.append("position table resized like ViTEmbeddings.interpolate_pos_encoding "

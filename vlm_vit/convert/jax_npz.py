@@ -288,7 +288,8 @@ class JaxNpzFormat:
         hybrid_layers = held_stages(tensors, HYBRID_UNIT_PATTERN, first=1) or None
         key_map = {**KEY_MAP, **hybrid_key_map(hybrid_layers)} if hybrid_layers else KEY_MAP
         state = rename(tensors, key_map, depth, ignore=HEADS, source=source)
-        fuse_qkv(state, depth)
+        patch = state.get("patch_embed.proj.weight")  # [D, ...]: the width q, k, v must have
+        fuse_qkv(state, depth, width=None if patch is None else patch.shape[0], source=source)
         missing = [n for n in ("patch_embed.proj.weight", "pos_embed", "blocks.0.mlp.fc1.weight")
                    if n not in state]
         if missing:

@@ -87,13 +87,80 @@ def held_stages(keys: Iterable[str], pattern: str, first: int = 0) -> tuple[int,
     return tuple(blocks.get(i, 0) for i in range(max(blocks) + 1)) if blocks else ()
 
 
-def fuse_qkv(state: dict[str, torch.Tensor], depth: int, part: str = "blocks.{}.attn.{}") -> None:
+def origins(tensors: Iterable[str], key_map: Mapping[str, str], depth: int) -> dict[str, str]:
+    """native -> source name of each tensor `rename` maps (a key map may list several source
+    spellings of one tensor: only the one the checkpoint holds is named)."""
+    present = set(tensors)
+    return {target: name for name, target in expand(key_map, depth).items() if name in present}
+
+
+def qkv_shapes(width: int, part: str = "blocks.{}.attn.{}") -> dict[str, list[int]]:
+    """The shapes our attention needs of q, k and v and of the fused qkv, weights and biases
+    (`{}` the block index): `[D, D]` and `[D]` apart, `[3D, D]` and `[3D]` fused."""
+    shapes = {}
+    for name, rows in (("q", width), ("k", width), ("v", width), ("qkv", 3 * width)):
+        shapes[part.format("{}", f"{name}.weight")] = [rows, width]
+        shapes[part.format("{}", f"{name}.bias")] = [rows]
+    return shapes
+
+
+def check_shapes(state: Mapping[str, torch.Tensor], expected: Mapping[str, list[int]],
+                 depth: int, *, source: object = "checkpoint",
+                 origin: Mapping[str, str] | None = None) -> None:
+    """Raises for the first tensor of `state` whose shape is not `expected`'s, before a
+    fix-up concatenates, splits or permutes it (and fails inside torch, or silently takes
+    the wrong rows).
+
+    Args:
+        state: the tensors, under the names `expected` uses.
+        expected: name -> shape, `{}` for the block index (`qkv_shapes`); absent tensors
+            are left to the strict load.
+        depth: the number of blocks.
+        source: the checkpoint, named in the error.
+        origin: native -> source names (`origins`), so that the error names the tensor as
+            the file does.
+
+    Raises:
+        ValueError: naming `source`, the tensor and both shapes, e.g. "DIR: encoder.layer.0.
+            attention.attention.key.weight has shape [32, 37], expected [32, 32]".
+    """
+    exact = {name: shape for template, shape in expected.items()
+             for name in expand({template: template}, depth)}
+    origin = origin or {}
+    for name, tensor in state.items():
+        shape = exact.get(name)
+        if shape is not None and list(tensor.shape) != shape:
+            raise ValueError(f"{source}: {origin.get(name, name)} has shape "
+                             f"{list(tensor.shape)}, expected {shape}")
+
+
+def fuse_qkv(state: dict[str, torch.Tensor], depth: int, part: str = "blocks.{}.attn.{}", *,
+             width: int | None = None, source: object = "checkpoint",
+             origin: Mapping[str, str] | None = None) -> None:
     """Concatenates `q`, `k`, `v` weights and biases into the fused `qkv` (in place).
 
     Expects `blocks.N.attn.q.weight` etc.; writes `blocks.N.attn.qkv.weight`. The copies run
     on a few threads: from a memory-mapped file they are page-fault bound, and they are the
     one part of loading a Hugging Face checkpoint that copies weights.
+
+    Args:
+        state: native-named tensors.
+        depth: the number of blocks.
+        part: the name of a block's attention tensor, block index and tensor left open.
+        width: the model width; converters pass it, so that every q, k and v is checked
+            first (`check_shapes`), naming `source` and, through `origin`, the source's name
+            for a tensor of the wrong shape. They are checked against the width the weights
+            hold (the patch embedding's `[D, ...]`) where `state` has one: a config that says
+            another width is named as such by `base.check_config_fits`.
+        source, origin: as in `check_shapes`.
+
+    Raises:
+        ValueError: for a q, k or v of another shape than `width` needs.
     """
+    if width is not None:
+        patch = state.get("patch_embed.proj.weight")
+        held = patch.shape[0] if isinstance(patch, torch.Tensor) and patch.ndim else width
+        check_shapes(state, qkv_shapes(held, part), depth, source=source, origin=origin)
     groups = {}
     for i in range(depth):
         for kind in ("weight", "bias"):
