@@ -4,6 +4,8 @@ Our parameter names are timm's, so the key map is the identity; what needs care 
 architecture, which a timm state dict only partly records:
 
 - sizes, class token, registers, pre-norm, final norm and biases come from the tensors;
+  `model_args` that contradict them (`embed_dim`, `depth`, `in_chans`) are refused, naming
+  the field and both values (`check_model_args`): the weights would decide without a word;
 - heads cannot be read from shapes: `config.json`'s `model_args.num_heads` when present
   (timm's hub layout), else the variant table's entry for that width and depth, else the
   rule heads = width // 64 (every ViT in the paper but ViT-H/14, which the table covers);
@@ -28,7 +30,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlm_vit.config import VARIANTS, ConfigError, EncoderConfig, hybrid_stride, is_real
+from vlm_vit.config import (
+    VARIANTS,
+    ConfigError,
+    EncoderConfig,
+    hybrid_stride,
+    is_int,
+    is_real,
+)
 from vlm_vit.convert.base import (
     Checkpoint,
     Converted,
@@ -121,6 +130,25 @@ def to_timm_state_dict(state: dict[str, torch.Tensor], config: EncoderConfig) ->
     return state
 
 
+def check_model_args(model_args: dict[str, Any], held: dict[str, tuple[int, str]],
+                     source: object) -> None:
+    """Refuses `model_args` sizes the weights contradict (timm would fail to load them).
+
+    Args:
+        model_args: timm's `model_args` (or settings over them).
+        held: argument -> (the size the weights hold, the tensor that shows it).
+        source: the config file, named in the error.
+
+    Raises:
+        ValueError: naming `source`, the argument, both values and the tensor.
+    """
+    for name, (value, tensor) in held.items():
+        given = model_args.get(name, value)
+        if not (is_int(given) and given == value):
+            raise ValueError(f"{source}: model_args.{name} is {given!r} but the weights hold "
+                             f"{value} ({tensor})")
+
+
 def _heads(width: int, depth: int, model_args: dict[str, Any], rules: list[str]) -> Any:
     if "num_heads" in model_args:
         return model_args["num_heads"]  # EncoderConfig checks it is an int dividing width
@@ -170,6 +198,11 @@ class TimmFormat:
                              f"{type(model_args).__name__}")
         width, channels, patch_size, hybrid_layers = _patch_embedding(state)
         depth = count_blocks(state, r"blocks\.(\d+)\.")
+        stem = "patch_embed.backbone.stem.conv.weight" if hybrid_layers else \
+            "patch_embed.proj.weight"
+        check_model_args(model_args, {"embed_dim": (width, "patch_embed.proj.weight"),
+                                      "depth": (depth, f"blocks.0 to blocks.{depth - 1}"),
+                                      "in_chans": (channels, stem)}, config_source)
         registers = state["reg_token"].shape[1] if "reg_token" in state else 0
         grid_tokens = _grid_tokens(state["pos_embed"].shape[1], int("cls_token" in state),
                                    registers)

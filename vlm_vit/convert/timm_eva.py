@@ -16,7 +16,12 @@ LayerScale; its attention has q and v biases and none for k. Converting it:
   activation, before `fc2`) is our `mlp_norm`; `gamma_1`/`gamma_2` are LayerScale's `ls1`/`ls2`;
 - `ref_feat_shape` (the 336 and 448 variants: RoPE positions scaled to the pretraining grid,
   t / grid * ref, at every input size) is our `rope_reference_grid`;
-- the position table and register tokens are read as in timm's ViT (`convert.timm`).
+- the position table and register tokens are read as in timm's ViT (`convert.timm`);
+- heads are not in the tensors: `model_args.num_heads`, else the registration's
+  (`ARCHITECTURES`), else EVA-02's rule heads = width / 64, which every released EVA-02 keeps
+  (tiny 192 / 3, small 384 / 6, base 768 / 12, large 1024 / 16); a width that is no multiple
+  of 64 is refused, naming `num_heads`. A q, k or v of another shape than the width needs is
+  refused by name before it is permuted (`keymap.check_shapes`).
 
 Most of an Eva's architecture is code, not tensors (RoPE, SwiGLU, heads): it comes from
 `config.json`'s `model_args` over the registration's own arguments (`ARCHITECTURES`, copied
@@ -51,12 +56,13 @@ from vlm_vit.convert.base import (
     register_format,
 )
 from vlm_vit.convert.hf_writing import detached, mismatches
-from vlm_vit.convert.keymap import fuse_qkv, invert, rename
+from vlm_vit.convert.keymap import check_shapes, fuse_qkv, invert, qkv_shapes, rename
 from vlm_vit.convert.timm import (
     EVA_ATTENTION,
     _fold_positions,
     _grid_tokens,
     _processor,
+    check_model_args,
     to_timm_state_dict,
     write_timm_directory,
 )
@@ -68,9 +74,11 @@ BLOCK_PATTERN = r"blocks\.(\d+)\."
 # Dropped on purpose: a classifier head and the norm of the pooled token.
 IGNORED = (r"head\.", r"fc_norm\.")
 
-# `timm.models.eva.Eva`'s defaults for what the tensors do not show.
+HEAD_WIDTH = 64  # every released EVA-02: width / heads (tiny 192 / 3 ... large 1024 / 16)
+# `timm.models.eva.Eva`'s defaults for what the tensors do not show; `num_heads` None: not
+# given (Eva's default is 12), so `eva_heads` applies EVA-02's rule.
 EVA_DEFAULTS: dict[str, Any] = dict(
-    img_size=224, num_heads=12, swiglu_mlp=False, swiglu_align_to=0, scale_mlp=False,
+    img_size=224, num_heads=None, swiglu_mlp=False, swiglu_align_to=0, scale_mlp=False,
     scale_attn_inner=False, attn_type="eva", qk_norm=False, num_kv_heads=None,
     attn_only_layer_scale=False, use_rot_pos_emb=False, rope_type="cat", rope_grid_offset=0.0,
     rope_grid_indexing="ij", rope_temperature=10000.0, rope_rotate_half=False,
@@ -169,6 +177,25 @@ def eva_settings(config: dict[str, Any] | None, source: object,
     return {**EVA_DEFAULTS, **ARCHITECTURES.get(architecture, {}), **model_args}
 
 
+def eva_heads(settings: dict[str, Any], width: int, source: object, rules: list[str]) -> Any:
+    """The head count: the config's (`model_args.num_heads` or the registration's), else
+    EVA-02's rule heads = width / 64, which every released variant keeps.
+
+    Raises:
+        ValueError: naming `source` and `num_heads`, when neither a config gives the heads nor
+            the width is a multiple of 64.
+    """
+    if settings["num_heads"] is not None:
+        return settings["num_heads"]  # EncoderConfig checks it is an int dividing width
+    if width % HEAD_WIDTH:
+        raise ValueError(f"{source}: the heads are not recorded (no num_heads in a config.json) "
+                         f"and width {width} is no multiple of EVA-02's head width {HEAD_WIDTH}; "
+                         "save timm's config.json beside the weights with model_args.num_heads")
+    rules.append(f"heads = width / {HEAD_WIDTH} = {width // HEAD_WIDTH} (EVA-02's rule, every "
+                 "released variant): no config gives num_heads")
+    return width // HEAD_WIDTH
+
+
 def refuse_unsupported(settings: dict[str, Any], tensors: dict[str, torch.Tensor],
                        source: object) -> None:
     """Raises for what our block cannot hold (see `UNSUPPORTED`), naming the setting.
@@ -243,6 +270,16 @@ def fuse_attention(state: dict[str, torch.Tensor], depth: int) -> None:
     fuse_qkv(state, depth)
 
 
+def eva_attention_shapes(width: int) -> dict[str, list[int]]:
+    """The shapes of Eva's attention tensors at `width` (`{}` the block index): the fused
+    `qkv` or `q_proj`/`k_proj`/`v_proj`, and `q_bias`/`v_bias`."""
+    attn = "blocks.{}.attn."
+    return {**qkv_shapes(width),
+            **{f"{attn}{x}_proj.weight": [width, width] for x in "qkv"},
+            **{f"{attn}{name}": [width] for name in ("q_bias", "v_bias", "q_proj.bias",
+                                                      "k_proj.bias", "v_proj.bias")}}
+
+
 def interleaved_to_half(state: dict[str, torch.Tensor], depth: int, heads: int,
                         inverse: bool = False) -> None:
     """Permutes the q and k rows of every head from RoPE's interleaved pairs (2i, 2i+1) to
@@ -284,9 +321,11 @@ class TimmEvaFormat:
         image_size = settings["img_size"]
         height, width_px = (image_size, image_size) if isinstance(image_size, int) \
             else tuple(image_size)
+        check_model_args(settings, {"embed_dim": (width, "patch_embed.proj.weight")}, source)
         refuse_unsupported(settings, tensors, source)
         state = rename(tensors, {**KEY_MAP, **_attention_names()}, depth, ignore=IGNORED,
                        source=checkpoint.path)
+        check_shapes(state, eva_attention_shapes(width), depth, source=checkpoint.path)
         registers = state["reg_token"].shape[1] if "reg_token" in state else 0
         has_table = "pos_embed" in state
         if has_table:
@@ -297,7 +336,7 @@ class TimmEvaFormat:
         fuse_attention(state, depth)
         if settings["swiglu_mlp"]:
             split_packed_swiglu(state, depth)
-        heads = settings["num_heads"]
+        heads = eva_heads(settings, width, source, rules)
         rope = settings["use_rot_pos_emb"]
         if rope and not settings["rope_rotate_half"] and isinstance(heads, int) and heads > 0 \
                 and width % heads == 0:
