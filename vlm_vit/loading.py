@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 
 import vlm_vit.hub as hub
 from vlm_vit.convert import FORMATS, Checkpoint, Converted, NativePooler, detect_format
+from vlm_vit.convert.base import first_non_finite
 from vlm_vit.files import read_json
 from vlm_vit.integrity import MANIFEST_NAME, verify_files
 from vlm_vit.model import VisionEncoder
@@ -167,7 +168,9 @@ def read_checkpoint(path: str | Path, verify: bool | None = None) -> Checkpoint:
 def convert_checkpoint(path: str | Path | hub.Location, format: str | None = None,
                        verify: bool | None = None) -> Converted:
     """Reads a checkpoint (a path or model name) and converts it to native terms (no model
-    is built); `verify` as in `read_checkpoint`."""
+    is built); `verify` as in `read_checkpoint`. Every load of another library's format (and
+    of a native directory through `load_encoder`) passes here: a weight holding NaN or an
+    infinity is said at WARNING, naming the checkpoint and the first such tensor."""
     location = hub.locate(path)
     checkpoint = read_checkpoint(location, verify)
     format = format or location.format
@@ -175,6 +178,9 @@ def convert_checkpoint(path: str | Path | hub.Location, format: str | None = Non
     converted = fmt.to_native(checkpoint)
     for rule in converted.rules:
         logger.info("%s (%s): %s", checkpoint.path, fmt.name, rule)
+    if (name := first_non_finite(converted)) is not None:
+        logger.warning("%s: weight %s holds NaN or infinite values; every feature computed "
+                       "with it will be non-finite", checkpoint.path, name)
     return converted
 
 

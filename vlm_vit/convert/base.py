@@ -203,6 +203,23 @@ def check_config_fits(config: EncoderConfig, state: dict[str, torch.Tensor], sou
         raise ValueError(f"{source}: " + "; ".join(problems))
 
 
+def first_non_finite(converted: Converted) -> str | None:
+    """The name of the first floating-point weight (the encoder's, then its pooling head's)
+    holding a NaN or an infinity, or None: such a weight makes every feature non-finite, yet
+    loads and runs without an error.
+
+    One pass per tensor (a boolean mask, then its reduction): about as long as reading the
+    weights once more.
+    """
+    head = converted.pooler.weights if converted.pooler is not None else {}
+    for prefix, tensors in (("", converted.state), ("pooling head: ", head)):
+        for name, tensor in tensors.items():
+            if tensor.is_floating_point() and tensor.numel() and \
+                    not bool(torch.isfinite(tensor).all()):
+                return prefix + name
+    return None
+
+
 def read_processor(source: object, **settings: Any) -> ImageProcessor:
     """An `ImageProcessor` from settings a converter read out of a source's preprocessing
     config (`preprocessor_config.json`, open_clip's `preprocess_cfg`, timm's
