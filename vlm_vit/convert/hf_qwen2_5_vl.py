@@ -46,6 +46,7 @@ from vlm_vit.convert.hf_pixtral import rope_theta
 from vlm_vit.convert.hf_qwen2_vl import (
     BLOCK_PATTERN,
     QWEN_ARCHITECTURE,
+    merge_size,
     merger_pooler,
     merger_tensors,
     qwen_preprocessor,
@@ -110,6 +111,7 @@ def encoder_config(hf: dict[str, Any], source: object = CONFIG_FILE) -> EncoderC
     """
     hf = {**HF_DEFAULTS, **hf}
     patch = hf["patch_size"]
+    merge_size(hf, source)  # before the window, which is counted in merge units
     window = window_patches(hf, source)
     try:
         return EncoderConfig(
@@ -142,7 +144,7 @@ class HfQwen2_5VLVisionFormat:
                           CONFIG_FILE)
         state = rename(tensors, KEY_MAP, config.depth, ignore=[r"merger\."],
                        source=checkpoint.path)
-        merge = hf["spatial_merge_size"]
+        merge = merge_size(hf, checkpoint.path / CONFIG_FILE)
         pooler = merger_pooler(tensors, config, merge, hf["out_hidden_size"], norm="rmsnorm")
         rules = [f"window attention: {config.window_size} patches a side (window_size "
                  f"{hf['window_size']} pixels), full attention in blocks "

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlm_vit.config import EncoderConfig, is_real
+from vlm_vit.config import ConfigError, EncoderConfig, is_int, is_real
 from vlm_vit.convert.base import (
     Checkpoint,
     Converted,
@@ -53,6 +53,7 @@ from vlm_vit.convert.hf_writing import (
     write_hf_directory,
 )
 from vlm_vit.convert.keymap import invert, rename
+from vlm_vit.poolers.patch_merger import MAX_MERGE
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
 from vlm_vit.weights import DEFAULT_MAX_SHARD_SIZE
 
@@ -112,6 +113,20 @@ def encoder_config(hf: dict[str, Any], source: object = CONFIG_FILE) -> EncoderC
         raise ValueError(f"{source}: {error}") from None
 
 
+def merge_size(hf: dict[str, Any], source: object = CONFIG_FILE) -> int:
+    """`spatial_merge_size`, the merger's window side in patches.
+
+    Raises:
+        ConfigError: naming `source` and `spatial_merge_size`, for anything but an int in
+            1..`MAX_MERGE` (the `patch_merger` pooler's bound; Qwen2-VL and Qwen2.5-VL use 2).
+    """
+    merge = hf["spatial_merge_size"]
+    if not (is_int(merge) and 1 <= merge <= MAX_MERGE):
+        raise ConfigError("spatial_merge_size", merge, f"a positive int (1..{MAX_MERGE})",
+                          source=source)
+    return int(merge)
+
+
 def merger_pooler(tensors: dict, config: EncoderConfig, merge: int, out_dim: int,
                   **options: Any) -> NativePooler:
     """The `merger.*` weights as the `patch_merger` pooler (out: the LLM's width)."""
@@ -147,7 +162,7 @@ class HfQwen2VLVisionFormat:
                           CONFIG_FILE)
         state = rename(tensors, KEY_MAP, config.depth, ignore=[r"merger\."],
                        source=checkpoint.path)
-        merge = hf["spatial_merge_size"]
+        merge = merge_size(hf, checkpoint.path / CONFIG_FILE)
         processor = qwen_processor(config.patch_size, merge)
         rules = [f"2D RoPE (theta {config.rope_theta:g}), no position table; image_size "
                  f"{config.image_size[0]} is nominal",
