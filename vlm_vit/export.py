@@ -10,6 +10,13 @@ exactly; the ONNX exporter writes it as opset-20 `Resize` (cubic, `cubic_coeff_a
 `exclude_outside=1`, `antialias=1`), which ONNX Runtime's CPU provider computes within 2e-6
 of PyTorch. Runtimes without `Resize` antialiasing need `--image-size` (a frozen size, whose
 table is a constant).
+
+Every file is written in a private folder beside its destination and renamed onto it once
+complete (`staged_output`): an export that fails or is killed leaves an earlier file as it
+was, and nothing else in the destination's folder is touched. A dynamic program refuses an
+image off the patch grid (a `.pt2` by its input dims, an ONNX file by a check in its graph,
+`add_patch_grid_check`), and so do the runners here (`onnx_session`, `load_program`), before
+running, in one line naming the size and the patch.
 """
 
 from __future__ import annotations
@@ -24,6 +31,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vlm_vit.export_runtime import (
+    PATCH_SIZE_KEY,
+    ExportError,
+    add_patch_grid_check,
+    check_output,
+    load_program,
+    name_dims,
+    onnx_session,
+    require_onnx,
+    staged_output,
+)
 from vlm_vit.model import VisionEncoder
 
 logger = logging.getLogger(__name__)
@@ -34,10 +52,6 @@ ONNX_OPSET = 20  # Resize's antialias attribute needs opset 18 or later
 PROTOBUF_LIMIT = 2 * 1024**3  # one .onnx file holds at most 2 GB; larger weights go beside it
 MIN_GRID_SIDE = 2  # torch.export specialises sizes 0 and 1: a grid side of 1 is not traced
 MAX_BATCH = 4096
-
-
-class ExportError(ValueError):
-    """A model or option that cannot be exported, said in one line."""
 
 
 class ExportedForward(nn.Module):
@@ -108,6 +122,19 @@ def check_size(encoder: VisionEncoder, size: tuple[int, int]) -> tuple[int, int]
     return height, width
 
 
+def check_max_side(encoder: VisionEncoder, size: tuple[int, int], max_side: int,
+                   name: str = "max_side") -> int:
+    """`max_side` if a dynamic program can take it: at least the export size's longer side
+    and `MIN_GRID_SIDE + 1` patches (torch.export needs a grid side's range to hold two
+    values), else an ExportError naming `name`, the value and the smallest allowed."""
+    patch = encoder.config.patch_size
+    smallest = max((MIN_GRID_SIDE + 1) * patch, *size)
+    if max_side < smallest:
+        raise ExportError(f"{name} {max_side} is too small: with patch size {patch} and "
+                          f"export size {size[0]}x{size[1]} the smallest allowed is {smallest}")
+    return max_side
+
+
 def dynamic_shapes(encoder: VisionEncoder, max_side: int) -> dict:
     """`torch.export` dims for `pixel_values`: any batch, and any height and width that are
     multiples of the patch size, from `MIN_GRID_SIDE` patches to `max_side` pixels."""
@@ -120,13 +147,15 @@ def dynamic_shapes(encoder: VisionEncoder, max_side: int) -> dict:
     return {"pixel_values": {0: batch, 2: patch * rows, 3: patch * cols}}
 
 
-def check_sizes(encoder: VisionEncoder, size: tuple[int, int]) -> list[tuple[int, int]]:
+def check_sizes(encoder: VisionEncoder, size: tuple[int, int],
+                max_side: int | None = None) -> list[tuple[int, int]]:
     """The export size and two others never seen at export, both non-square: one larger
-    (the table enlarged) and one smaller in height (the table shrunk, where antialiasing
-    acts)."""
+    (the table enlarged; at most `max_side`) and one smaller in height (the table shrunk,
+    where antialiasing acts)."""
     patch = encoder.config.patch_size
     height, width = size
-    larger = (height + 2 * patch, width + 4 * patch)
+    largest = (max_side or 10**9) // patch * patch
+    larger = (min(largest, height + 2 * patch), min(largest, width + 4 * patch))
     smaller = (max(MIN_GRID_SIDE * patch, (height // 2) // patch * patch), width)
     if smaller == size:
         smaller = (height, width + patch)
@@ -179,7 +208,10 @@ def _traceable(model: nn.Module, feature_layer, image_size, dynamic: bool, max_s
     encoder = forward.encoder
     size = check_size(encoder, image_size or encoder.config.image_size)
     example = _example(encoder, size, 2, encoder.patch_embed.proj.weight.dtype)
-    return forward, example, dynamic_shapes(encoder, max_side) if dynamic else None
+    if not dynamic:
+        return forward, example, None
+    check_max_side(encoder, size, max_side)
+    return forward, example, dynamic_shapes(encoder, max_side)
 
 
 def export_program(model: nn.Module, *, image_size: tuple[int, int] | None = None,
@@ -216,13 +248,24 @@ def export_onnx(model: nn.Module, path: str | Path, *, image_size: tuple[int, in
     `pixel_values`, output `tokens` (arguments as in `export_program`).
 
     Weights over 2 GB (protobuf's limit) go to `PATH.data` beside the file, which must then
-    travel with it.
+    travel with it. The dims are named `batch`, `height`, `width` and `tokens`; the patch
+    size is in the metadata (`PATCH_SIZE_KEY`) for `onnx_session`. Written atomically
+    (`staged_output`).
 
     Raises:
-        ExportError: as `export_program`.
+        ExportError: as `export_program`, or for a `path` that is a directory.
         ImportError: without `onnx` and `onnxscript` (`pip install 'vlm-vit[export]'`).
     """
-    _require("onnx", "onnxscript")
+    with staged_output(path) as staged:
+        _write_onnx(model, staged, image_size=image_size, dynamic=dynamic,
+                    feature_layer=feature_layer, max_side=max_side, opset=opset)
+    return Path(path)
+
+
+def _write_onnx(model: nn.Module, path: Path, *, image_size, dynamic: bool, feature_layer,
+                max_side: int, opset: int = ONNX_OPSET) -> None:
+    """`export_onnx` without the staging: writes `path` (and `PATH.data`) directly."""
+    require_onnx("onnx", "onnxscript")
     forward, example, shapes = _traceable(model, feature_layer, image_size, dynamic, max_side)
     try:
         with torch.no_grad(), _quiet_tracing():
@@ -231,33 +274,41 @@ def export_onnx(model: nn.Module, path: str | Path, *, image_size: tuple[int, in
                                         opset_version=opset, verbose=False)
     except Exception as error:
         raise _trace_failure(forward, error, "torch.onnx.export") from error
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    name_dims(program.model)
+    if dynamic:
+        add_patch_grid_check(program.model, forward.encoder.config.patch_size)
+    program.model.metadata_props[PATCH_SIZE_KEY] = str(forward.encoder.config.patch_size)
     size_bytes = sum(p.numel() * p.element_size() for p in forward.parameters())
     program.save(path, external_data=size_bytes > PROTOBUF_LIMIT)
-    return path
 
 
 def quantize_onnx_int8(source: str | Path, destination: str | Path) -> Path:
     """ONNX Runtime's dynamic quantization of the block Linears: int8 weights (per output
     channel), activations quantized per call; the patch embedding, norms and any pooler stay
-    float32.
+    float32. `destination` is written atomically (`staged_output`), its weights beside it in
+    `DESTINATION.data` where the source's are.
 
     Raises:
         ImportError: without `onnxruntime`.
     """
-    _require("onnx", "onnxruntime")
+    with staged_output(destination) as staged:
+        _quantize_onnx_int8(Path(source), staged)
+    return Path(destination)
+
+
+def _quantize_onnx_int8(source: Path, destination: Path) -> None:
+    require_onnx("onnx", "onnxruntime")
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     graph = onnx.load(str(source), load_external_data=False).graph
     block_matmuls = [node.name for node in graph.node
                      if node.op_type in ("MatMul", "Gemm") and _in_blocks(node)]
+    external = source.with_name(source.name + ".data").exists()  # its weights as they came
     quantize_dynamic(str(source), str(destination), weight_type=QuantType.QInt8,
                      per_channel=True, op_types_to_quantize=["MatMul", "Gemm"],
-                     nodes_to_quantize=block_matmuls)
+                     nodes_to_quantize=block_matmuls, use_external_data_format=external)
     logger.info("quantized %d block Linears of %s to int8", len(block_matmuls), source)
-    return Path(destination)
 
 
 def _in_blocks(node) -> bool:
@@ -277,20 +328,6 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     names = {name for name, module in model.named_modules()
              if isinstance(module, nn.Linear) and ".blocks." in f".{name}"}
     return quantize_dynamic(model, names, dtype=torch.qint8, inplace=False)
-
-
-def onnx_session(path: str | Path):
-    """An ONNX Runtime session on the CPU provider, as a callable: pixels to the output."""
-    _require("onnxruntime")
-    import onnxruntime
-
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
-
-    def run(pixels: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(session.run(None, {name: pixels.float().numpy()})[0])
-
-    return run
 
 
 def compare(run, eager: nn.Module, reference: nn.Module, sizes: list[tuple[int, int]],
@@ -326,7 +363,9 @@ def export_model(model: nn.Module, path: str | Path, *, format: str = "onnx",
                  dynamic: bool = True, feature_layer: int | list[int] | None = None,
                  max_side: int = 4096) -> ExportReport:
     """Exports and checks: the program against eager at the export size and, when dynamic,
-    two sizes never seen at export (`check_sizes`), with other batch sizes.
+    two sizes never seen at export (`check_sizes`), with other batch sizes. The file (and an
+    ONNX file's `.data`) appears at `path` only once written and checked (`staged_output`);
+    int8's float32 intermediate lives in the same private folder and goes with it.
 
     Args:
         model: a float32 `VisionEncoder` or `VisionTower` (cast here for `dtype`).
@@ -341,7 +380,8 @@ def export_model(model: nn.Module, path: str | Path, *, format: str = "onnx",
 
     Raises:
         ExportError: for a format or dtype that does not go together, a size off the patch
-            grid, or a model that cannot be traced.
+            grid, a `max_side` below the export size, a `path` that is a directory, or a
+            model that cannot be traced.
     """
     if format not in FORMATS:
         raise ExportError(f"unknown export format {format!r} (known: {', '.join(FORMATS)})")
@@ -353,33 +393,34 @@ def export_model(model: nn.Module, path: str | Path, *, format: str = "onnx",
     if format == "torch-export" and dtype == "int8":
         raise ExportError("int8 export is ONNX Runtime's dynamic quantization: use --format "
                           "onnx (eager int8: vlm-vit encode --dtype int8)")
+    path = check_output(path)
     reference = ExportedForward(model, feature_layer).eval()  # float32, left as it is
     eager = ExportedForward(_bfloat16_copy(model) if dtype == "bfloat16" else model,
                             feature_layer).eval()
     encoder = eager.encoder
     size = check_size(encoder, image_size or encoder.config.image_size)
-    path = Path(path)
-    if format == "torch-export":
-        program = export_program(eager.model, image_size=size, dynamic=dynamic,
-                                 feature_layer=feature_layer, max_side=max_side)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.export.save(program, path)
-        run = torch.export.load(path).module()
-    else:
-        if dtype == "int8":
-            float_path = path.with_name(path.stem + ".float32.onnx")
-            export_onnx(model, float_path, image_size=size, dynamic=dynamic,
-                        feature_layer=feature_layer, max_side=max_side)
-            quantize_onnx_int8(float_path, path)
-            _remove_onnx(float_path)
-        else:
-            export_onnx(model, path, image_size=size, dynamic=dynamic,
-                        feature_layer=feature_layer, max_side=max_side)
-        run = onnx_session(path)
-    sizes = check_sizes(encoder, size) if dynamic else [size]
+    if dynamic:
+        check_max_side(encoder, size, max_side)
+    options = dict(image_size=size, dynamic=dynamic, feature_layer=feature_layer,
+                   max_side=max_side)
+    sizes = check_sizes(encoder, size, max_side) if dynamic else [size]
     batches = [2, 1, 3] if dynamic else [2]
-    checks = compare(run, eager, reference, sizes, batches, encoder.config.in_channels,
-                     DTYPES[dtype])
+    with staged_output(path) as staged:
+        if format == "torch-export":
+            program = export_program(eager.model, **options)
+            torch.export.save(program, staged, extra_files={
+                PATCH_SIZE_KEY: str(encoder.config.patch_size)})
+            run = load_program(staged)
+        else:
+            if dtype == "int8":
+                intermediate = staged.with_name("float32." + staged.name)
+                _write_onnx(model, intermediate, **options)
+                _quantize_onnx_int8(intermediate, staged)
+            else:
+                _write_onnx(model, staged, **options)
+            run = onnx_session(staged)
+        checks = compare(run, eager, reference, sizes, batches, encoder.config.in_channels,
+                         DTYPES[dtype])
     report = ExportReport(path=path, format=format, dtype=dtype, dynamic=dynamic, checks=checks)
     for check in checks:
         logger.info("%s %s at %s batch %d: max |difference| %.3g, cosine %.6f", format, dtype,
@@ -392,17 +433,3 @@ def _bfloat16_copy(model: nn.Module) -> nn.Module:
     import copy
 
     return copy.deepcopy(model).to(torch.bfloat16)
-
-
-def _remove_onnx(path: Path) -> None:
-    path.unlink(missing_ok=True)
-    path.with_name(path.name + ".data").unlink(missing_ok=True)
-
-
-def _require(*modules: str) -> None:
-    import importlib.util
-
-    missing = [name for name in modules if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ImportError(f"ONNX export needs {', '.join(missing)}: pip install "
-                          f"'vlm-vit[export]'")

@@ -23,13 +23,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("model", metavar="MODEL", help="a checkpoint or saved tower, a model "
                         "name, or a variant name together with --random-init")
     parser.add_argument("--format", choices=["onnx", "torch-export"], required=True)
-    parser.add_argument("--out", required=True, type=Path, help="the file to write")
+    parser.add_argument("--out", required=True, type=Path, help="the file to write (written "
+                        "beside it under a temporary name, renamed into place when complete)")
     parser.add_argument("--dynamic", action="store_true",
                         help="dynamic batch, height and width")
     parser.add_argument("--image-size", type=int, nargs="+", metavar="SIDE",
                         help="export at SIDE or HEIGHT WIDTH (frozen there without --dynamic)")
     parser.add_argument("--max-side", type=int, default=4096,
-                        help="with --dynamic: the largest height or width accepted")
+                        help="with --dynamic: the largest height or width accepted (at "
+                        "least the export size and 3 patches)")
     parser.add_argument("--feature-layer", type=int, action="append", dest="feature_layers",
                         metavar="K", help="an encoder's hidden-state index to return instead "
                         "of the final tokens (repeatable: concatenated; -2 for LLaVA)")
@@ -73,13 +75,16 @@ def _load(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from vlm_vit.export import check_size, export_model
+    from vlm_vit.export import check_max_side, check_output, check_size, export_model
 
+    check_output(args.out)
     size = image_size(args.image_size)
     model = _load(args).float().eval()
+    encoder = getattr(model, "encoder", model)
     if size is not None:
-        encoder = getattr(model, "encoder", model)
         check_size(encoder, size)
+    if args.dynamic:
+        check_max_side(encoder, size or encoder.config.image_size, args.max_side, "--max-side")
     layers = args.feature_layers
     feature_layer = layers[0] if layers and len(layers) == 1 else layers
     report = export_model(model, args.out, format=args.format, dtype=args.dtype,
