@@ -179,7 +179,7 @@ def convert_checkpoint(path: str | Path | hub.Location, format: str | None = Non
     for rule in converted.rules:
         logger.info("%s (%s): %s", checkpoint.path, fmt.name, rule)
     if (name := first_non_finite(converted)) is not None:
-        logger.warning("%s: weight %s holds NaN or infinite values; every feature computed "
+        logger.warning("%s: %s holds NaN or infinite values; every feature computed "
                        "with it will be non-finite", checkpoint.path, name)
     return converted
 
