@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 
 import vlm_vit.hub as hub
 from vlm_vit.convert import FORMATS, Checkpoint, Converted, NativePooler, detect_format
-from vlm_vit.convert.base import first_non_finite
+from vlm_vit.convert.base import non_finite_weight
 from vlm_vit.files import read_json
 from vlm_vit.integrity import MANIFEST_NAME, verify_files
 from vlm_vit.model import VisionEncoder
@@ -178,7 +178,7 @@ def convert_checkpoint(path: str | Path | hub.Location, format: str | None = Non
     converted = fmt.to_native(checkpoint)
     for rule in converted.rules:
         logger.info("%s (%s): %s", checkpoint.path, fmt.name, rule)
-    if (name := first_non_finite(converted)) is not None:
+    if (name := non_finite_weight(converted)) is not None:
         logger.warning("%s: %s holds NaN or infinite values; every feature computed "
                        "with it will be non-finite", checkpoint.path, name)
     return converted
