@@ -59,8 +59,9 @@ def test_a_captions_line_naming_an_image_outside_the_folder_is_refused(tmp_path,
 def test_records_whose_images_alone_pass_max_length_are_refused_at_indexing(
         tmp_path, tokenizer, monkeypatch):
     images = write_images(tmp_path / "images")
-    bomb = {"id": "bomb", "image": ["0.png"] * 10_000,
-            "conversations": [human("<image>" * 10_000), gpt("x")]}
+    # 200 images: within MAX_IMAGES (10,000 is a bad record at indexing, test_llm_trust.py)
+    bomb = {"id": "bomb", "image": ["0.png"] * 200,
+            "conversations": [human("<image>" * 200), gpt("x")]}
     path = write_records(tmp_path / "data.jsonl", [GOOD[0], bomb, GOOD[2]])
     records = ConversationRecords(path, images)
     mm = MultimodalLM(tiny_tower(), tiny_llm(), tokenizer)
@@ -71,7 +72,7 @@ def test_records_whose_images_alone_pass_max_length_are_refused_at_indexing(
     assert len(dataset) == 2 and len(dataset.lengths) == 2 and decoded == []
     assert records.skipped.by_reason == {"images longer than max_length": 1}
     assert "(id bomb)" in records.skipped.named[0]
-    assert "10000 image(s) take 160000 tokens, more than max_length 200" in \
+    assert "200 image(s) take 3200 tokens, more than max_length 200" in \
         records.skipped.named[0]
     strict = ConversationRecords(path, images, strict=True)
     with pytest.raises(ValueError, match="id bomb"):

@@ -95,19 +95,19 @@ def chat_parts(tmp_path, chat_tokenizer):
     return tmp_path
 
 
-def llava_train(parts, records, *extra):
-    """`vlm-vit llm train --data-format llava` on `records`: (exit code, stderr lines)."""
+def llava_train(parts, records, *extra, images=None):
+    """`vlm-vit llm train --data-format llava` on `records`: its exit code."""
     from test_conversation_data import write_records
 
     from vlm_vit.cli import main
 
     data = write_records(parts / "data.json", records, lines=False)
-    code = main(["llm", "train", "--data-format", "llava", "--data", str(data),
-                 "--image-folder", str(parts / "images"), "--steps", "2", "--num-workers", "0",
+    return main(["llm", "train", "--data-format", "llava", "--data", str(data),
+                 "--image-folder", str(images or parts / "images"), "--steps", "2",
+                 "--num-workers", "0",
                  "--device", "cpu", "--tower", str(parts / "encoder"), "--llm",
                  str(parts / "llm"), "--template", "vicuna_v1", "--quiet",
                  "--out", str(parts / "run"), *extra])
-    return code
 
 
 def error_line(capsys, parts) -> str:
@@ -152,3 +152,93 @@ def test_a_max_length_that_keeps_no_assistant_token_names_the_flag(chat_parts, c
     assert "--max-length 64 leaves nothing to train: 6 of the 6 record(s) of " in line, line
     assert "(id one): no assistant token is left within max_length 64); raise --max-length" \
         in line, line
+
+
+# ---- issue 48: a LLaVA record naming thousands of images ------------------------------------
+
+PIXELS_AT_336 = 336 * 336 * 3 * 4  # bytes of one preprocessed image (float32)
+
+
+def bomb_file(folder):
+    """A 200 KB conversations file: a good record, one whose 10,000 `<image>` all name one
+    small file, and a text-only record."""
+    from test_conversation_data import GOOD, gpt, human, write_images, write_records
+
+    images = write_images(folder / "images")
+    bomb = {"id": "bomb", "image": ["0.png"] * 10_000,
+            "conversations": [human("<image>" * 10_000 + "\nwhat differs?"), gpt("nothing")]}
+    data = write_records(folder / "data.json", [GOOD[0], bomb, GOOD[2], GOOD[1]], lines=False)
+    return data, images
+
+
+@pytest.fixture
+def decodes(monkeypatch):
+    """Counts the images decoded; decoding more than a record may name fails the test (on
+    code that decodes all 10,000, before it runs out of memory)."""
+    from vlm_vit_llm import conversations
+
+    count = []
+    real = conversations.load_pixels
+
+    def counted(processor, image):
+        count.append(image)
+        if len(count) > 256:  # records.MAX_IMAGES
+            pytest.fail("decoded more than 256 images")
+        return real(processor, image)
+
+    monkeypatch.setattr(conversations, "load_pixels", counted)
+    return count
+
+
+def test_a_record_naming_10000_images_is_skipped_and_named_before_any_is_decoded(tmp_path,
+                                                                                decodes):
+    """Issue 48, 1: `ConversationDataset(...)[i]` decoded and preprocessed all 10,000 images
+    at 336 px (13.5 GB) before the collate refused the record."""
+    import resource
+    import tracemalloc
+
+    from vlm_vit import ImageProcessor
+    from vlm_vit_llm.records import ConversationRecords
+    from vlm_vit_llm.train import ConversationDataset
+
+    data, images = bomb_file(tmp_path)
+    assert 150_000 < data.stat().st_size < 250_000
+    records = ConversationRecords(data, images)
+    assert len(records) == 3 and records.skipped.by_reason == {"too many images": 1}
+    assert "(id bomb): 'image' names 10000 images, more than the 256 a record may hold " \
+           "(MAX_IMAGES)" in records.skipped.named[0]
+    with pytest.raises(ValueError, match=r"\(id bomb\): 'image' names 10000 images"):
+        ConversationRecords(data, images, strict=True)
+
+    dataset = ConversationDataset(records, ImageProcessor.for_family("clip", size=336))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    tracemalloc.start()
+    items = [dataset[index] for index in range(len(dataset))]
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    assert [item.where.rsplit("(id ", 1)[1] for item in items] == ["one)", "text)", "two)"]
+    assert len(decodes) == 3 and [len(item.pixels) for item in items] == [1, 0, 2]
+    everything = 10_000 * PIXELS_AT_336  # 13.5 GB
+    print(f"peak traced {peak / 1e6:.1f} MB, max RSS grew {grown / 1e6:.1f} MB")
+    assert peak < 20 * PIXELS_AT_336, peak  # measured: 0.7 MB; all images: 13.5 GB
+    assert grown < everything / 50, grown
+
+
+def test_llm_train_skips_and_names_the_10000_image_record(tmp_path, chat_parts, capsys,
+                                                          decodes):
+    """The same file through `vlm-vit llm train --data-format llava`, with an LLM whose
+    context (1,000,000) holds the record's 160,000 image tokens: it is skipped by its image
+    count, named on stderr, and the run trains on the rest."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(chat_parts / "llm")
+    config.max_position_embeddings = 1_000_000
+    config.save_pretrained(chat_parts / "llm")
+    data, images = bomb_file(tmp_path / "bomb")
+    raw = json.loads(data.read_text())
+    assert llava_train(chat_parts, raw, "--batch-size", "2", images=images) == 0
+    err = capsys.readouterr().err
+    assert "skipped 1 bad record(s) of 4" in err and "(id bomb): 'image' names 10000 images" \
+        in err, err
+    assert len(decodes) <= 6

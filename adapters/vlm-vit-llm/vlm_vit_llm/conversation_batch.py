@@ -94,10 +94,11 @@ class ImageTokens:
     @property
     def least(self) -> int:
         """The fewest tokens any image can take: what can be checked before decoding (a
-        tiled image has at least its base view's; its grid and newlines can shrink away)."""
+        tiled image has at least its base view's; its grid and newlines can shrink away, and
+        without a base view an image still takes a token)."""
         if self.tiling is None:
             return self.fixed
-        return self.tile_side ** 2 * self.tiling.base_image
+        return max(1, self.tile_side ** 2 * self.tiling.base_image)
 
 
 def _max_length(mm: MultimodalLM, max_length: int | None) -> int:

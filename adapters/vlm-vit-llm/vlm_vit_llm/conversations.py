@@ -41,8 +41,9 @@ class ConversationDataset(torch.utils.data.Dataset):
 
     Items are `ConversationItem`s, or an `UndecodableImage` naming the record and the file
     when one of its images does not decode, or the record no longer reads as it did at
-    indexing (the file changed): the collate drops the record, the trainer counts and names
-    it.
+    indexing (the file changed; its images, at most `records.MAX_IMAGES`, are counted
+    against `max_length` again before any is decoded): the collate drops the record, the
+    trainer counts and names it.
 
     Args:
         records: the indexed file.
@@ -68,6 +69,9 @@ class ConversationDataset(torch.utils.data.Dataset):
                  least_image_tokens: int | None = None):
         self.records, self.processor = records, processor
         self.root = records.path
+        self.max_length = max_length
+        self.least_image_tokens = image_tokens if least_image_tokens is None \
+            else least_image_tokens
         if max_length is not None:
             if least_image_tokens is None or least_image_tokens == image_tokens:  # untiled
                 records.limit_length(max_length, image_tokens,  # a video: at least one image's
@@ -85,6 +89,11 @@ class ConversationDataset(torch.utils.data.Dataset):
             record = self.records[index]
         except BadRecord as bad:  # the file changed after indexing
             return UndecodableImage(bad.where, bad.reason)
+        least = len(record.images) * self.least_image_tokens  # changed, too: before decoding
+        if self.max_length is not None and least > self.max_length:
+            return UndecodableImage(record.where, f"its {len(record.images)} image(s) take at "
+                                    f"least {least} tokens, more than max_length "
+                                    f"{self.max_length}")
         pixels = []
         for path in record.images:
             try:

@@ -17,7 +17,8 @@ stands for the whole clip, for a tower with temporal patches. Paths are relative
 image folder, and one that resolves outside it (`..`, an absolute path, a symbolic link out)
 is a bad record. Each `<image>` in a human turn stands for the next image. Roles are
 `human`/`user`, `gpt`/`assistant` and `system`; turns may also be spelled
-`{"role": ..., "content": ...}`.
+`{"role": ..., "content": ...}`. A record names at most `MAX_IMAGES` images (a video at most
+`MAX_FRAMES` frames).
 
 Indexing parses every record once, checks it, and keeps only where it lies in the file (byte
 offsets in numpy arrays), so a 665k-record file is not held as Python objects and forked
@@ -45,6 +46,9 @@ logger = logging.getLogger(__name__)
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "system": "system"}
 MAX_FRAMES = 1024  # frames of one video record
+# Images of one record: LLaVA-OneVision's and LLaVA-Interleave's multi-image records hold a
+# few dozen; 10,000 `<image>` naming one small file would decode 13.5 GB of pixels at 336 px.
+MAX_IMAGES = 256
 NAMED_SKIPS = 20  # bad records named one by one in the log; the rest are only counted
 
 
@@ -193,6 +197,9 @@ def _visual_names(raw: dict, bad: Callable[[str, str], BadRecord]) -> list[str |
     if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
         raise bad(f"'image' must be a path or a list of paths, got {image!r:.80}",
                   "malformed image field")
+    if len(names) > MAX_IMAGES:
+        raise bad(f"'image' names {len(names)} images, more than the {MAX_IMAGES} a record "
+                  "may hold (MAX_IMAGES)", "too many images")
     return names
 
 
