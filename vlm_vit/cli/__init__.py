@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # The command as typed, for run records (`run_config.json`, `demo.json`).
+    args.command_line = shlex.join(["vlm-vit", *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

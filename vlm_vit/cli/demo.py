@@ -54,4 +54,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="fine-tuning processes, one thread each (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the demo stopped in --out (Ctrl-C or SIGTERM): "
+                        "pretraining from its checkpoint, fine-tuning with the runs not yet "
+                        "recorded; the settings must be the run's")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in an --out that holds a demo run (its run, encoder "
+                        "and report are removed; the cached digits kept)")
     parser.set_defaults(run=run)

@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
                          checkpoint_every=max(args.steps // 5, 1), strategy=args.strategy,
                          cpu_offload=args.cpu_offload)
     trainer = Trainer(model, train, config, out, collate=collate_labelled,
-                      progress=not args.quiet)
+                      command=getattr(args, "command_line", None), progress=not args.quiet)
     main_rank = launched_rank() == 0
     # The run directory is locked from the checks to the end (the trainer takes the same
     # lock again); finetune.json only once the run is accepted: a refused one leaves the

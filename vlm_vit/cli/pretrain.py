@@ -4,8 +4,6 @@ tar shards."""
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
 from pathlib import Path
 
 from vlm_vit.commands import add_strategy_arguments, variant_or_checkpoint
@@ -102,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every, seed=args.seed, num_workers=args.num_workers,
         device=args.device, log_samples=args.log_samples, strategy=args.strategy,
         cpu_offload=args.cpu_offload)
-    command = shlex.join(["vlm-vit", *sys.argv[1:]]) if sys.argv[1:2] == ["pretrain"] else None
+    command = getattr(args, "command_line", None)
     if launched_rank() == 0:
         print(describe_objective(args.objective, objective))
     result = Trainer(objective, source, config, args.out, command=command,

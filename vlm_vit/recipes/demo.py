@@ -10,10 +10,12 @@ photos through two poolers, and writes a report, a label-efficiency figure and a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
-import shutil
+import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,8 @@ from vlm_vit.config import EncoderConfig
 from vlm_vit.files import atomic_write
 from vlm_vit.optional import require
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
+from vlm_vit.recipes import demo_state
+from vlm_vit.recipes.demo_state import job_key
 
 logger = logging.getLogger(__name__)
 
@@ -181,10 +185,13 @@ def run(args: argparse.Namespace) -> int:
     from vlm_vit.recipes.label_efficiency import FinetuneRecipe
 
     schedule = _schedule(args)
+    command = getattr(args, "command_line", None) or f"vlm-vit demo --out {args.out}"
+    finished = demo_state.open_run(args.out, demo_state.settings(args, schedule), command,
+                                   resume=args.resume, overwrite=args.overwrite)
     started = time.perf_counter()
     data = _prepare_digits(args, schedule["counts"])
     encoder, random_init, start_fingerprint, result, processor = _pretrain(
-        args, data, schedule["steps"])
+        args, data, schedule["steps"], command)
     pretrain_seconds = time.perf_counter() - started
 
     images = processor([str(f) for f in data.files])
@@ -196,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
                           start_fingerprint, encoder.config)
     report["finetune"] = {"recipe": recipe.to_dict(), "seeds": seeds, "labels": keys}
     arms = (("random_init", random_init.eval()), ("pretrained", encoder))
-    _score_arms(args, report, arms, images, data, recipe, keys, counts, seeds)
+    with _terminated_as_interrupt():
+        _score_arms(args, report, arms, images, data, recipe, keys, counts, seeds, finished)
     report["photos"] = _encode_photos(encoder, processor)
     out = args.out
     report["loss_plot"] = "loss.png" if plot_losses(result.losses, out / "loss.png",
@@ -255,7 +263,25 @@ def _prepare_digits(args: argparse.Namespace, counts: list[int | None]) -> DemoD
     return DemoData(files, labels, classes, train, pool, validation, test, scored, fewest)
 
 
-def _pretrain(args: argparse.Namespace, data: DemoData, steps: int):
+@contextlib.contextmanager
+def _terminated_as_interrupt() -> Iterator[None]:
+    """SIGTERM stops the fine-tuning runs as Ctrl-C does (the finished ones are recorded),
+    saying how to continue."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    except KeyboardInterrupt:
+        logger.warning("the demo was stopped while fine-tuning; the runs that finished are "
+                       "recorded: continue with --resume")
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _pretrain(args: argparse.Namespace, data: DemoData, steps: int, command: str):
     """Pretrains a fresh encoder on the unlabelled training half and saves it with its
     processor under `args.out/encoder`.
 
@@ -296,10 +322,10 @@ def _pretrain(args: argparse.Namespace, data: DemoData, steps: int):
     if args.quiet:
         logging.getLogger("vlm_vit.train").setLevel(logging.WARNING)
     print(f"pretraining with {OBJECTIVE_NAMES[args.objective]} for {steps} steps")
-    if (out / "run").is_dir():  # this demo's own earlier run: start afresh
-        shutil.rmtree(out / "run")
-    result = Trainer(objective, dataset, train_config, out / "run",
-                     command=f"vlm-vit demo --out {out}", progress=not args.quiet).fit()
+    # A resume continues from the newest checkpoint (a stopped run saved one); an earlier
+    # run is otherwise refused or removed by `demo_state.open_run`.
+    result = Trainer(objective, dataset, train_config, out / "run", command=command,
+                     progress=not args.quiet).fit(resume=args.resume)
     encoder = objective.encoder.eval()
     encoder.save_pretrained(out / "encoder")
     processor.save_pretrained(out / "encoder")
@@ -325,9 +351,11 @@ def _report_head(args: argparse.Namespace, data: DemoData, keys: list[str],
 
 
 def _score_arms(args: argparse.Namespace, report: dict, arms, images, data: DemoData,
-                recipe, keys: list[str], counts: list[int | None], seeds: int) -> None:
-    """Each arm's frozen probes, then every fine-tuning run (label count x seed x arm) in
-    `args.workers` processes; their numbers go into `report` under the arm's name."""
+                recipe, keys: list[str], counts: list[int | None], seeds: int,
+                finished: dict[str, float]) -> None:
+    """Each arm's frozen probes, then every fine-tuning run (label count x seed x arm) not
+    `finished` already (a resume's), in `args.workers` processes, each recorded as it ends;
+    their numbers go into `report` under the arm's name."""
     from vlm_vit.recipes.label_efficiency import FinetuneJob, finetune_many, fingerprint, shot_rows
 
     labels = data.labels
@@ -336,18 +364,27 @@ def _score_arms(args: argparse.Namespace, report: dict, arms, images, data: Demo
                                        args.shots, args.seed)
         report[name]["finetune_start_fingerprint"] = fingerprint(model)
         report[name]["finetune_accuracy"] = {}
-    jobs = [(key, name, FinetuneJob(model, shot_rows(labels, data.pool, count, seed), seed))
+    jobs = [(job_key(key, name, seed),
+             FinetuneJob(model, shot_rows(labels, data.pool, count, seed), seed))
             for key, count in zip(keys, counts, strict=True) for name, model in arms
             for seed in range(args.seed, args.seed + seeds)]
-    workers = max(1, min(args.workers, len(jobs)))
+    accuracies = dict(finished)
+    todo = [(key, job) for key, job in jobs if key not in accuracies]
+    workers = max(1, min(args.workers, len(todo)))
     print(f"fine-tuning {len(jobs)} runs ({len(keys)} label counts x {seeds} seeds x 2 "
-          f"starts, {recipe.steps} steps each) in {workers} process(es)")
-    accuracies = finetune_many([job for *_, job in jobs], images, labels, data.scored, recipe,
-                               workers=workers, progress=not args.quiet)
+          f"starts, {recipe.steps} steps each) in {workers} process(es)"
+          + (f"; {len(jobs) - len(todo)} already done" if len(todo) < len(jobs) else ""))
+
+    def done(index: int, accuracy: float) -> None:
+        accuracies[todo[index][0]] = accuracy
+        demo_state.record(args.out, todo[index][0], accuracy)
+
+    finetune_many([job for _, job in todo], images, labels, data.scored, recipe,
+                  workers=workers, progress=not args.quiet, done=done)
     for key in keys:
         for name, _ in arms:
-            values = [accuracy for (k, n, _), accuracy in zip(jobs, accuracies, strict=True)
-                      if k == key and n == name]
+            values = [accuracies[job_key(key, name, seed)]
+                      for seed in range(args.seed, args.seed + seeds)]
             report[name]["finetune_accuracy"][key] = {
                 "median": float(np.median(values)), "min": min(values), "max": max(values),
                 "per_seed": values}

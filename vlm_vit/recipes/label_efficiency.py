@@ -219,7 +219,8 @@ def _run_job(job: FinetuneJob) -> float:
 
 def finetune_many(jobs: list[FinetuneJob], images: torch.Tensor, labels: np.ndarray,
                   eval_rows: np.ndarray, recipe: FinetuneRecipe, *, workers: int = 1,
-                  progress: bool = False) -> list[float]:
+                  progress: bool = False,
+                  done: Callable[[int, float], Any] | None = None) -> list[float]:
     """`finetune_accuracy` for each job, in `workers` processes of one thread each.
 
     Small models train no faster on two threads than on one (their matrix products are too
@@ -232,6 +233,8 @@ def finetune_many(jobs: list[FinetuneJob], images: torch.Tensor, labels: np.ndar
         workers: processes (1: in this process).
         progress: show a progress bar of the finished runs. (A callable here, the old
             meaning, is called after each finished run, with a DeprecationWarning.)
+        done: called with (the job's index, its accuracy) as each run finishes, in order:
+            how a caller records results that a stopped job must not lose.
 
     Returns:
         The accuracies, in the order of `jobs`.
@@ -239,23 +242,29 @@ def finetune_many(jobs: list[FinetuneJob], images: torch.Tensor, labels: np.ndar
     if callable(progress):
         warnings.warn("finetune_many(progress=<callable>) is deprecated: progress=True shows "
                       "a progress bar", DeprecationWarning, stacklevel=2)
-        return _run_jobs(jobs, images, labels, eval_rows, recipe, workers, progress)
+        return _run_jobs(jobs, images, labels, eval_rows, recipe, workers,
+                         lambda index, accuracy: progress())
     with tqdm(total=len(jobs), desc="fine-tuning", unit="run", disable=not progress) as bar:
-        return _run_jobs(jobs, images, labels, eval_rows, recipe, workers, bar.update)
+        def tick(index: int, accuracy: float) -> None:
+            bar.update()
+            if done is not None:
+                done(index, accuracy)
+
+        return _run_jobs(jobs, images, labels, eval_rows, recipe, workers, tick)
 
 
 def _run_jobs(jobs: list[FinetuneJob], images: torch.Tensor, labels: np.ndarray,
               eval_rows: np.ndarray, recipe: FinetuneRecipe, workers: int,
-              tick: Callable[[], Any]) -> list[float]:
-    """`finetune_many`'s runs, calling `tick` after each."""
+              tick: Callable[[int, float], Any]) -> list[float]:
+    """`finetune_many`'s runs, calling `tick(index, accuracy)` after each, in order."""
     if workers <= 1:
         threads = torch.get_num_threads()
         _start_worker(images, labels, eval_rows, recipe)
         try:
             results = []
-            for job in jobs:
+            for index, job in enumerate(jobs):
                 results.append(_run_job(job))
-                tick()
+                tick(index, results[-1])
             return results
         finally:
             torch.set_num_threads(threads)
@@ -268,7 +277,6 @@ def _run_jobs(jobs: list[FinetuneJob], images: torch.Tensor, labels: np.ndarray,
                              initializer=_start_worker,
                              initargs=(images, labels, eval_rows, recipe)) as pool:
         futures = [pool.submit(_run_job, job) for job in jobs]
-        for future in futures:
-            future.result()
-            tick()
+        for index, future in enumerate(futures):
+            tick(index, future.result())
         return [future.result() for future in futures]
