@@ -36,6 +36,9 @@ def test_lora_finetune_then_merge(setup, capsys):
                  "r=4,alpha=8,targets=attn_qv", "--steps", "120", "--batch-size", "16",
                  "--lr", "1e-2", "--num-workers", "0", "--pooling", "mean"]) == 0
     assert (run / "adapter").is_dir() and not (run / "encoder").exists()
+    # Issue 47, 1: the command as typed, not the venv's executable path.
+    command = json.loads((run / "run_config.json").read_text())["command"]
+    assert command.startswith(f"vlm-vit finetune --encoder {setup / 'encoder'} --data "), command
     evaluation = json.loads((run / "eval.json").read_text())
     # Measured 0.72 on this CPU (chance 1/3): the adapters and head learn the digits.
     assert evaluation["test_images"] == 18 and evaluation["held_out_accuracy"] >= 0.6
