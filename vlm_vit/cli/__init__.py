@@ -135,6 +135,10 @@ def describe_error(error: Exception, args: argparse.Namespace, argv: list[str]) 
         return str(error.strerror)
     if isinstance(error, USER_ERRORS):
         return _one_line(str(error)) or type(error).__name__
+    from vlm_vit.optional import broken_import
+
+    if (broken := broken_import(error)) is not None:  # an installed package fails to import
+        return broken
     if isinstance(error, pickle.UnpicklingError):  # another library's torch.load refused it
         from vlm_vit.loading import unpickling_refusal
 
