@@ -48,8 +48,8 @@ def test_a_torchvision_built_for_another_torch_is_one_line_from_the_demo(tmp_pat
                           'RuntimeError("operator torchvision::nms does not exist")')
     done = subprocess.run(
         [sys.executable, "-m", "vlm_vit.cli", "demo", "--out", str(tmp_path / "demo"),
-         "--quick", "--images-per-class", "20", "--labels", "1", "--quiet"], cwd=REPO, capture_output=True,
-        text=True, timeout=300,
+         "--quick", "--images-per-class", "20", "--labels", "1", "--quiet"], cwd=REPO,
+        capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}", "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
