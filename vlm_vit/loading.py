@@ -176,6 +176,7 @@ def convert_checkpoint(path: str | Path | hub.Location, format: str | None = Non
     format = format or location.format
     fmt = FORMATS.get(format) if format else detect_format(checkpoint)
     converted = fmt.to_native(checkpoint)
+    converted.format = fmt.name
     for rule in converted.rules:
         logger.info("%s (%s): %s", checkpoint.path, fmt.name, rule)
     if (name := non_finite_weight(converted)) is not None:
@@ -224,7 +225,14 @@ def load_with_processor(
     A checkpoint that records none gets ImageNet normalisation at the encoder's image size
     (logged). Arguments as in `load_encoder`.
     """
-    converted = convert_checkpoint(path, format, verify)
+    return from_converted(convert_checkpoint(path, format, verify), path, dtype=dtype,
+                          **overrides)
+
+
+def from_converted(converted: Converted, path: str | Path, *, dtype: torch.dtype | None = None,
+                   **overrides: Any) -> tuple[VisionEncoder, ImageProcessor]:
+    """`load_with_processor` from what `convert_checkpoint(path)` returned (a caller that
+    says which format it read, say)."""
     encoder = VisionEncoder.from_state_dict(converted.state, converted.config, dtype=dtype,
                                             source=path, **overrides)
     processor = converted.processor

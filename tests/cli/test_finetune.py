@@ -188,3 +188,25 @@ def test_a_huge_class_count_is_one_line_naming_the_flag(tmp_path, capsys):
     assert lines == ["vlm-vit finetune: error: --num-classes 1,000,000,000,000 is over the "
                      "1,000,000 classes a classifier may have"]
     assert not (tmp_path / "run").exists()
+
+
+def test_finetune_says_it_read_another_library_s_checkpoint(setup, capsys):
+    """Issue 47, 5: a timm checkpoint given to --encoder is converted, and said so at the
+    default verbosity (it was silent); a native one says nothing."""
+    timm = pytest.importorskip("timm")
+    from safetensors.torch import save_file
+
+    model = timm.models.vision_transformer.VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=1, num_classes=0)
+    save_file(model.state_dict(), setup / "timm.safetensors")
+    common = ["--data", str(setup / "digits"), "--steps", "1", "--batch-size", "8",
+              "--num-workers", "0", "--quiet"]
+    assert main(["finetune", "--encoder", str(setup / "timm.safetensors"), "--out",
+                 str(setup / "run_timm"), *common]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "--encoder" in line]
+    assert said == [f"--encoder {setup / 'timm.safetensors'}: read as a timm checkpoint and "
+                    "converted; 2 documented rule(s) decided what it does not record (-v names "
+                    "them)"]
+    assert main(["finetune", "--encoder", str(setup / "encoder"), "--out",
+                 str(setup / "run_native"), *common]) == 0
+    assert "read as" not in capsys.readouterr().out

@@ -86,13 +86,20 @@ def parse_lora(spec: str) -> dict:
     return options
 
 
-def build_model(settings: dict):
-    """The classifier (LoRA-wrapped when the settings say so) and its processor."""
+def build_model(settings: dict, say: bool = False):
+    """The classifier (LoRA-wrapped when the settings say so) and its processor; `say`
+    prints which format the encoder was read as, when it is another library's."""
     from vlm_vit.finetune import ImageClassifier
-    from vlm_vit.loading import load_with_processor
+    from vlm_vit.loading import convert_checkpoint, from_converted
 
     overrides = {"image_size": settings["image_size"]} if settings["image_size"] else {}
-    encoder, processor = load_with_processor(settings["encoder"], **overrides)
+    converted = convert_checkpoint(settings["encoder"])
+    if say and converted.format != "native":
+        rules = (f"; {len(converted.rules)} documented rule(s) decided what it does not "
+                 "record (-v names them)" if converted.rules else "")
+        print(f"--encoder {settings['encoder']}: read as a {converted.format} checkpoint "
+              f"and converted{rules}")
+    encoder, processor = from_converted(converted, settings["encoder"], **overrides)
     model = ImageClassifier(encoder, len(settings["classes"]), pooling=settings["pooling"])
     if settings["lora"] is not None:
         from vlm_vit.lora import apply_lora
@@ -126,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     recorded = _recorded_settings(out, settings) if args.resume and not args.overwrite else None
     torch.manual_seed(args.seed)
     with reading_checkpoint(args.encoder):
-        model, processor = build_model(settings)
+        model, processor = build_model(settings, say=launched_rank() == 0)
     from vlm_vit.lora import describe_trainable
 
     if launched_rank() == 0:

@@ -74,6 +74,7 @@ class Converted:
         rules: the documented rules applied where the source could not tell (logged).
         source: the checkpoint (file or directory), named in errors.
         config_file: where `config`'s sizes were read ("config.json"), named in errors.
+        format: the name of the format it was read as ("timm", "native", ...).
 
     Raises:
         ValueError: on construction, when `config` asks for sizes `state` does not hold
@@ -87,6 +88,7 @@ class Converted:
     rules: list[str] = field(default_factory=list)
     source: object = "the checkpoint"
     config_file: str = "the config"
+    format: str = ""  # the format it was read as (`loading.convert_checkpoint` sets it)
 
     def __post_init__(self) -> None:
         check_config_fits(self.config, self.state, self.source, self.config_file)
