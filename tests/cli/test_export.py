@@ -101,3 +101,21 @@ def test_encode_dtype_int8(tmp_path, checkpoint):
     int8 = load_file(tmp_path / "int8.safetensors")["tokens"]
     assert int8.dtype == torch.float32 and not torch.equal(int8, exact)
     assert torch.nn.functional.cosine_similarity(int8, exact, dim=-1).mean() > 0.99
+
+
+def test_exporting_a_classifier_says_it_exports_the_encoder_s_tokens(tmp_path, checkpoint,
+                                                                      capsys):
+    """Issue 47, 5: a classifier directory exports its encoder's tokens; now said."""
+    from vlm_vit.finetune import ImageClassifier
+
+    torch.manual_seed(0)
+    ImageClassifier(VisionEncoder(tiny_config()), 3).save_pretrained(tmp_path / "clf")
+    assert main(["export", str(tmp_path / "clf"), "--format", "torch-export", "--out",
+                 str(tmp_path / "c.pt2")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (f"{tmp_path / 'clf'} is a classifier: exporting its encoder's tokens, "
+                        "not its class scores (the head in classifier_head.safetensors is left "
+                        "out)")
+    assert main(["export", str(checkpoint), "--format", "torch-export", "--out",
+                 str(tmp_path / "e.pt2")]) == 0
+    assert "is a classifier" not in capsys.readouterr().out

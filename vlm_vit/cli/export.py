@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from vlm_vit.cli.common import image_size, is_variant, reading_checkpoint, variant_or_checkpoint
@@ -63,6 +64,13 @@ def _load(args: argparse.Namespace):
         pooler = build_pooler(args.pooler, in_dim=encoder.config.width, out_dim=args.out_dim)
         drop_prefix = not getattr(pooler, "requires_class_token", False)
         return VisionTower(encoder, pooler, drop_prefix=drop_prefix)
+    from vlm_vit.finetune import CLASSIFIER_CONFIG_NAME, HEAD_WEIGHTS_NAME
+
+    if (Path(args.model) / CLASSIFIER_CONFIG_NAME).is_file():
+        print(f"{args.model} is a classifier: exporting its encoder's "
+              f"{'pooled output' if args.pooler else 'tokens'}, not its class scores "
+              f"(the head in {HEAD_WEIGHTS_NAME} is left out)",
+              file=sys.stderr if args.json else sys.stdout)
     with reading_checkpoint(args.model):
         from vlm_vit.files import read_json
         from vlm_vit.model import CONFIG_NAME
