@@ -17,13 +17,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from vlm_vit.data.sampler import GlobalBatchSampler, batches_per_epoch
+from vlm_vit.train.signals import LauncherWatch
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ class DistributedContext:
         local_rank: the index on this machine (the CUDA device it uses).
         device: the device this process trains on.
         owns_group: whether `setup` created the process group (and `teardown` destroys it).
+        launcher: under torchrun, what ends this process once torchrun is gone (`setup` arms
+            it, `FailureWatch` polls it, `teardown` disarms it); None otherwise.
     """
 
     rank: int = 0
@@ -45,6 +48,7 @@ class DistributedContext:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     owns_group: bool = False
+    launcher: LauncherWatch | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -135,8 +139,10 @@ def setup(device: str = "auto") -> DistributedContext:
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank} does not fit WORLD_SIZE={world_size}")
     resolved = resolve_device(device, local_rank)
+    # torchrun's workers live in sessions of their own: a kill of torchrun reaches none.
+    launcher = LauncherWatch(rank).arm() if "TORCHELASTIC_RUN_ID" in os.environ else None
     if world_size == 1:
-        return DistributedContext(device=resolved)
+        return DistributedContext(device=resolved, launcher=launcher)
 
     import torch.distributed as dist
 
@@ -153,7 +159,7 @@ def setup(device: str = "auto") -> DistributedContext:
                          f"{dist.get_world_size()}, the environment says {rank} of {world_size}")
     if rank == 0:
         logger.info("data parallel on %d processes (%s backend)", world_size, dist.get_backend())
-    return DistributedContext(rank, world_size, local_rank, resolved, owns)
+    return DistributedContext(rank, world_size, local_rank, resolved, owns, launcher)
 
 
 _FAILED_KEY = "vlm_vit/failed"
@@ -169,11 +175,12 @@ class FailureWatch:
     others would wait in it until the collective timeout (30 minutes by default). Instead
     the failing rank writes its error to the rendezvous store torchrun runs (`fail`), and a
     daemon thread on every rank polls for it, prints it on one line and ends the process
-    (exit status 1) without waiting for anything.
+    (exit status 1) without waiting for anything. The same thread checks at every poll that
+    torchrun itself still runs (`context.launcher`), and goes on checking once the store is gone.
 
     Args:
-        context: this process's place; a single process watches nothing.
-        poll_seconds: how often the store is asked.
+        context: this process's place; a single process watches no store.
+        poll_seconds: how often the store and the launcher are asked.
     """
 
     def __init__(self, context: DistributedContext, poll_seconds: float = 0.5) -> None:
@@ -184,7 +191,7 @@ class FailureWatch:
         self.store = _store() if context.is_distributed else None
         self._stop = threading.Event()
         self._thread = None
-        if self.store is not None:
+        if self.store is not None or context.launcher is not None:
             self._thread = threading.Thread(target=self._watch, daemon=True,
                                             name="vlm-vit-failure-watch")
             self._thread.start()
@@ -208,13 +215,21 @@ class FailureWatch:
             self._thread.join(timeout=self.poll_seconds + CLOSE_WAIT_SECONDS)
 
     def _watch(self) -> None:
+        store, launcher = self.store, self.context.launcher
         while not self._stop.wait(self.poll_seconds):
+            if launcher is not None:
+                # First: a store call to a dead torchrun prints c10d's C++ stack (one already
+                # in flight while torchrun dies still does; the signal usually ends us first).
+                launcher.check()
+            if store is None:
+                continue
             try:
-                if not self.store.check([self.key]):
+                if not store.check([self.key]):
                     continue
-                message = self.store.get(self.key).decode(errors="replace")
-            except Exception:  # the store closed: the run is ending anyway
-                return
+                message = store.get(self.key).decode(errors="replace")
+            except Exception:  # the store closed: the run is ending, or torchrun is gone
+                store = None
+                continue
             if self._stop.is_set():
                 return
             import sys
@@ -244,7 +259,9 @@ def _store():
 
 
 def teardown(context: DistributedContext) -> None:
-    """Destroys the process group if `setup` created it."""
+    """Destroys the process group if `setup` created it, and stops watching the launcher."""
+    if context.launcher is not None:
+        context.launcher.disarm()
     if context.owns_group:
         import torch.distributed as dist
 
