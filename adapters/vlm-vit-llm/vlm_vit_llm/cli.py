@@ -11,6 +11,7 @@ from pathlib import Path
 
 from vlm_vit.commands import add_strategy_arguments
 from vlm_vit_llm.packing_args import PackingOptions, add_packing_arguments, packing_from_args
+from vlm_vit_llm.tiling_args import AnyRes, add_anyres_argument, anyres_from_args
 
 STAGES = (1, 2)
 DATA_FORMATS = ("captions", "llava")
@@ -111,12 +112,13 @@ def _add_model_arguments(train: argparse.ArgumentParser) -> None:
                        "Hub name")
     start.add_argument("--tower", metavar="PATH_OR_NAME",
                        help="a vision checkpoint, saved tower or model name (with --llm, "
-                       "instead of --model)")
+                       "instead of --model); a saved tiled tower keeps its tiling (--anyres)")
     start.add_argument("--llm", type=Path, metavar="DIR_OR_NAME",
                        help="a Hugging Face causal LM folder with its tokenizer, or its name")
     start.add_argument("--projector", default="mlp2x_gelu", help="pooler for a new tower")
     start.add_argument("--feature-layer", type=int, default=-2,
                        help="hidden state a new tower reads (LLaVA: -2)")
+    add_anyres_argument(start)
 
 
 def _add_data_arguments(train: argparse.ArgumentParser) -> None:
@@ -193,8 +195,9 @@ def load_multimodal(value: str | Path, what: str, *, trainable: bool = False):
         return MultimodalLM.from_pretrained(directory, trainable=trainable)
 
 
-def build_model(args: argparse.Namespace):
-    """The model to train: `--model`, or a new one from `--tower` and `--llm`."""
+def build_model(args: argparse.Namespace, anyres: AnyRes | None = None):
+    """The model to train: `--model`, or a new one from `--tower` and `--llm` (tiled as
+    `anyres` asks, or as the tower was saved: `vlm_vit_llm.tiling_args`)."""
     from vlm_vit_llm.model import MultimodalLM
 
     if args.model is not None:
@@ -207,6 +210,7 @@ def build_model(args: argparse.Namespace):
 
     from vlm_vit import load_processor, load_tower
     from vlm_vit.commands import reading_checkpoint, refusing_pickles
+    from vlm_vit_llm.tiling_args import saved_tiling, tiled_tower
 
     llm_dir = _model(args.llm, "--llm")
     with refusing_pickles(llm_dir, "--llm"):
@@ -222,7 +226,10 @@ def build_model(args: argparse.Namespace):
     with reading_checkpoint(args.tower):
         tower = load_tower(tower_at, args.projector, out_dim=width,
                            feature_layer=args.feature_layer, drop_prefix=True)
-    return MultimodalLM(tower, llm, tokenizer, processor=load_processor(tower_at, required=False))
+    tower = tiled_tower(tower, anyres, saved_tiling(tower_at.directory), f"--tower {args.tower}")
+    processor = tower.processor if tower.tiling is not None else \
+        load_processor(tower_at, required=False)
+    return MultimodalLM(tower, llm, tokenizer, processor=processor)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -249,13 +256,14 @@ def _train(args: argparse.Namespace) -> int:
 
     shards = _check_data(args)
     packing = packing_from_args(args, shards=shards)  # bad flags fail before the LLM loads
+    anyres = anyres_from_args(args)
     if args.model is not None:
         args.model = _model(args.model, "--model")  # once: the records read its image token
         if args.stage == 2:
             _refuse_adapters(args.model)
     records = None if shards else _records(args)  # bad data fails before the LLM is loaded
     torch.manual_seed(args.seed)  # the same new projector on every process
-    mm = build_model(args)
+    mm = build_model(args, anyres)
     dataset, collate, objective_class = _data(args, mm, records, shards, packing)
     if args.stage == 1:
         mm.train_projector_only()
