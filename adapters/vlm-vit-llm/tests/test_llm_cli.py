@@ -173,3 +173,14 @@ def test_packed_training_through_the_cli_follows_the_padded_losses(parts, tmp_pa
                  str(tmp_path / "bad")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith("--max-tokens-per-batch must be positive, got 0")
+
+
+def test_packed_training_prints_the_attention_path_it_chose(parts, capsys):
+    """`llm train --packing` says at default verbosity which attention path keeps the
+    records apart, and why (issue 47)."""
+    assert main(train_args(parts, "--tower", str(parts / "encoder"), "--llm",
+                           str(parts / "llm"), "--steps", "1", "--quiet", "--packing",
+                           "--out", str(parts / "packed"))) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out.splitlines()
+    assert ("packing: attention varlen_sdpa (an sdpa LLM with full attention in every layer: "
+            "records kept apart by cu_seqlens, one causal SDPA per record)") in out, out

@@ -9,7 +9,12 @@ from conftest import perturb_lora, photos, tiny_llm, tiny_tower
 from vlm_vit_llm import IGNORE_INDEX, MultimodalLM, varlen_attention
 from vlm_vit_llm import packing as packing_module
 from vlm_vit_llm.model import target_ids
-from vlm_vit_llm.packing import PackingLeakError, choose_packed_attention, layout_rows
+from vlm_vit_llm.packing import (
+    PackingLeakError,
+    choose_packed_attention,
+    explain_packed_attention,
+    layout_rows,
+)
 from vlm_vit_llm.train import ConversationBatch, conversation_loss
 
 # (prompt, answer): with images, text-only, two images; lengths 11 to 44 positions.
@@ -262,3 +267,15 @@ def test_packed_rows_split_whole(tokenizer):
         for part in parts:
             assert part.rows == [list(range(len(part)))]
             assert part.whole == batch.whole
+
+
+@pytest.mark.parametrize(("implementation", "path", "why"), [
+    ("sdpa", "varlen_sdpa", "an sdpa LLM with full attention in every layer"),
+    ("eager", "position_ids", "an eager LLM"),
+])
+def test_the_chosen_path_comes_with_its_reason(implementation, path, why):
+    llm = tiny_llm()
+    llm.set_attn_implementation(implementation)
+    chosen, reason = explain_packed_attention(llm)
+    assert chosen == path == choose_packed_attention(llm)
+    assert reason.startswith(f"{why}: records kept apart by "), reason

@@ -253,6 +253,7 @@ def _train(args: argparse.Namespace) -> int:
     from vlm_vit.train import TrainConfig, Trainer
     from vlm_vit_llm.model import DEFAULT_LLM_LORA_TARGETS
     from vlm_vit_llm.objective import MODEL_DIR
+    from vlm_vit_llm.packing import explain_packed_attention
 
     shards = _check_data(args)
     packing = packing_from_args(args, shards=shards)  # bad flags fail before the LLM loads
@@ -273,6 +274,8 @@ def _train(args: argparse.Namespace) -> int:
                     encoder_targets=args.lora_encoder)
     # After the stage: it fingerprints the frozen base.
     objective = objective_class(mm, loss_reduction=packing.loss_reduction)
+    if packing.packing:  # chosen from the LLM's config; checked at the first packed batch
+        print("packing: attention {} ({})".format(*explain_packed_attention(mm.llm)))
     cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size,

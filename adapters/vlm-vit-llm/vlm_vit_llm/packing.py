@@ -141,6 +141,16 @@ def choose_packed_attention(llm: nn.Module) -> str:
     Raises:
         ValueError: for a model whose positions are not 1-D (multimodal RoPE), naming it.
     """
+    return explain_packed_attention(llm)[0]
+
+
+def explain_packed_attention(llm: nn.Module) -> tuple[str, str]:
+    """`choose_packed_attention`'s path for `llm`, and why, in a few words (what `vlm-vit llm
+    train --packing` prints).
+
+    Raises:
+        ValueError: as `choose_packed_attention`.
+    """
     base = _base_model(llm)
     config = getattr(base, "config", None)
     if _multimodal_rope(config):
@@ -150,14 +160,21 @@ def choose_packed_attention(llm: nn.Module) -> str:
                          "train it without packing")
     implementation = str(getattr(config, "_attn_implementation", None) or "eager")
     if "flash" in implementation:  # transformers' flash_attention_2 / hub flash kernels
-        return "flash_attention_2"
+        return "flash_attention_2", (f"the LLM runs {implementation}: records kept apart by "
+                                     "its varlen kernel's cu_seqlens")
     if not getattr(base, "_supports_attention_backend", False):
-        return "block_mask"
+        return "block_mask", (f"{type(base).__name__} takes no transformers attention "
+                              "backend: records kept apart by a block-diagonal causal mask")
     if implementation in ("sdpa", varlen_attention.NAME) and _full_attention_only(config):
-        return "varlen_sdpa"
+        return "varlen_sdpa", ("an sdpa LLM with full attention in every layer: records kept "
+                               "apart by cu_seqlens, one causal SDPA per record")
     if implementation in ("sdpa", "eager", varlen_attention.NAME):
-        return "position_ids"
-    return "block_mask"
+        why = "an eager LLM" if implementation == "eager" else \
+            "an sdpa LLM with sliding-window or chunked layers"
+        return "position_ids", (f"{why}: records kept apart by transformers' packed-sequence "
+                                "path, restarting position_ids")
+    return "block_mask", (f"attention implementation {implementation!r}: records kept apart "
+                          "by a block-diagonal causal mask")
 
 
 def packed_llm_inputs(path: str, position_ids: torch.Tensor, record_index: torch.Tensor,
