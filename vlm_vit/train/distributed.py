@@ -218,9 +218,9 @@ class FailureWatch:
         store, launcher = self.store, self.context.launcher
         while not self._stop.wait(self.poll_seconds):
             if launcher is not None:
-                # First: a store call to a dead torchrun prints c10d's C++ stack (one already
-                # in flight while torchrun dies still does; the signal usually ends us first).
                 launcher.check()
+                if launcher.being_killed():
+                    continue  # a store call to a dying torchrun fails, printing C++ stacks
             if store is None:
                 continue
             try:

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,19 @@ class LauncherWatch:
         os.write(2, f"vlm-vit: rank {self.rank}: the launcher (torchrun, pid {self.pid}) is "
                     "gone; stopping without a checkpoint\n".encode())
         os._exit(1)
+
+    def being_killed(self) -> bool:
+        """Whether the launcher has a SIGKILL pending (read from Linux's /proc; elsewhere
+        False). It stops answering at once, but its sockets close, and its workers learn of
+        its end, only once the kernel has torn it down, up to a few hundred ms later."""
+        try:
+            status = Path(f"/proc/{self.pid}/status").read_text()
+        except OSError:
+            return False
+        for line in status.splitlines():
+            if line.startswith("ShdPnd:"):  # the process's pending signals, a hex bit mask
+                return bool(int(line.split()[1], 16) >> (signal.SIGKILL - 1) & 1)
+        return False
 
     def _signalled(self, number: int, frame: object) -> None:
         self.check()  # the parent thread of a still-living launcher may send it too
