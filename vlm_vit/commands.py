@@ -13,10 +13,13 @@ import pickle
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vlm_vit.config import EncoderConfig, available_variants
-from vlm_vit.model import VisionEncoder
 from vlm_vit.registry import UnknownNameError
+
+if TYPE_CHECKING:  # torch and the model load only when a command runs
+    from vlm_vit.model import VisionEncoder
 
 
 def check_device(device: str) -> str:
@@ -72,6 +75,8 @@ def variant_or_checkpoint(model: str, size: tuple[int, int] | int | None) -> Vis
     """A named variant at random init (see `is_variant`), else a checkpoint's encoder."""
     overrides = {"image_size": size} if size else {}
     if is_variant(model):
+        from vlm_vit.model import VisionEncoder
+
         return VisionEncoder(EncoderConfig.from_name(model, **overrides))
     from vlm_vit.loading import load_encoder
 

@@ -22,12 +22,12 @@ from vlm_vit.files import (
 from vlm_vit.integrity import verify_files, write_manifest
 from vlm_vit.model import VisionEncoder
 from vlm_vit.native import check_state_dict
+from vlm_vit.presets import POOLINGS as POOLINGS
 from vlm_vit.pretrain.base import ObjectiveOutput
 from vlm_vit.processor import ImageProcessor
 from vlm_vit.tensor_files import read_safetensors
 from vlm_vit.tower import VisionTower, no_graph_if_frozen
 
-POOLINGS = ("cls", "mean")
 CLASSIFIER_CONFIG_NAME = "classifier.json"
 HEAD_WEIGHTS_NAME = "classifier_head.safetensors"
 # The most classes a classifier may have: ImageNet-21k has 21,843, the largest face and

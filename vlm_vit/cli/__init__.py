@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import logging
 import os
 import pickle
@@ -24,31 +25,21 @@ import traceback
 from importlib import metadata
 from pathlib import Path
 
-from vlm_vit.cli import (
-    analyze,
-    consolidate,
-    convert,
-    demo,
-    download,
-    encode,
-    export,
-    finetune,
-    info,
-    predict,
-    pretrain,
-    probe,
-    shards,
-)
 from vlm_vit.registry import UnknownNameError
-from vlm_vit.train.trainer import NonFiniteLossError
 
 COMMAND_GROUP = "vlm_vit.commands"
-
+# The subcommands, in `--help`'s order: modules of this package whose top level imports no
+# torch (their `run` functions import what they need), so `vlm-vit --help` and a
+# subcommand's `--help` start in a fraction of a second.
+SUBCOMMANDS = ("info", "encode", "convert", "download", "probe", "pretrain", "demo", "analyze",
+               "finetune", "predict", "shards", "export", "consolidate")
 
 # Errors of ours, and of the system (OSError: permissions, a full disk, missing files), that
 # a user can cause and fix: printed as their message alone. ValueError covers the image,
-# config and integrity errors; ImportError says which extra to install.
-USER_ERRORS = (ValueError, OSError, ImportError, UnknownNameError, NonFiniteLossError)
+# config and integrity errors; ImportError says which extra to install; the trainer's
+# `NonFiniteLossError` (a diverging run) is matched by `_is_user_error` without importing
+# the trainer.
+USER_ERRORS = (ValueError, OSError, ImportError, UnknownNameError)
 # An OSError without a file name while a command writes: said to concern its --out.
 _WRITE_ERRNOS = frozenset(getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EROFS", "EFBIG")
                           if hasattr(errno, name))
@@ -74,19 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log progress details; a failure prints its full traceback too")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                        parser_class=CommandParser)
-    info.add_parser(subparsers)
-    encode.add_parser(subparsers)
-    convert.add_parser(subparsers)
-    download.add_parser(subparsers)
-    probe.add_parser(subparsers)
-    pretrain.add_parser(subparsers)
-    demo.add_parser(subparsers)
-    analyze.add_parser(subparsers)
-    finetune.add_parser(subparsers)
-    predict.add_parser(subparsers)
-    shards.add_parser(subparsers)
-    export.add_parser(subparsers)
-    consolidate.add_parser(subparsers)
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"vlm_vit.cli.{name}").add_parser(subparsers)
     for entry in metadata.entry_points(group=COMMAND_GROUP):
         try:
             entry.load()(subparsers)
@@ -133,7 +113,7 @@ def describe_error(error: Exception, args: argparse.Namespace, argv: list[str]) 
         if error.errno in _WRITE_ERRNOS and out is not None:
             return f"{error.strerror} (writing to {out})"
         return str(error.strerror)
-    if isinstance(error, USER_ERRORS):
+    if _is_user_error(error):
         return _one_line(str(error)) or type(error).__name__
     from vlm_vit.optional import broken_import
 
@@ -154,6 +134,12 @@ def describe_error(error: Exception, args: argparse.Namespace, argv: list[str]) 
         where = f"could not write the traceback to {path} ({failed.strerror}); -v prints it"
     first = _one_line(str(error).split("\n", 1)[0]).rstrip(":")
     return f"unexpected {type(error).__name__}{f': {first}' if first else ''} ({where})"
+
+
+def _is_user_error(error: Exception) -> bool:
+    training = sys.modules.get("vlm_vit.train.config")  # loaded if a run raised it
+    return isinstance(error, USER_ERRORS) or (
+        training is not None and isinstance(error, training.NonFiniteLossError))
 
 
 def traceback_path() -> Path:

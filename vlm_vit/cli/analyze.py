@@ -5,11 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vlm_vit import analysis
-from vlm_vit.analysis.report import JSON_NAME
 from vlm_vit.cli.common import reading_checkpoint
-from vlm_vit.cli.encode import find_images
-from vlm_vit.loading import load_with_processor
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -32,6 +28,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vlm_vit import analysis
+    from vlm_vit.analysis.report import JSON_NAME
+    from vlm_vit.cli.encode import find_images
+    from vlm_vit.loading import load_with_processor
+
     if args.filters < 1:
         raise ValueError(f"--filters must be at least 1, got {args.filters}")
     files = find_images(args.images)  # a missing path fails before the checkpoint is read

@@ -5,27 +5,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 from pathlib import Path
 
 from vlm_vit.cli.common import check_output_apart, image_size, reading_checkpoint
-from vlm_vit.convert import FORMATS
-from vlm_vit.files import MODEL_FILES, atomic_directory
-from vlm_vit.integrity import MANIFEST_NAME, read_manifest
-from vlm_vit.loading import build_native_pooler, convert_checkpoint
-from vlm_vit.model import CONFIG_NAME, VisionEncoder
-from vlm_vit.processor import PROCESSOR_CONFIG_NAME
-from vlm_vit.weights import SHARD_INDEX, parse_size
 
 # transformers reads shards; timm and open_clip read one weight file
 SHARDABLE = ("native", "hf_clip", "hf_dinov2", "hf_pixtral", "hf_qwen2_vl", "hf_qwen2_5_vl")
 # What a native save writes besides the weight files its manifest lists: over an earlier
-# vlm-vit model these, and that model's listed weights, are all it replaces.
-NATIVE_METADATA = (CONFIG_NAME, MANIFEST_NAME, SHARD_INDEX, PROCESSOR_CONFIG_NAME)
+# vlm-vit model these, and that model's listed weights, are all it replaces (config.json,
+# manifest.json, the shards' index and the processor's config).
+NATIVE_METADATA = ("config.json", "manifest.json", "model.safetensors.index.json",
+                   "processor_config.json")
 
 
 def writable_formats() -> list[str]:
     """Formats that can be written: native and those whose converter has `write`."""
+    from vlm_vit.convert import FORMATS
+
     return ["native", *(n for n in FORMATS.names() if hasattr(FORMATS.get(n), "write"))]
 
 
@@ -59,6 +55,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vlm_vit.convert import FORMATS
+    from vlm_vit.files import atomic_directory
+    from vlm_vit.loading import build_native_pooler, convert_checkpoint
+    from vlm_vit.model import VisionEncoder
+    from vlm_vit.weights import parse_size
+
     target = args.to.replace("-", "_")
     if target not in writable_formats():
         raise ValueError(f"cannot write format {args.to!r}; writable: "
@@ -105,6 +107,12 @@ def previous_model_files(destination: Path) -> tuple[str, ...]:
     Raises:
         ValueError: for a DST that holds files but no model (the user's own folder).
     """
+    import glob
+
+    from vlm_vit.files import MODEL_FILES
+    from vlm_vit.integrity import MANIFEST_NAME, read_manifest
+    from vlm_vit.model import CONFIG_NAME
+
     if not destination.is_dir() or not any(destination.iterdir()):
         return MODEL_FILES  # nothing to keep (a file DST is open_clip's, or refused)
     listed = read_manifest(destination)

@@ -13,7 +13,7 @@ import argparse
 import os
 from pathlib import Path
 
-from vlm_vit.recipes.demo import DEFAULTS, QUICK, run
+from vlm_vit.recipes.demo_state import DEFAULTS, QUICK
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -62,3 +62,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="start afresh in an --out that holds a demo run (its run, encoder "
                         "and report are removed; the cached digits kept)")
     parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vlm_vit.recipes.demo import run as run_demo
+
+    return run_demo(args)

@@ -12,24 +12,14 @@ import argparse
 import json
 import logging
 from pathlib import Path
-
-import torch
-from tqdm import tqdm
+from typing import TYPE_CHECKING
 
 from vlm_vit.cli.common import check_output_apart
-from vlm_vit.cli.encode_model import DTYPES, encode_batch, prepare_encoder
-from vlm_vit.data.source import storage
-from vlm_vit.files import IMAGE_SUFFIXES, image_files, write_safetensors
-from vlm_vit.model import VisionEncoder
-from vlm_vit.processor import (
-    MAX_OUTPUT_PIXELS,
-    MAX_SIDE,
-    NORMALIZATION,
-    ImageLoadError,
-    ImageProcessor,
-    ImageTooLargeError,
-)
-from vlm_vit.train.token_budget import first_fit_decreasing, tokens_for_size
+from vlm_vit.presets import ENCODE_DTYPES, NORMALIZATION
+
+if TYPE_CHECKING:  # torch and the model load when the command runs, not for --help
+    from vlm_vit.model import VisionEncoder
+    from vlm_vit.processor import ImageProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="encode at SIDE or HEIGHT WIDTH (position table resized)")
     parser.add_argument("--normalize", choices=sorted(NORMALIZATION),
                         help="mean/std preset (default: the checkpoint's processor settings)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+    parser.add_argument("--dtype", choices=sorted(ENCODE_DTYPES), default="float32",
                         help="bfloat16 / float16: weights in that dtype; int8: the block "
                         "Linears quantized to int8 (PyTorch dynamic quantization, CPU only)")
     parser.add_argument("--device", default="cpu",
@@ -88,6 +78,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def find_images(inputs: list[str]) -> list[Path]:
     """Files as given, and every image file under each folder, sorted; errors name the path."""
+    from vlm_vit.files import IMAGE_SUFFIXES, image_files
+
     found: list[Path] = []
     for item in map(Path, inputs):
         if item.is_dir():
@@ -109,6 +101,8 @@ def _is_shard_job(inputs: list[str]) -> bool:
     Raises:
         ValueError: when some are shards and some are not.
     """
+    from vlm_vit.data.source import storage
+
     shards = [storage(item, check_folder=False) == "shards" for item in inputs]
     if all(shards):
         return True
@@ -120,6 +114,12 @@ def _is_shard_job(inputs: list[str]) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from vlm_vit.cli.encode_model import encode_batch, prepare_encoder
+    from vlm_vit.files import write_safetensors
+
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     if _is_shard_job(args.inputs):
@@ -208,6 +208,8 @@ def _native_processor(processor: ImageProcessor, encoder: VisionEncoder,
                       max_tokens: int) -> ImageProcessor:
     """The checkpoint's preprocessing in native mode: no crop, sides multiples of the patch
     size, each image at most the patches a pack of `max_tokens` can hold."""
+    from vlm_vit.processor import MAX_OUTPUT_PIXELS, MAX_SIDE, ImageProcessor
+
     patch, prefix = encoder.config.patch_size, encoder.num_prefix_tokens
     if max_tokens <= prefix:
         raise ValueError(f"--max-tokens must be more than the {prefix} prefix tokens, got "
@@ -225,6 +227,8 @@ def _native_processor(processor: ImageProcessor, encoder: VisionEncoder,
 def _planned_size(processor: ImageProcessor, path: Path, max_tokens: int) -> tuple[int, int]:
     """The size `path` is encoded at, from its header; an image that has none (too thin,
     or over the budget however it is shrunk) is named with the bounds it misses."""
+    from vlm_vit.processor import ImageLoadError, ImageTooLargeError
+
     try:
         return processor.output_size(path)
     except (ImageLoadError, ImageTooLargeError):
@@ -239,6 +243,13 @@ def _run_native(args: argparse.Namespace, files: list[Path], encoder: VisionEnco
                 processor: ImageProcessor, layers: list[int] | None, names: list[str]) -> int:
     """Native resolution: packs of whole images by token budget, one packed pass each; the
     output holds every image's tokens end to end, in file order, with `lengths` and `grids`."""
+    import torch
+    from tqdm import tqdm
+
+    from vlm_vit.cli.encode_model import DTYPES
+    from vlm_vit.files import write_safetensors
+    from vlm_vit.train.token_budget import first_fit_decreasing, tokens_for_size
+
     processor = _native_processor(processor, encoder, args.max_tokens)
     prefix, patch = encoder.num_prefix_tokens, encoder.config.patch_size
     skipped = Skipped(args.strict)

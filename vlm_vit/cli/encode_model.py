@@ -10,12 +10,13 @@ import torch
 from vlm_vit.cli.common import image_size, is_variant, reading_checkpoint, variant_or_checkpoint
 from vlm_vit.loading import load_with_processor
 from vlm_vit.model import VisionEncoder
+from vlm_vit.presets import ENCODE_DTYPES
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
 
 # --dtype to the dtype of the pixels and tokens; int8 computes in float32 around its int8
 # block Linears (`prepare_encoder` quantizes them).
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "int8": torch.float32}
+DTYPES = dict(zip(ENCODE_DTYPES, (torch.float32, torch.bfloat16, torch.float16,
+                                   torch.float32), strict=True))  # int8: quantized from float32
 
 
 def _model_and_processor(args: argparse.Namespace) -> tuple[VisionEncoder, ImageProcessor]:

@@ -9,9 +9,6 @@ import shutil
 from pathlib import Path
 
 from vlm_vit.cli.common import add_strategy_arguments, reading_checkpoint, refusing_pickles
-from vlm_vit.data.source import open_source, storage
-from vlm_vit.files import atomic_write, read_json
-from vlm_vit.train.distributed import launched_rank
 
 FINETUNE_NAME = "finetune.json"  # what `merge` needs to rebuild the model
 # Where a full fine-tune leaves its classifier (`ImageClassifier.save_pretrained`, what
@@ -113,22 +110,16 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from vlm_vit.data.samples import collate_labelled
-    from vlm_vit.eval import read_class_folder
+    from vlm_vit.files import atomic_write
     from vlm_vit.processor import ImageProcessor
     from vlm_vit.train import TrainConfig, Trainer
     from vlm_vit.train.checkpoint import sharded_checkpoint_path
+    from vlm_vit.train.distributed import launched_rank
     from vlm_vit.train.fsdp import is_sharded
     from vlm_vit.train.run_lock import RunLock
     from vlm_vit.train.sharded_checkpoint import load_weights
 
-    if args.qlora and not args.lora:
-        raise ValueError("--qlora needs --lora (QLoRA trains LoRA adapters on 4-bit weights)")
-    # A folder's own reader names a missing one, as before storage() decided.
-    kind = storage(args.data, "--data", check_folder=False)
-    classes = _shard_classes(args) if kind == "shards" else read_class_folder(Path(args.data))[2]
-    settings = {"encoder": str(args.encoder), "image_size": args.image_size,
-                "pooling": args.pooling, "classes": classes, "qlora": args.qlora,
-                "lora": parse_lora(args.lora) if args.lora else None}
+    kind, classes, settings = _settings(args)
     out = Path(args.out)
     recorded = _recorded_settings(out, settings) if args.resume and not args.overwrite else None
     torch.manual_seed(args.seed)
@@ -189,9 +180,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings(args: argparse.Namespace) -> tuple[str, list[str], dict]:
+    """The data's storage kind, the class names and the run's settings (`finetune.json`)."""
+    from vlm_vit.data.source import storage
+    from vlm_vit.eval import read_class_folder
+
+    if args.qlora and not args.lora:
+        raise ValueError("--qlora needs --lora (QLoRA trains LoRA adapters on 4-bit weights)")
+    # A folder's own reader names a missing one, as before storage() decided.
+    kind = storage(args.data, "--data", check_folder=False)
+    classes = _shard_classes(args) if kind == "shards" else read_class_folder(Path(args.data))[2]
+    settings = {"encoder": str(args.encoder), "image_size": args.image_size,
+                "pooling": args.pooling, "classes": classes, "qlora": args.qlora,
+                "lora": parse_lora(args.lora) if args.lora else None}
+    return kind, classes, settings
+
+
 def _evaluate_held_out(model, held_out, classes: list[str], out: Path) -> None:
     """The held-out accuracy of the trained `model`, printed and written to eval.json."""
     import torch
+
+    from vlm_vit.files import atomic_write
 
     model.eval()
     device = next(model.parameters()).device
@@ -212,6 +221,8 @@ def _evaluate_held_out(model, held_out, classes: list[str], out: Path) -> None:
 def run_dir_hint(path: Path) -> str | None:
     """What to give `predict` instead of a `vlm-vit finetune` run directory (None for any
     other path): the run's classifier directory, or how a LoRA run gets one."""
+    from vlm_vit.files import read_json
+
     settings_path = path / FINETUNE_NAME
     if not settings_path.is_file():
         return None
@@ -233,6 +244,8 @@ def _recorded_settings(out: Path, settings: dict) -> dict | None:
         ValueError: when they differ from this run's, naming each difference (`merge` folds
             the adapter into the recorded encoder, so a resume must train that one).
     """
+    from vlm_vit.files import read_json
+
     path = out / FINETUNE_NAME
     if not path.is_file():
         return None
@@ -296,6 +309,7 @@ def _shard_parts(args: argparse.Namespace, processor, classes: list[str]):
     """A training source of the shards' samples outside the held-out hash split, and the
     held-out samples' batches in one ordered pass."""
     from vlm_vit.data.shards import KeySplit, LabelledBatches, LabelledDecode
+    from vlm_vit.data.source import open_source
 
     decode = LabelledDecode(processor, args.label_field, num_classes=len(classes))
     train = open_source(args.data, decode, seed=args.seed, name="--data",
@@ -313,6 +327,7 @@ _PARTS = {"folder": _folder_parts, "shards": _shard_parts}
 
 
 def run_merge(args: argparse.Namespace) -> int:
+    from vlm_vit.files import read_json
     from vlm_vit.finetune import CLASSIFIER_CONFIG_NAME
     from vlm_vit.lora import load_adapter, merge_lora, set_adapter
 

@@ -6,12 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
 from vlm_vit.cli.common import image_size, is_variant, reading_checkpoint
 from vlm_vit.config import EncoderConfig, available_variants
-from vlm_vit.flops import count_macs
-from vlm_vit.model import VisionEncoder
 
 COMMON_SIDES = (224, 336, 384, 448, 512)
 
@@ -152,6 +148,11 @@ def family_line(config: EncoderConfig) -> str:
 def describe(config: EncoderConfig, sizes: list[tuple[int, int]]) -> dict:
     """Parameters, the family and its mechanisms (`family_line`) and, per resolution, the
     grid, token count and GFLOPs of one image."""
+    import torch
+
+    from vlm_vit.flops import count_macs
+    from vlm_vit.model import VisionEncoder
+
     with torch.device("meta"):  # counts without allocating the weights
         parameters = sum(p.numel() for p in VisionEncoder(config).parameters())
     rows = []

@@ -7,9 +7,7 @@ import argparse
 from pathlib import Path
 
 from vlm_vit.commands import add_strategy_arguments, variant_or_checkpoint
-from vlm_vit.pretrain.build import build_objective
-from vlm_vit.processor import NORMALIZATION
-from vlm_vit.train.distributed import launched_rank
+from vlm_vit.presets import NORMALIZATION
 
 OBJECTIVES = ("mpp", "mae")
 
@@ -79,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
     from vlm_vit.data.folders import Augmentation
     from vlm_vit.data.shards import ImageDecode
     from vlm_vit.data.source import open_source, storage
+    from vlm_vit.pretrain.build import build_objective
     from vlm_vit.train import TrainConfig, Trainer
+    from vlm_vit.train.distributed import launched_rank
 
     storage(args.data, "--data")  # refused before the model is built
     torch.manual_seed(args.seed)  # the same initial weights on every process

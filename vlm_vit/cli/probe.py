@@ -8,11 +8,7 @@ import json
 from pathlib import Path
 
 from vlm_vit.cli.common import reading_checkpoint
-from vlm_vit.data.shards import expand_shards
-from vlm_vit.data.source import storage
-from vlm_vit.eval import POOLINGS, evaluate_folder, evaluate_shards
-from vlm_vit.files import atomic_write
-from vlm_vit.loading import load_with_processor
+from vlm_vit.presets import POOLINGS
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -62,6 +58,12 @@ def format_table(result: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vlm_vit.data.shards import expand_shards
+    from vlm_vit.data.source import storage
+    from vlm_vit.eval import evaluate_folder, evaluate_shards
+    from vlm_vit.files import atomic_write
+    from vlm_vit.loading import load_with_processor
+
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     shards = storage(args.data, check_folder=False) == "shards"

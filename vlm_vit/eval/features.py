@@ -17,11 +17,11 @@ from tqdm import tqdm
 
 from vlm_vit.files import class_folders
 from vlm_vit.model import VisionEncoder
+from vlm_vit.presets import POOLINGS as POOLINGS
 from vlm_vit.processor import ImageProcessor
 
 logger = logging.getLogger(__name__)
 
-POOLINGS = ("cls", "mean")
 
 
 # -- features from an encoder ---------------------------------------------------------------

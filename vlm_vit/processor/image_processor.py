@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from vlm_vit.files import atomic_write, read_json
+from vlm_vit.presets import NORMALIZATION as NORMALIZATION  # (mean, std) per family
 from vlm_vit.processor.anyres import Tiling, as_tiling, tile_views
 from vlm_vit.processor.decode import (
     Decoder,
@@ -50,12 +51,6 @@ logger = logging.getLogger(__name__)
 
 PROCESSOR_CONFIG_NAME = "processor_config.json"
 
-#: (mean, std) per model family.
-NORMALIZATION: dict[str, tuple[tuple[float, float, float], tuple[float, float, float]]] = {
-    "clip": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
-    "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
-    "inception": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
-}
 RESIZE_MODES = ("shortest_edge", "squash", "native")
 CROP_ROUNDINGS = ("round", "floor")
 _PIL_RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}

@@ -26,14 +26,10 @@ from vlm_vit.files import atomic_write
 from vlm_vit.optional import require
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
 from vlm_vit.recipes import demo_state
-from vlm_vit.recipes.demo_state import job_key
+from vlm_vit.recipes.demo_state import DEFAULTS, QUICK, job_key
 
 logger = logging.getLogger(__name__)
 
-# Chosen on the validation split of the training half (see the README's demo section).
-DEFAULTS = {"objective": "mae", "steps": 800, "finetune_steps": 250, "finetune_lr": 1e-3,
-            "layer_decay": 1.0, "seeds": 3}
-QUICK = {"steps": 400, "finetune_steps": 150, "finetune_lr": 2e-3, "seeds": 1}
 VALIDATION_FRACTION = 0.2  # of the training half; the labelled pool is the rest
 MAE_SETTINGS = {"mask_ratio": 0.75, "decoder_width": 64, "decoder_depth": 2}  # sized to the demo
 

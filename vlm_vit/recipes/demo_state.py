@@ -12,9 +12,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from vlm_vit.files import atomic_write, read_json
-
 logger = logging.getLogger(__name__)
+
+# The demo's schedule, chosen on the validation split of the training half (see the README's
+# demo section); `--quick`'s. Here, not in `demo.py`, so `vlm-vit demo --help` needs no torch.
+DEFAULTS = {"objective": "mae", "steps": 800, "finetune_steps": 250, "finetune_lr": 1e-3,
+            "layer_decay": 1.0, "seeds": 3}
+QUICK = {"steps": 400, "finetune_steps": 150, "finetune_lr": 2e-3, "seeds": 1}
 
 STATE_NAME = "demo.json"
 # What an earlier demo leaves in its folder besides the cached digits (`data/`,
@@ -42,6 +46,8 @@ def open_run(out: Path, chosen: dict[str, Any], command: str, *, resume: bool,
         ValueError: `out` holds a demo run and neither `resume` nor `overwrite` says what to
             do with it, or `resume` with settings other than the run's (naming them).
     """
+    from vlm_vit.files import read_json
+
     if resume and overwrite:
         raise ValueError("--resume continues a demo and --overwrite starts afresh: pass one")
     state = out / STATE_NAME
@@ -81,6 +87,8 @@ def open_run(out: Path, chosen: dict[str, Any], command: str, *, resume: bool,
 
 def record(out: Path, key: str, accuracy: float) -> None:
     """Adds one finished fine-tuning run's accuracy to `demo.json`."""
+    from vlm_vit.files import read_json
+
     state = read_json(out / STATE_NAME)
     state.setdefault("finetune_accuracy", {})[key] = accuracy
     _write(out, state)
@@ -91,6 +99,8 @@ def job_key(labels: str, arm: str, seed: int) -> str:
 
 
 def _write(out: Path, state: dict) -> None:
+    from vlm_vit.files import atomic_write
+
     out.mkdir(parents=True, exist_ok=True)
     with atomic_write(out / STATE_NAME, "w") as handle:
         json.dump(state, handle, indent=2)

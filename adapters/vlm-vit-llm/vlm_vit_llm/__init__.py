@@ -3,10 +3,32 @@
     from vlm_vit_llm import MultimodalLM
     mm = MultimodalLM(tower, llm, tokenizer)
     mm.generate(["<image>\\nDescribe the image."], [[image]])
+
+The names below load on first use (PEP 562), so `vlm-vit --help`, which reads this
+plugin's command table, starts without torch or transformers.
 """
 
-from vlm_vit_llm.llava import export_llava
-from vlm_vit_llm.model import IGNORE_INDEX, MultimodalBatch, MultimodalLM, TiledImage
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vlm_vit_llm.llava import export_llava
+    from vlm_vit_llm.model import IGNORE_INDEX, MultimodalBatch, MultimodalLM, TiledImage
+
+_PUBLIC = {"IGNORE_INDEX": "vlm_vit_llm.model", "MultimodalBatch": "vlm_vit_llm.model",
+           "MultimodalLM": "vlm_vit_llm.model", "TiledImage": "vlm_vit_llm.model",
+           "export_llava": "vlm_vit_llm.llava"}
 
 __all__ = ["IGNORE_INDEX", "MultimodalBatch", "MultimodalLM", "TiledImage", "export_llava"]
 __version__ = "0.1.0"
+assert sorted(__all__) == sorted(_PUBLIC)  # one list, checked at import
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'vlm_vit_llm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value

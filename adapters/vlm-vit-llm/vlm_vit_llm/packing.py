@@ -43,13 +43,13 @@ from torch import nn
 
 from vlm_vit.train.token_budget import first_fit_decreasing
 from vlm_vit_llm import varlen_attention
+from vlm_vit_llm.presets import LOSS_REDUCTIONS as LOSS_REDUCTIONS
 
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # as vlm_vit_llm.model (imported there from here would be circular)
 PATHS = ("flash_attention_2", "varlen_sdpa", "position_ids", "block_mask")
 ONE_ROW_PATHS = ("flash_attention_2", "varlen_sdpa")  # all rows end to end, no padding
-LOSS_REDUCTIONS = ("token", "record")
 # The check's tolerance on logits, relative to their largest magnitude: a leak moves them by
 # tenths; float32 kernels agree to ~1e-6, half-precision ones to ~1e-2.
 CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}

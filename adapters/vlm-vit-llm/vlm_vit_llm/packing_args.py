@@ -14,7 +14,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from vlm_vit_llm.packing import LOSS_REDUCTIONS
+from vlm_vit_llm.presets import LOSS_REDUCTIONS
 
 # The largest --max-tokens-per-batch: ten million tokens of one batch is past any
 # accelerator's activations; a larger budget is a typo (10**18) that packs a whole file into
