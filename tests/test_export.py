@@ -116,7 +116,8 @@ def test_check_sizes_are_new_and_non_square():
 
 def test_bfloat16_program_equals_eager_bfloat16(tmp_path):
     report = export_model(encoder(), tmp_path / "e.pt2", format="torch-export",
-                          dtype="bfloat16", dynamic=True)
+                          dtype=torch.bfloat16, dynamic=True)  # a torch.dtype, as every API
+    assert report.dtype == "bfloat16"
     assert [c["size"] for c in report.checks] == [[32, 32], [48, 64], [16, 32]]
     assert report.max_abs_difference == 0.0
     assert min(c["cosine"] for c in report.checks) > 0.999
@@ -126,6 +127,23 @@ def test_bfloat16_program_equals_eager_bfloat16(tmp_path):
 def test_format_and_dtype_that_do_not_go_together(tmp_path, format, dtype):
     with pytest.raises(ExportError, match=dtype):
         export_model(encoder(), tmp_path / "x", format=format, dtype=dtype)
+
+
+@pytest.mark.parametrize("format, dtype, text", [
+    ("onnx", torch.bfloat16, "bfloat16 ONNX"), ("onnx", "bf16", "bfloat16 ONNX"),
+    ("torch-export", torch.int8, "int8 export is"), ("torch-export", "INT8", "int8 export is"),
+])
+def test_dtype_is_a_torch_dtype_or_its_usual_string(tmp_path, format, dtype, text):
+    """Each spelling is read as its dtype (the format check that follows names it)."""
+    with pytest.raises(ExportError, match=text):
+        export_model(encoder(), tmp_path / "x", format=format, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, "float16", "double"])
+def test_an_unknown_export_dtype_names_the_spellings(tmp_path, dtype):
+    with pytest.raises(ExportError, match=r"unknown dtype .*known: float32/fp32, "
+                                          r"bfloat16/bf16, int8"):
+        export_model(encoder(), tmp_path / "x", dtype=dtype)
 
 
 def test_eager_int8_quantizes_only_the_block_linears():

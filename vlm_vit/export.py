@@ -43,10 +43,12 @@ from vlm_vit.export_runtime import (
     staged_output,
 )
 from vlm_vit.model import VisionEncoder
+from vlm_vit.presets import parse_dtype
 
 logger = logging.getLogger(__name__)
 
 FORMATS = ("onnx", "torch-export")
+# Each export dtype and the dtype its eager reference runs in (int8: float32 intermediate).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}
 ONNX_OPSET = 20  # Resize's antialias attribute needs opset 18 or later
 PROTOBUF_LIMIT = 2 * 1024**3  # one .onnx file holds at most 2 GB; larger weights go beside it
@@ -359,7 +361,7 @@ def token_cosine(tokens: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def export_model(model: nn.Module, path: str | Path, *, format: str = "onnx",
-                 dtype: str = "float32", image_size: tuple[int, int] | None = None,
+                 dtype: str | torch.dtype = "float32", image_size: tuple[int, int] | None = None,
                  dynamic: bool = True, feature_layer: int | list[int] | None = None,
                  max_side: int = 4096) -> ExportReport:
     """Exports and checks: the program against eager at the export size and, when dynamic,
@@ -371,8 +373,9 @@ def export_model(model: nn.Module, path: str | Path, *, format: str = "onnx",
         model: a float32 `VisionEncoder` or `VisionTower` (cast here for `dtype`).
         path: the file to write (`.onnx`, or `.pt2` for torch-export).
         format: "onnx" (checked in ONNX Runtime's CPU provider) or "torch-export".
-        dtype: "float32"; "bfloat16" (bf16 weights; torch-export only); "int8" (ONNX
-            Runtime's dynamic quantization of the block Linears; onnx only).
+        dtype: a `torch.dtype` or its usual string (`vlm_vit.presets.parse_dtype`):
+            float32; bfloat16 (bf16 weights; torch-export only); int8 (ONNX Runtime's
+            dynamic quantization of the block Linears; onnx only).
         image_size, dynamic, feature_layer, max_side: as in `export_program`.
 
     Returns:
@@ -385,8 +388,10 @@ def export_model(model: nn.Module, path: str | Path, *, format: str = "onnx",
     """
     if format not in FORMATS:
         raise ExportError(f"unknown export format {format!r} (known: {', '.join(FORMATS)})")
-    if dtype not in DTYPES:
-        raise ExportError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    try:
+        dtype = str(parse_dtype(dtype, tuple(DTYPES))).removeprefix("torch.")
+    except ValueError as error:
+        raise ExportError(str(error)) from None
     if format == "onnx" and dtype == "bfloat16":
         raise ExportError("bfloat16 ONNX does not run in ONNX Runtime's CPU provider; export "
                           "float32 (or int8), or bfloat16 with --format torch-export")
