@@ -23,6 +23,7 @@ from vlm_vit.integrity import verify_files, write_manifest
 from vlm_vit.model import VisionEncoder
 from vlm_vit.native import check_state_dict
 from vlm_vit.presets import POOLINGS as POOLINGS
+from vlm_vit.presets import parse_dtype
 from vlm_vit.pretrain.base import ObjectiveOutput
 from vlm_vit.processor import ImageProcessor
 from vlm_vit.tensor_files import read_safetensors
@@ -108,13 +109,14 @@ class ImageClassifier(nn.Module):
         return directory
 
     @classmethod
-    def from_pretrained(cls, name: str | Path, *, dtype: torch.dtype | None = None,
+    def from_pretrained(cls, name: str | Path, *, dtype: str | torch.dtype | None = None,
                         verify: bool | None = None) -> ImageClassifier:
         """Reads a directory written by `save_pretrained` (class names in `.classes`).
 
         Args:
             name: the classifier's directory, or a Hub name of one.
-            dtype: cast the weights, the head's too (default: as stored).
+            dtype: cast the weights, the head's too: a `torch.dtype` or its usual string
+                (`vlm_vit.presets.parse_dtype`; default: as stored).
             verify: check the weights against `manifest.json`, as in
                 `VisionEncoder.from_pretrained`; False skips it.
 
@@ -122,6 +124,7 @@ class ImageClassifier(nn.Module):
             FileNotFoundError, ValueError: naming the missing or malformed file;
                 `vlm_vit.integrity.IntegrityError` for weights that do not match their hash.
         """
+        dtype = parse_dtype(dtype)
         directory = hub.resolve(name)
         config = read_json(directory / CLASSIFIER_CONFIG_NAME)
         try:

@@ -27,6 +27,7 @@ from vlm_vit.files import read_json
 from vlm_vit.integrity import MANIFEST_NAME, verify_files
 from vlm_vit.model import VisionEncoder
 from vlm_vit.native import CONFIG_NAME, check_state_dict
+from vlm_vit.presets import parse_dtype
 from vlm_vit.processor import ImageProcessor
 from vlm_vit.tensor_files import read_npz, read_safetensors
 from vlm_vit.weights import SHARD_INDEX, read_sharded
@@ -186,7 +187,7 @@ def convert_checkpoint(path: str | Path | hub.Location, format: str | None = Non
 
 
 def load_encoder(
-    path: str | Path, *, format: str | None = None, dtype: torch.dtype | None = None,
+    path: str | Path, *, format: str | None = None, dtype: str | torch.dtype | None = None,
     verify: bool | None = None, **overrides: Any,
 ) -> VisionEncoder:
     """Loads an encoder from any supported checkpoint.
@@ -197,7 +198,8 @@ def load_encoder(
             `org/name[@revision]`, `hf-hub:org/name` or open_clip's `MODEL/TAG`, read from
             the Hugging Face cache (see `vlm_vit.hub`).
         format: skip detection and read the checkpoint as this format.
-        dtype: cast the weights to this dtype (default: as stored).
+        dtype: cast the weights to this dtype: a `torch.dtype` or its usual string
+            (`vlm_vit.presets.parse_dtype`; default: as stored).
         verify: check the weight files against the sha256 in the directory's
             `manifest.json`, where there is one (what `save_pretrained` writes). Default: on,
             unless the environment sets `VLM_VIT_VERIFY=0`; False skips the check.
@@ -211,13 +213,14 @@ def load_encoder(
             `vlm_vit.integrity.IntegrityError` (a ValueError) for a weight file that does
             not match its manifest hash (corrupt or changed since it was written).
     """
+    dtype = parse_dtype(dtype)  # a bad spelling fails before the weights are read
     converted = convert_checkpoint(path, format, verify)
     return VisionEncoder.from_state_dict(converted.state, converted.config, dtype=dtype,
                                          source=path, **overrides)
 
 
 def load_with_processor(
-    path: str | Path, *, format: str | None = None, dtype: torch.dtype | None = None,
+    path: str | Path, *, format: str | None = None, dtype: str | torch.dtype | None = None,
     verify: bool | None = None, **overrides: Any,
 ) -> tuple[VisionEncoder, ImageProcessor]:
     """The encoder and the preprocessing its checkpoint records, reading the weights once.
@@ -225,11 +228,13 @@ def load_with_processor(
     A checkpoint that records none gets ImageNet normalisation at the encoder's image size
     (logged). Arguments as in `load_encoder`.
     """
+    dtype = parse_dtype(dtype)
     return from_converted(convert_checkpoint(path, format, verify), path, dtype=dtype,
                           **overrides)
 
 
-def from_converted(converted: Converted, path: str | Path, *, dtype: torch.dtype | None = None,
+def from_converted(converted: Converted, path: str | Path, *,
+                   dtype: str | torch.dtype | None = None,
                    **overrides: Any) -> tuple[VisionEncoder, ImageProcessor]:
     """`load_with_processor` from what `convert_checkpoint(path)` returned (a caller that
     says which format it read, say)."""
@@ -278,7 +283,7 @@ def build_native_pooler(own: NativePooler, source: object = "checkpoint"):
 def load_tower(path: str | Path, pooler: str | None = None, *, out_dim: int | None = None,
                pooler_options: dict[str, Any] | None = None, format: str | None = None,
                feature_layer: int | list[int] | None = None, drop_prefix: bool | None = None,
-               dtype: torch.dtype | None = None, verify: bool | None = None,
+               dtype: str | torch.dtype | None = None, verify: bool | None = None,
                **overrides: Any):
     """Loads a `VisionTower` whose pooler is the checkpoint's own, or one named.
 
@@ -293,7 +298,7 @@ def load_tower(path: str | Path, pooler: str | None = None, *, out_dim: int | No
         format: as in `load_encoder`.
         feature_layer, drop_prefix: as in `VisionTower` (defaults: the final tokens; the
             prefix kept for poolers that read the class token, dropped otherwise).
-        dtype: cast the weights.
+        dtype: cast the weights, as in `load_encoder`.
         verify: as in `load_encoder`.
         **overrides: `EncoderConfig` fields, as in `load_encoder`.
 
@@ -303,6 +308,7 @@ def load_tower(path: str | Path, pooler: str | None = None, *, out_dim: int | No
     from vlm_vit.poolers import build_pooler
     from vlm_vit.tower import VisionTower
 
+    dtype = parse_dtype(dtype)
     location = hub.locate(path)  # a name is fetched once
     directory = location.directory
     if pooler is None and (directory / CONFIG_NAME).is_file() and \

@@ -21,6 +21,7 @@ from vlm_vit.config import EncoderConfig
 from vlm_vit.files import atomic_directory, atomic_write, read_json
 from vlm_vit.hub import resolve
 from vlm_vit.integrity import write_manifest
+from vlm_vit.presets import parse_dtype
 from vlm_vit.weights import WEIGHTS_NAME as WEIGHTS_NAME
 from vlm_vit.weights import read_weights, write_weights
 
@@ -107,7 +108,7 @@ class NativeFormat:
 
     @classmethod
     def from_pretrained(
-        cls: type[Encoder], name: str | Path, *, dtype: torch.dtype | None = None,
+        cls: type[Encoder], name: str | Path, *, dtype: str | torch.dtype | None = None,
         verify: bool | None = None, **overrides
     ) -> Encoder:
         """Reads a directory written by `save_pretrained`, bit-exactly.
@@ -115,7 +116,8 @@ class NativeFormat:
         Args:
             name: a directory holding `config.json` and `model.safetensors`, or a Hub name
                 (`org/name[@revision]`, `hf-hub:org/name`) of one, as `load_encoder` takes.
-            dtype: cast the weights to this dtype (default: as stored).
+            dtype: cast the weights to this dtype, a `torch.dtype` or its usual string
+                (`vlm_vit.presets.parse_dtype`; default: as stored).
             verify: check the weights against `manifest.json` where there is one (default:
                 on, unless the environment sets `VLM_VIT_VERIFY=0`); False skips it.
             **overrides: `EncoderConfig` fields to change; a new `image_size` resizes the
@@ -127,6 +129,7 @@ class NativeFormat:
                 `vlm_vit.integrity.IntegrityError` (a ValueError) for weights that do not
                 match their manifest hash.
         """
+        dtype = parse_dtype(dtype)  # a bad spelling fails before the weights are read
         config, state, directory = read_native(name, verify)
         return cls.from_state_dict(state, config, dtype=dtype, source=directory, **overrides)
 
@@ -136,7 +139,7 @@ class NativeFormat:
         state: dict[str, torch.Tensor],
         config: EncoderConfig,
         *,
-        dtype: torch.dtype | None = None,
+        dtype: str | torch.dtype | None = None,
         source: str | Path = "state dict",
         **overrides,
     ) -> Encoder:
@@ -145,7 +148,9 @@ class NativeFormat:
         Every missing, unexpected or mis-shaped key is listed in one error, and nothing is
         loaded half-way. `overrides` may change `image_size` (the position table is resized)
         or any field that does not change a weight's shape (`act`, `norm_eps`, ...).
+        `dtype` as in `from_pretrained`.
         """
+        dtype = parse_dtype(dtype)
         new_size = overrides.pop("image_size", None)
         config = EncoderConfig.from_dict({**config.to_dict(), **overrides})
         with torch.device("meta"):

@@ -19,6 +19,7 @@ from vlm_vit.model import VisionEncoder
 from vlm_vit.native import CONFIG_NAME, check_state_dict
 from vlm_vit.poolers import build_pooler, pool_packed
 from vlm_vit.poolers.base import TokenWise
+from vlm_vit.presets import parse_dtype
 from vlm_vit.processor import PROCESSOR_CONFIG_NAME, ImageProcessor
 from vlm_vit.processor.anyres import (
     Tiling,
@@ -303,13 +304,14 @@ class VisionTower(nn.Module):
         return directory
 
     @classmethod
-    def from_pretrained(cls, name: str | Path, *, dtype: torch.dtype | None = None,
+    def from_pretrained(cls, name: str | Path, *, dtype: str | torch.dtype | None = None,
                         verify: bool | None = None, **encoder_overrides) -> VisionTower:
         """Reads a tower written by `save_pretrained`, bit-exactly.
 
         Args:
             name: the tower's directory, or a Hub name of one, as `load_tower` takes.
-            dtype: cast the weights, the pooler's too (default: as stored).
+            dtype: cast the weights, the pooler's too: a `torch.dtype` or its usual string
+                (`vlm_vit.presets.parse_dtype`; default: as stored).
             verify: check the weights against `manifest.json`, as in
                 `VisionEncoder.from_pretrained`; False skips it.
             **encoder_overrides: `EncoderConfig` fields, as in `VisionEncoder.from_pretrained`.
@@ -318,6 +320,7 @@ class VisionTower(nn.Module):
             FileNotFoundError, ValueError: naming the missing or malformed file; the tower
                 section is checked (`read_tower_config`) before anything is built.
         """
+        dtype = parse_dtype(dtype)
         directory = hub.resolve(name)
         config_path = directory / CONFIG_NAME
         tower = read_tower_config(read_json(config_path), config_path)
