@@ -20,6 +20,7 @@ from vlm_vit import ImageProcessor
 from vlm_vit.data.folders import read_caption_lines
 from vlm_vit.data.samples import ImageBatch, UndecodableImage
 from vlm_vit.files import resolves_inside
+from vlm_vit_llm.batch_types import IGNORE_INDEX, TiledImage
 from vlm_vit_llm.conversation_batch import (
     ImageTokens,
     Pixels,
@@ -30,7 +31,7 @@ from vlm_vit_llm.conversation_batch import (
     _records_batch,
     load_pixels,
 )
-from vlm_vit_llm.model import IGNORE_INDEX, MultimodalLM, TiledImage, target_ids
+from vlm_vit_llm.model import MultimodalLM, target_ids
 
 
 class Caption(NamedTuple):

@@ -27,7 +27,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from vlm_vit_llm.model import IGNORE_INDEX
+from vlm_vit_llm.batch_types import IGNORE_INDEX
 from vlm_vit_llm.records import Turn
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,8 @@ from vlm_vit import ImageProcessor
 from vlm_vit.pretrain.base import ObjectiveOutput
 from vlm_vit.processor import Tiling
 from vlm_vit.processor.anyres import num_image_tokens as tiled_tokens
-from vlm_vit_llm.model import MultimodalLM, TiledImage
+from vlm_vit_llm.batch_types import TiledImage
+from vlm_vit_llm.model import MultimodalLM
 from vlm_vit_llm.packing import LOSS_REDUCTIONS, loss_terms, loss_units, pack_rows, split_rows
 
 Pixels = torch.Tensor | TiledImage  # `[3, H, W]`, a clip `[T, 3, H, W]`, or tiled views

@@ -14,6 +14,7 @@ import torch
 
 from vlm_vit import ImageProcessor
 from vlm_vit.data.samples import ImageBatch, UndecodableImage
+from vlm_vit_llm.batch_types import IGNORE_INDEX
 from vlm_vit_llm.chat import bounded_turns, chat_template, tokenize_conversation
 from vlm_vit_llm.conversation_batch import (
     ImageTokens,
@@ -24,7 +25,7 @@ from vlm_vit_llm.conversation_batch import (
     _records_batch,
     load_pixels,
 )
-from vlm_vit_llm.model import IGNORE_INDEX, MultimodalLM
+from vlm_vit_llm.model import MultimodalLM
 from vlm_vit_llm.records import BadRecord, ConversationRecords, Turn
 
 

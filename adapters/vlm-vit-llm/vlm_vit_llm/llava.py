@@ -28,7 +28,7 @@ from vlm_vit.convert.hf_clip import (
     preprocessor_config,
 )
 from vlm_vit.files import MODEL_FILES, atomic_directory
-from vlm_vit_llm.model import _split_peft, merged_state
+from vlm_vit_llm.peft_helpers import _split_peft, merged_state
 
 if TYPE_CHECKING:
     from vlm_vit_llm.model import MultimodalLM

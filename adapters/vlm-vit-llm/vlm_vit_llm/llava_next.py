@@ -45,7 +45,7 @@ def is_onevision(tiling: Tiling) -> bool:
 def tiling_problems(mm: MultimodalLM) -> list[str]:
     """What the AnyRes layouts cannot hold of `mm`'s tiling, one line each, naming the
     setting (empty when it exports)."""
-    from vlm_vit_llm.model import _split_peft
+    from vlm_vit_llm.peft_helpers import _split_peft
 
     tiling = mm.tower.tiling
     problems = []
@@ -118,7 +118,7 @@ def anyres_processor(mm: MultimodalLM, tokenizer: Any, config: Any, chat_templat
     (OneVision's: `tokenizer` gets a "<video>" token, and `config` its id)."""
     import transformers
 
-    from vlm_vit_llm.model import _split_peft
+    from vlm_vit_llm.peft_helpers import _split_peft
 
     tiling = mm.tower.tiling
     common = dict(image_processor=image_processor(mm.processor), tokenizer=tokenizer,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from vlm_vit_llm.model import _split_peft
+from vlm_vit_llm.peft_helpers import _split_peft
 
 if TYPE_CHECKING:
     from vlm_vit_llm.model import MultimodalLM

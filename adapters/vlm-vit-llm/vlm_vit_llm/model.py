@@ -28,8 +28,9 @@ from torch import nn
 
 from vlm_vit import ImageProcessor, VisionTower
 from vlm_vit_llm import multimodal_batch, saving
-from vlm_vit_llm.multimodal_batch import IGNORE_INDEX, MultimodalBatch, TiledImage
-from vlm_vit_llm.saving import CONFIG_NAME, _quiet_peft, _split_peft, merged_state
+from vlm_vit_llm.batch_types import IGNORE_INDEX, MultimodalBatch, TiledImage
+from vlm_vit_llm.peft_helpers import _quiet_peft, _split_peft, merged_state
+from vlm_vit_llm.saving import CONFIG_NAME
 
 logger = logging.getLogger(__name__)
 

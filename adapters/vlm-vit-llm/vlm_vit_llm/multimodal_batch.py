@@ -10,64 +10,16 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vlm_vit_llm.batch_types import IGNORE_INDEX, MultimodalBatch
 from vlm_vit_llm.parallel import idle_image_features
 
 if TYPE_CHECKING:
     from vlm_vit_llm.model import MultimodalLM
-
-IGNORE_INDEX = -100  # label positions the loss skips (Hugging Face's convention)
-
-
-@dataclass
-class MultimodalBatch:
-    """Prompts (and targets) tokenised, with every image placeholder expanded.
-
-    Attributes:
-        input_ids: `[B, L]`; image positions hold the image token's id, padding the pad id.
-        attention_mask: `[B, L]`, 0 on padding.
-        position_ids: `[B, L]`, counting real tokens only (so left padding shifts nothing).
-        image_mask: `[B, L]` bool, True where an image token goes.
-        image_features: `[total image tokens, D]`, in the order of the True positions.
-        labels: `[B, L]` target ids, `IGNORE_INDEX` on prompt, image and pad positions; None
-            without targets.
-        record_index: `[B, L]`, the prompt each token belongs to (-1 on padding).
-        packing: None for one prompt per row (padded); for packed rows (`prepare(pack=...)`,
-            `vlm_vit_llm.packing`), the attention path that confines each record.
-        idle_features: `[M, D]`, a blank image's tokens when a batch without images must
-            still run the tower (`vlm_vit_llm.parallel.idle_image_features`): `embed` adds
-            them times 0.0, which changes no value but joins the tower to the graph; else
-            None.
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    image_mask: torch.Tensor
-    image_features: torch.Tensor
-    labels: torch.Tensor | None = None
-    record_index: torch.Tensor | None = None
-    packing: str | None = None
-    idle_features: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class TiledImage:
-    """One image as a tiled tower takes it (`ImageProcessor.tile`).
-
-    Attributes:
-        views: `[1 + tiles, C, t, t]`, the base view first, then the tiles row by row.
-        size: the original image's (height, width), which sets the tile grid, the
-            unpadding and the token count.
-    """
-
-    views: torch.Tensor
-    size: tuple[int, int]
-
 
 def prepare(mm: MultimodalLM, texts: Sequence[str | Sequence[int]],
             images: Sequence[Sequence[Any]] | None = None,

@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from vlm_vit import VisionEncoder
-from vlm_vit_llm.model import MultimodalLM, _split_peft
+from vlm_vit_llm.model import MultimodalLM
 from vlm_vit_llm.parallel import whole_parameters
+from vlm_vit_llm.peft_helpers import _split_peft
 
 logger = logging.getLogger(__name__)
 

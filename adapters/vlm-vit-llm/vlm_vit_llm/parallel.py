@@ -50,7 +50,7 @@ def idle_image_features(mm: Any) -> torch.Tensor | None:
     if tiling is None:
         return mm.image_features([torch.zeros(channels, *mm.processor.size)])[0]
     from vlm_vit.processor.anyres import num_views
-    from vlm_vit_llm.model import TiledImage  # the model imports this module
+    from vlm_vit_llm.batch_types import TiledImage
 
     side = (tiling.tile_size, tiling.tile_size)
     blank = TiledImage(torch.zeros(num_views(tiling, side), channels, *side), side)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from vlm_vit.pretrain.base import ObjectiveOutput
+from vlm_vit_llm.batch_types import IGNORE_INDEX
 from vlm_vit_llm.captions import Caption, CaptionCollate, CaptionFolder, read_captions
 from vlm_vit_llm.conversation_batch import (
     ConversationBatch,
@@ -37,7 +38,7 @@ from vlm_vit_llm.conversations import (
     ConversationItem,
     truncate,
 )
-from vlm_vit_llm.model import IGNORE_INDEX, MultimodalLM
+from vlm_vit_llm.model import MultimodalLM
 from vlm_vit_llm.objective import BridgeObjective
 from vlm_vit_llm.shard_decode import CaptionShardDecode, ConversationShardDecode
 

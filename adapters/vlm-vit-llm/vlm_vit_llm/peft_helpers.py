@@ -1,0 +1,81 @@
+"""peft's models as the bridge handles them: a module's base without its LoRA, its state
+without the LoRA tensors, LoRA folded into the weights, and peft's wrapping without the
+warning transformers 5 makes it print.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _split_peft(module: nn.Module) -> tuple[nn.Module, Any]:
+    """(the base model, the peft model or None)."""
+    base = getattr(module, "get_base_model", None)
+    if base is not None and hasattr(module, "peft_config"):
+        return base(), module
+    return module, None
+
+
+def _base_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A module's state dict without LoRA: peft's LoRA tensors dropped and its wrapped
+    layers (`x.base_layer.weight`) under their own names again (`x.weight`)."""
+    return {name.replace(".base_layer.", "."): tensor
+            for name, tensor in module.state_dict().items() if ".lora_" not in name}
+
+
+@contextlib.contextmanager
+def _quiet_peft() -> Iterator[None]:
+    """Wrapping a model, peft reads a property transformers 5 deprecates, with a warning
+    the user can do nothing about."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
+        yield
+
+
+def merged_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A module's weights with its active LoRA adapters folded in, under the plain module's
+    names (`x.weight`, not `x.base_layer.weight`); `module` itself is not changed.
+
+    Only the weights LoRA wraps are new tensors, `W + scaling * B @ A` one at a time (peft's
+    own `get_delta_weight`, with the layer's own per-adapter `scaling`); every other tensor is
+    the module's own, shared, not copied. A fused qkv under the `attn_qv` preset needs nothing
+    special: its lora_B key rows are zero, so the key rows of the sum are the base's exactly.
+    Dropout acts on the LoRA branch's input while training and has no part in the weight.
+
+    Args:
+        module: a plain module (its state dict is returned), or a peft model on one.
+
+    Raises:
+        ValueError: for an adapter that does not merge by addition (DoRA and other variants).
+    """
+    base, adapter = _split_peft(module)
+    if adapter is None:
+        return module.state_dict()
+    from peft.tuners.lora import LoraLayer
+
+    state = _base_state(base)
+    with torch.no_grad():
+        for name, layer in base.named_modules():
+            if not isinstance(layer, LoraLayer) or layer.disable_adapters:
+                continue
+            for active in layer.active_adapters:
+                if active in layer.merged_adapters or not (
+                        active in layer.lora_A or active in layer.lora_embedding_A):
+                    continue  # merged already (in the base weight), or not on this layer
+                if layer.use_dora.get(active) or active in getattr(layer, "lora_variant", {}):
+                    raise ValueError(f"{name}: adapter {active!r} is not plain LoRA (DoRA or "
+                                     "another variant) and does not merge by addition")
+                weight = state[f"{name}.weight"]
+                # As peft's merge: the sum in the wider dtype, stored in the weight's.
+                state[f"{name}.weight"] = (weight + layer.get_delta_weight(active)).to(weight.dtype)
+                if getattr(layer, "lora_bias", {}).get(active):
+                    bias = state[f"{name}.bias"]
+                    delta = layer.lora_B[active].bias * layer.scaling[active]
+                    state[f"{name}.bias"] = (bias + delta).to(bias.dtype)
+    return state
