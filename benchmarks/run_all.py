@@ -1,7 +1,7 @@
 """Every side-by-side benchmark in one command, a table at the end, everything as JSON.
 
     python benchmarks/run_all.py --out benchmarks.json           # the reference sizes, CPU
-    python benchmarks/run_all.py --out benchmarks.json --readme  # and rewrite README's table
+    python benchmarks/run_all.py --out benchmarks.json --docs  # and rewrite the docs' table
     python benchmarks/run_all.py --preset quick                  # small sizes, minutes on a CPU
     python benchmarks/run_all.py --preset gpu                    # bf16 on a GPU (gpu_suite.py)
 
@@ -25,7 +25,7 @@ from importlib import metadata
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-README = HERE.parent / "README.md"
+TABLE_PAGE = HERE.parent / "docs" / "benchmarks.md"  # the table between MARKERS
 MARKERS = ("<!-- benchmarks:start -->", "<!-- benchmarks:end -->")
 
 _EXPORT_ROWS = [  # export_cpu.py's headline figures, at each size it runs at
@@ -277,7 +277,7 @@ def _cpu_name() -> str:
 
 
 def markdown_table(results: dict, env: dict[str, str], command: str) -> str:
-    """The README block: where and how it was measured, then one row per headline figure."""
+    """The table block: where and how it was measured, then one row per headline figure."""
     lines = [f"Measured by `{command}` on {env['machine']}, {env['date']} (Python "
              f"{env['python']}; {env['versions']}). Ratios above 1 mean vlm-vit is faster "
              "(time and memory ratios: below 1 is better).", "",
@@ -325,12 +325,12 @@ def replace_block(text: str, block: str) -> str:
     start, end = MARKERS
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
     if not pattern.search(text):
-        raise ValueError(f"README has no {start} ... {end} block")
+        raise ValueError(f"no {start} ... {end} block in the page")
     return pattern.sub(lambda _: f"{start}\n{block}\n{end}", text, count=1)
 
 
 def merged_block(old: str, results: dict, env: dict[str, str], command: str) -> str:
-    """The README block with only the rows of the benchmarks in `results` replaced (a run
+    """The table block with only the rows of the benchmarks in `results` replaced (a run
     with `--only`): the other rows, and the line saying how they were measured, stay; a line
     saying how the new rows were measured is added (replacing one for the same benchmarks).
 
@@ -373,8 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the same as --preset quick")
     parser.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), metavar="NAME")
     parser.add_argument("--out", type=Path, help="write every result to this JSON file")
-    parser.add_argument("--readme", nargs="?", type=Path, const=README, metavar="PATH",
-                        help="rewrite the table between the benchmark markers of README.md "
+    parser.add_argument("--docs", nargs="?", type=Path, const=TABLE_PAGE, metavar="PATH",
+                        help="rewrite the table between the benchmark markers of "
+                        "docs/benchmarks.md (or PATH) "
                         "(with --only, only those benchmarks' rows)")
     args = parser.parse_args(argv)
     preset = "quick" if args.quick else args.preset
@@ -385,17 +386,17 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({"environment": env, "preset": preset,
                                         "results": results}, indent=2))
         print(f"\nwrote {args.out}")
-    if args.readme:
-        command = "python benchmarks/run_all.py --readme" + (
+    if args.docs:
+        command = "python benchmarks/run_all.py --docs" + (
             f" --preset {preset}" if preset != "reference" else "")
-        text = args.readme.read_text()
+        text = args.docs.read_text()
         if args.only and "| benchmark |" in current_block(text):  # only their rows change
             command += " --only " + " ".join(f"'{name}'" for name in args.only)
             block = merged_block(current_block(text), results, env, command)
         else:
             block = markdown_table(results, env, command)
-        args.readme.write_text(replace_block(text, block))
-        print(f"rewrote the benchmark table in {args.readme}")
+        args.docs.write_text(replace_block(text, block))
+        print(f"rewrote the benchmark table in {args.docs}")
     return 1 if failures else 0
 
 

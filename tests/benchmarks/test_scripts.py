@@ -114,18 +114,18 @@ def test_peak_memory_child_prints_a_number(script, arguments):
     assert float(finished.stdout.strip().splitlines()[-1]) >= 0
 
 
-def test_run_all_writes_json_and_only_the_readme_block(benchmarks, tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text("# x\n\nkept\n<!-- benchmarks:start -->\nold\n<!-- benchmarks:end -->\n"
-                      "tail\n")
+def test_run_all_writes_json_and_only_the_table_block(benchmarks, tmp_path):
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# x\n\nkept\n<!-- benchmarks:start -->\nold\n<!-- benchmarks:end -->\n"
+                   "tail\n")
     out = tmp_path / "results.json"
     status = benchmarks("run_all").main(["--preset", "tiny", "--only", "encode vit-b/16",
-                                         "--out", str(out), "--readme", str(readme)])
+                                         "--out", str(out), "--docs", str(page)])
     assert status == 0
     saved = json.loads(out.read_text())
     assert saved["preset"] == "tiny" and set(saved["results"]) == {"encode vit-b/16"}
     assert set(saved["environment"]) == {"machine", "date", "python", "versions"}
-    text = readme.read_text()
+    text = page.read_text()
     assert text.startswith("# x\n\nkept\n<!-- benchmarks:start -->\nMeasured by `python ")
     assert text.endswith("<!-- benchmarks:end -->\ntail\n") and "old" not in text
     assert "| encode vit-b/16 | speed vs timm |" in text
@@ -176,20 +176,20 @@ def test_a_verdict_can_be_read_from_the_figure_beside_it(benchmarks):
     assert run_all.shown(0.70049, "<= 0.7") == "0.7005"
 
 
-def test_readme_rows_of_one_benchmark_replace_only_its_own(benchmarks):
+def test_table_rows_of_one_benchmark_replace_only_its_own(benchmarks):
     run_all = benchmarks("run_all")
     env = {"machine": "M", "date": "D", "python": "3", "versions": "torch 2"}
     old = run_all.markdown_table({
         "load": {"ratio_vlm_vit_over_transformers": 1.5},
         "mae step": {"speed_ratio_vlm_vit_over_transformers": 0.9, "variant": "vit-b/16"}},
-        env, "python benchmarks/run_all.py --readme")
+        env, "python benchmarks/run_all.py --docs")
     new = run_all.merged_block(old, {"mae step": {
         "speed_ratio_vlm_vit_over_transformers": 1.25, "variant": "vit-b/16"}}, env,
-        "python benchmarks/run_all.py --readme --only 'mae step'")
+        "python benchmarks/run_all.py --docs --only 'mae step'")
     lines = new.splitlines()
     assert lines[0] == old.splitlines()[0]  # how the other rows were measured stays
     assert lines[1].startswith("Rows of mae step: measured by `python benchmarks/run_all.py "
-                               "--readme --only 'mae step'`")
+                               "--docs --only 'mae step'`")
     rows = [line for line in lines if line.startswith("| ") and "benchmark |" not in line]
     assert rows == ["| load | time vs HF from_pretrained | 1.500 |  |  |",
                     "| mae step | speed vs ViTMAEForPreTraining | 1.250 | >= 1.2 (met) | "
