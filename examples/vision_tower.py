@@ -39,7 +39,7 @@ def main() -> None:
             projector = vlm_vit.build_pooler(name, in_dim=encoder.config.width)
         keep_prefix = getattr(projector, "requires_class_token", False)
         tower = vlm_vit.VisionTower(encoder, projector, feature_layer=-2,
-                                    drop_prefix=not keep_prefix).eval()
+                                    keep_prefix=keep_prefix).eval()
         with torch.inference_mode():
             image_tokens = tower(pixels)
         print(f"{name:>15}: image -> {list(image_tokens.shape)} "

@@ -273,7 +273,7 @@ def tower_dir(tmp_path, change):
     (lambda tower: tower["pooler"].pop("in_dim"), r"tower\.pooler\.in_dim is missing"),
     (lambda tower: tower["pooler"].update(options=[]), r"tower\.pooler\.options must be"),
     (lambda tower: tower["pooler"].update(name=7), r"tower\.pooler\.name must be"),
-    (lambda tower: tower.update(drop_prefix="yes"), r"tower\.drop_prefix must be .*'yes'"),
+    (lambda tower: tower.update(keep_prefix="yes"), r"tower\.keep_prefix must be .*'yes'"),
     (lambda tower: tower.update(feature_layer="last"), r"tower\.feature_layer must be"),
     (lambda tower: tower.update(feature_layer=[1.5]), r"tower\.feature_layer must be"),
 ])

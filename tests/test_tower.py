@@ -38,7 +38,7 @@ def tower_for(name, encoder_options, feature_layer=None):
                           **({"out_dim": width} if width == OUT_DIM else {}))
     needs_class = getattr(pooler, "requires_class_token", False)
     return VisionTower(encoder, pooler, feature_layer=feature_layer,
-                       drop_prefix=not needs_class).eval()
+                       keep_prefix=needs_class).eval()
 
 
 def scaled(size, tower):
@@ -116,8 +116,8 @@ def test_several_layers_are_concatenated_and_the_run_stops_early():
 def test_cls_needs_a_class_token_and_the_prefix():
     encoder = VisionEncoder(tiny_config(class_token=False))
     with pytest.raises(ValueError, match="encoder has none"):
-        VisionTower(encoder, build_pooler("cls", in_dim=32), drop_prefix=False)
-    with pytest.raises(ValueError, match="drop_prefix=False"):
+        VisionTower(encoder, build_pooler("cls", in_dim=32), keep_prefix=True)
+    with pytest.raises(ValueError, match=r"drops \(keep_prefix=False\).*keep_prefix=True"):
         VisionTower(VisionEncoder(tiny_config()), build_pooler("cls", in_dim=32))
 
 
@@ -138,7 +138,7 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
     x = torch.randn(2, 3, 32, 40)
     with torch.no_grad():
         assert torch.equal(loaded(x), tower(x))
-    assert (loaded.feature_layer, loaded.drop_prefix) == ([-2, -1], True)
+    assert (loaded.feature_layer, loaded.keep_prefix) == ([-2, -1], False)
     encoder = load_encoder(tmp_path)  # a tower directory still loads as an encoder
     assert torch.equal(encoder.pos_embed, tower.encoder.pos_embed)
 

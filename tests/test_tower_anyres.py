@@ -201,9 +201,9 @@ def test_a_tiled_tower_refuses_what_it_cannot_pack(llava_next, tmp_path):
         tower(views, image_sizes=sizes * 2)
     with pytest.raises(ValueError, match="no tiling"):
         VisionTower(tower.encoder, tower.pooler, feature_layer=-2)(views, image_sizes=sizes)
-    with pytest.raises(ValueError, match="drop_prefix=True"):
+    with pytest.raises(ValueError, match=r"no prefix tokens \(keep_prefix=False\)"):
         VisionTower(tower.encoder, build_pooler("mlp2x_gelu", in_dim=32), feature_layer=-2,
-                    drop_prefix=False, tiling=tiling)
+                    keep_prefix=True, tiling=tiling)
     with pytest.raises(ValueError, match="its processor by None"):
         VisionTower(tower.encoder, tower.pooler, feature_layer=-2, tiling=tiling,
                     processor=dataclasses.replace(processor(tiling), tiling=None))

@@ -282,7 +282,7 @@ def build_native_pooler(own: NativePooler, source: object = "checkpoint"):
 
 def load_tower(path: str | Path, pooler: str | None = None, *, out_dim: int | None = None,
                pooler_options: dict[str, Any] | None = None, format: str | None = None,
-               feature_layer: int | list[int] | None = None, drop_prefix: bool | None = None,
+               feature_layer: int | list[int] | None = None, keep_prefix: bool | None = None,
                dtype: str | torch.dtype | None = None, verify: bool | None = None,
                **overrides: Any):
     """Loads a `VisionTower` whose pooler is the checkpoint's own, or one named.
@@ -296,8 +296,9 @@ def load_tower(path: str | Path, pooler: str | None = None, *, out_dim: int | No
         pooler: a pooler name to use instead, built fresh with `out_dim` and
             `pooler_options`.
         format: as in `load_encoder`.
-        feature_layer, drop_prefix: as in `VisionTower` (defaults: the final tokens; the
-            prefix kept for poolers that read the class token, dropped otherwise).
+        feature_layer, keep_prefix: as in `VisionTower` (defaults: the final tokens; the
+            prefix kept for poolers that read the class token or keep the prefix tokens,
+            dropped otherwise).
         dtype: cast the weights, as in `load_encoder`.
         verify: as in `load_encoder`.
         **overrides: `EncoderConfig` fields, as in `load_encoder`.
@@ -326,9 +327,10 @@ def load_tower(path: str | Path, pooler: str | None = None, *, out_dim: int | No
         raise ValueError(f"{path} has no pooling head of its own; name one, e.g. "
                          f"load_tower(path, 'cls') or load_tower(path, 'mlp2x_gelu', "
                          f"out_dim=4096)")
-    if drop_prefix is None:
-        drop_prefix = not getattr(head, "requires_class_token", False)
-    tower = VisionTower(encoder, head, feature_layer=feature_layer, drop_prefix=drop_prefix,
+    if keep_prefix is None:
+        keep_prefix = getattr(head, "requires_class_token", False) \
+            or getattr(head, "keep_prefix", False)
+    tower = VisionTower(encoder, head, feature_layer=feature_layer, keep_prefix=keep_prefix,
                         processor=converted.processor)
     return tower.to(dtype) if dtype is not None else tower
 

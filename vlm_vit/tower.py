@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import vlm_vit.hub as hub
-from vlm_vit.config import is_int
+from vlm_vit.config import check_bool, is_int
 from vlm_vit.files import atomic_directory, read_json, write_safetensors
 from vlm_vit.integrity import verify_files, write_manifest
 from vlm_vit.model import VisionEncoder
@@ -53,8 +53,10 @@ class VisionTower(nn.Module):
         feature_layer: None for the final tokens (after the final norm); an int or a list of
             hidden-state indices for raw block outputs (LLaVA: -2); a list is concatenated
             on the channel axis. The encoder runs only as deep as the deepest one.
-        drop_prefix: hand the pooler only the patch tokens (class and register tokens
-            dropped), as LLaVA does.
+        keep_prefix: hand the pooler the prefix tokens (class and register) before the
+            patch tokens; default False: the patch tokens only, as LLaVA does. A pooler
+            that reads the class token, or keeps the prefix tokens in its output (`all`
+            with `keep_prefix=True`), needs True.
         processor: the encoder's preprocessing (an `ImageProcessor`), saved with the tower
             and read back by `from_pretrained` and `load_processor`; `load_tower` sets the
             checkpoint's own.
@@ -63,12 +65,13 @@ class VisionTower(nn.Module):
             With `tiling.newline` the tower holds `image_newline` `[out_dim]`, saved with it.
 
     Raises:
-        ValueError: when the pooler cannot work on what the tower gives it, or the tiling
+        ValueError: when the pooler cannot work on what the tower gives it (a pooler that
+            keeps or reads the prefix tokens in a tower that drops them), or the tiling
             differs from the processor's, or the pooler gives no square grid per tile.
     """
 
     def __init__(self, encoder: VisionEncoder, pooler: nn.Module,
-                 feature_layer: int | list[int] | None = None, drop_prefix: bool = True,
+                 feature_layer: int | list[int] | None = None, keep_prefix: bool = False,
                  processor: ImageProcessor | None = None, tiling: Tiling | None = None):
         super().__init__()
         self.encoder = encoder
@@ -76,16 +79,20 @@ class VisionTower(nn.Module):
         self.pooler = pooler
         self.feature_layer = list(feature_layer) if isinstance(feature_layer, (list, tuple)) \
             else feature_layer
-        self.drop_prefix = drop_prefix
+        self.keep_prefix = check_bool("keep_prefix", keep_prefix)
         for layer in self._layers or []:
             encoder.layer_index(layer)  # a bad index fails here, not at the first batch
         if getattr(pooler, "requires_class_token", False):
             if not encoder.config.class_token:
                 raise ValueError("this pooler reads the class token, and the encoder has none; "
                                  "use 'mean' or 'attention_pool'")
-            if drop_prefix:
-                raise ValueError("this pooler reads the class token, which drop_prefix=True "
-                                 "removes; build the tower with drop_prefix=False")
+            if not keep_prefix:
+                raise ValueError("this pooler reads the class token, which the tower drops "
+                                 "(keep_prefix=False); build the tower with keep_prefix=True")
+        if getattr(pooler, "keep_prefix", False) and not keep_prefix:
+            raise ValueError("the pooler keeps the prefix tokens (its keep_prefix=True), "
+                             "which the tower drops before it (VisionTower keep_prefix=False); "
+                             "build the tower with keep_prefix=True too")
         in_dim = getattr(pooler, "in_dim", None)
         if in_dim is not None and in_dim != self.feature_dim:
             raise ValueError(f"the pooler takes width {in_dim}, but the tower gives "
@@ -113,7 +120,7 @@ class VisionTower(nn.Module):
         side = math.isqrt(count or 0)
         if self.num_prefix_tokens or not count or side * side != count:
             raise ValueError(f"tiling needs a square grid of tokens per {tile}x{tile} tile "
-                             f"and no prefix tokens (drop_prefix=True); the pooler gives "
+                             f"and no prefix tokens (keep_prefix=False); the pooler gives "
                              f"{count} with {self.num_prefix_tokens} prefix tokens")
         return side
 
@@ -137,15 +144,15 @@ class VisionTower(nn.Module):
 
     @property
     def num_prefix_tokens(self) -> int:
-        """Prefix tokens handed to the pooler (0 with `drop_prefix`)."""
-        return 0 if self.drop_prefix else self.encoder.num_prefix_tokens
+        """Prefix tokens handed to the pooler (0 unless `keep_prefix`)."""
+        return self.encoder.num_prefix_tokens if self.keep_prefix else 0
 
     def select(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         """The tokens handed to the pooler, `[B, prefix? + N, feature_dim]`, and the grid."""
         with no_graph_if_frozen(self.encoder):
             out = self.encoder(pixel_values, feature_layers=self._layers)
         tokens = out.tokens if self._layers is None else torch.cat(out.features, dim=-1)
-        if self.drop_prefix:
+        if not self.keep_prefix:
             tokens = tokens[:, out.num_prefix_tokens:]
         return tokens, out.grid
 
@@ -159,7 +166,7 @@ class VisionTower(nn.Module):
             out = self.encoder(list(images), feature_layers=self._layers)
         tokens = out.tokens if self._layers is None else torch.cat(out.features, dim=-1)
         lengths = out.lengths
-        if self.drop_prefix and out.num_prefix_tokens:
+        if not self.keep_prefix and out.num_prefix_tokens:
             tokens = tokens[out.patch_mask()]
             lengths = tuple(length - out.num_prefix_tokens for length in lengths)
         return tokens, lengths, out.grids, out.frames or (1,) * len(lengths)
@@ -285,7 +292,7 @@ class VisionTower(nn.Module):
             raise ValueError(f"cannot save a {type(self.pooler).__name__} pooler that was not "
                              "built by vlm_vit.build_pooler: its name and options are unknown")
         directory = Path(directory)
-        tower = {"feature_layer": self.feature_layer, "drop_prefix": self.drop_prefix,
+        tower = {"feature_layer": self.feature_layer, "keep_prefix": self.keep_prefix,
                  "pooler": spec}
         if self.tiling is not None:
             tower["tiling"] = self.tiling.to_dict()
@@ -343,7 +350,7 @@ class VisionTower(nn.Module):
             if (directory / PROCESSOR_CONFIG_NAME).is_file() else None
         try:
             built = cls(encoder, pooler, feature_layer=tower["feature_layer"],
-                        drop_prefix=tower["drop_prefix"], processor=processor,
+                        keep_prefix=tower["keep_prefix"], processor=processor,
                         tiling=tower["tiling"])
         except ValueError as error:
             raise ValueError(f"{config_path}: tower: {error}") from None
@@ -365,18 +372,18 @@ class VisionTower(nn.Module):
         self.image_newline.data = newline if dtype is None else newline.to(dtype)
 
 
-TOWER_KEYS = ("feature_layer", "drop_prefix", "pooler", "tiling")
+TOWER_KEYS = ("feature_layer", "keep_prefix", "pooler", "tiling")
 POOLER_SPEC_KEYS = ("name", "in_dim", "out_dim", "options")
 
 
 def read_tower_config(raw: dict[str, Any], source: object) -> dict[str, Any]:
     """The `tower` section of a tower's `config.json`, checked field by field.
 
-    It holds `feature_layer` (null, an int, or a list of ints), `drop_prefix` (true or
-    false) and `pooler`: `{"name": str, "in_dim": int, "out_dim": int or null, "options":
-    {...}}`, as `VisionTower.save_pretrained` writes it, and `tiling` when the tower
-    tiles (`Tiling.to_dict`). The pooler's sizes are bounded by
-    `build_pooler`.
+    It holds `feature_layer` (null, an int, or a list of ints), `keep_prefix` (true or
+    false; older towers hold `drop_prefix`, its negation: `_legacy_drop_prefix`) and
+    `pooler`: `{"name": str, "in_dim": int, "out_dim": int or null, "options": {...}}`, as
+    `VisionTower.save_pretrained` writes it, and `tiling` when the tower tiles
+    (`Tiling.to_dict`). The pooler's sizes are bounded by `build_pooler`.
 
     Args:
         raw: the whole parsed `config.json`.
@@ -393,13 +400,14 @@ def read_tower_config(raw: dict[str, Any], source: object) -> dict[str, Any]:
     if tower is None:
         raise ValueError(f"{source} has no 'tower' section: it holds an encoder only (use "
                          "load_encoder, or build a VisionTower)")
+    tower = _legacy_drop_prefix(tower, source)
     _check_object("tower", tower, TOWER_KEYS, source)
-    for key in ("pooler", "drop_prefix"):
+    for key in ("pooler", "keep_prefix"):
         if key not in tower:
             raise ValueError(f"{source}: tower.{key} is missing")
-    if not isinstance(tower["drop_prefix"], bool):
-        raise ValueError(f"{source}: tower.drop_prefix must be true or false, got "
-                         f"{tower['drop_prefix']!r}")
+    if not isinstance(tower["keep_prefix"], bool):
+        raise ValueError(f"{source}: tower.keep_prefix must be true or false, got "
+                         f"{tower['keep_prefix']!r}")
     layer = tower.get("feature_layer")
     layers = layer if isinstance(layer, list) and layer else [layer]
     if layer is not None and not all(is_int(index) for index in layers):
@@ -422,8 +430,24 @@ def read_tower_config(raw: dict[str, Any], source: object) -> dict[str, Any]:
         tiling = as_tiling(tower.get("tiling"))
     except ValueError as error:
         raise ValueError(f"{source}: tower.{error}") from None
-    return {"feature_layer": layer, "drop_prefix": tower["drop_prefix"], "pooler": pooler,
+    return {"feature_layer": layer, "keep_prefix": tower["keep_prefix"], "pooler": pooler,
             "tiling": tiling}
+
+
+def _legacy_drop_prefix(tower: Any, source: object) -> Any:
+    """Towers saved before issue 41 wrote `drop_prefix` (the negation of `keep_prefix`):
+    read as `keep_prefix`, so they still load; both at once is refused."""
+    if not isinstance(tower, dict) or "drop_prefix" not in tower:
+        return tower
+    tower = dict(tower)
+    drop = tower.pop("drop_prefix")
+    if "keep_prefix" in tower:
+        raise ValueError(f"{source}: tower has both keep_prefix and drop_prefix (its older "
+                         "name, negated); keep keep_prefix only")
+    if not isinstance(drop, bool):
+        raise ValueError(f"{source}: tower.drop_prefix must be true or false, got {drop!r}")
+    tower["keep_prefix"] = not drop
+    return tower
 
 
 def _check_object(name: str, value: Any, keys: tuple[str, ...], source: object) -> None:

@@ -126,7 +126,7 @@ def test_loads_like_open_clip(tmp_path, container, quick_gelu):
 
     tower = load_tower(path)
     if overrides:  # load_tower takes no encoder overrides: pair its pooler with our encoder
-        tower = VisionTower(encoder, tower.pooler, drop_prefix=False)
+        tower = VisionTower(encoder, tower.pooler, keep_prefix=True)
     assert_same_embedding(tower, model)
 
 

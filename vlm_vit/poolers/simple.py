@@ -12,7 +12,9 @@ from vlm_vit.poolers.base import no_weights_out_dim, register_pooler, split_toke
 
 @register_pooler("all")
 class AllTokens(nn.Module):
-    """Every patch token unchanged, optionally with the prefix tokens (LLaVA's selection)."""
+    """Every patch token unchanged (LLaVA's selection), or with `keep_prefix` the prefix
+    tokens before them (in a tower, one built with `keep_prefix=True` too, which hands them
+    over)."""
 
     def __init__(self, in_dim: int, out_dim: int | None = None, keep_prefix: bool = False):
         super().__init__()
@@ -42,7 +44,7 @@ class ClassToken(nn.Module):
         if num_prefix_tokens < 1:
             raise ValueError("the 'cls' pooler needs the class token at position 0, but these "
                              "tokens have no prefix tokens (a model without a class token, or "
-                             "a tower with drop_prefix=True); use 'mean' or 'attention_pool'")
+                             "a tower with keep_prefix=False); use 'mean' or 'attention_pool'")
         return tokens[:, 0]  # [B, D]
 
     def num_output_tokens(self, grid, *, num_prefix_tokens: int = 0) -> None:
