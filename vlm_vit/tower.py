@@ -179,7 +179,7 @@ class VisionTower(nn.Module):
         pooled image by image (`vlm_vit.poolers.pool_packed`): a list of `[M_i, out_dim]`
         tensors, M_i = `num_image_tokens((H_i, W_i))` (or of `[out_dim]` vectors). A clip
         `[frames, C, H, W]` in the list (an encoder with temporal patches) gives its temporal
-        slices' tokens end to end, `num_image_tokens((frames, H, W))`. With `image_sizes`, a
+        slices' tokens end to end, `num_image_tokens((H, W), frames=frames)`. With `image_sizes`, a
         list of each image's tiled views: see `forward_tiled`.
         """
         if image_sizes is not None:
@@ -253,23 +253,35 @@ class VisionTower(nn.Module):
                             self.image_newline) for part, (count, grid) in zip(parts, kept,
                                                                               strict=True)]
 
-    def num_image_tokens(self, image_size: int | tuple[int, int] | None = None) -> int | None:
+    def num_image_tokens(self, image_size: int | tuple[int, int] | None = None, *,
+                         frames: int = 1) -> int | None:
         """Exactly how many tokens `forward` returns per image of this size (None: a vector);
         with a tiling, per original image size (any, each side at least 1).
 
+        Args:
+            image_size: (height, width), or one side of a square; default: the encoder's.
+            frames: 1 for an image; a clip's frame count (an untiled tower with temporal
+                patches, `temporal_patch_size`: its slices' tokens end to end).
+
         Raises:
-            ValueError: for a size that is not a multiple of the patch size (untiled).
+            ValueError: for a size that is not a multiple of the patch size (untiled), a size
+                that is not (height, width) (a clip's frames go in `frames`), or a clip the
+                tower cannot encode.
         """
         if image_size is None:
             image_size = self.encoder.config.image_size
-        if not isinstance(image_size, int) and len(image_size) == 3:  # a clip (frames, H, W)
-            frames, *image_size = image_size
-            temporal = self.encoder.config.temporal_patch_size
-            if temporal is None or self.tiling is not None or not is_int(frames) or frames < 1:
-                raise ValueError(f"a clip of {frames} frames needs a positive frame count and "
-                                 "an untiled tower with temporal patches (temporal_patch_size)")
-            return -(-frames // temporal) * self.num_image_tokens(tuple(image_size))
-        height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
+        if not is_int(image_size) and len(image_size) != 2:
+            raise ValueError(f"image_size {tuple(image_size)} is not (height, width) or one "
+                             f"side; a clip's frame count goes in frames=, as in "
+                             f"num_image_tokens((height, width), frames=count)")
+        temporal = self.encoder.config.temporal_patch_size
+        if not is_int(frames) or frames < 1 or \
+                frames > 1 and (temporal is None or self.tiling is not None):
+            raise ValueError(f"a clip of {frames!r} frames needs a positive frame count and "
+                             "an untiled tower with temporal patches (temporal_patch_size)")
+        if frames > 1:
+            return -(-frames // temporal) * self.num_image_tokens(image_size)
+        height, width = (image_size, image_size) if is_int(image_size) else image_size
         if self.tiling is not None:
             return tiled_tokens(self.tiling, (height, width), self.tile_side)
         grid = self.encoder.patch_embed.grid(height, width)

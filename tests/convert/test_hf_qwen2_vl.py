@@ -152,7 +152,9 @@ def test_the_tower_merges_a_clip_as_transformers_and_counts_its_tokens(saved):
     torch.testing.assert_close(clip_tokens, theirs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(image_tokens, alone, atol=1e-5, rtol=1e-5)
     # 8x16 pixels: a 2x4 patch grid, 2 merged tokens per temporal slice
-    assert tower.num_image_tokens((3, 8, 16)) == clip_tokens.shape[0] == 2 * 2
-    assert tower.num_image_tokens((4, 8, 16)) == 4 and tower.num_image_tokens((5, 8, 16)) == 6
+    assert tower.num_image_tokens((8, 16), frames=3) == clip_tokens.shape[0] == 2 * 2
+    assert tower.num_image_tokens((8, 16), frames=4) == 4
+    assert tower.num_image_tokens((8, 16), frames=5) == 6
+    assert tower.num_image_tokens((16, 8)) == image_tokens.shape[0] == 2
     with pytest.raises(ValueError, match="a clip of 0 frames needs a positive frame count"):
-        tower.num_image_tokens((0, 8, 16))
+        tower.num_image_tokens((8, 16), frames=0)
