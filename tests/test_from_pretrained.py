@@ -1,14 +1,16 @@
-"""One loading API: every `from_pretrained` (encoder, tower, classifier) takes a path or a Hub
-name, as `load_encoder` does, and `verify` and `dtype` as keywords."""
+"""One loading API: every `from_pretrained` (encoder, tower, classifier, processor) takes a
+path or a Hub name as `name`, as `load_encoder` does, and the models `verify` and `dtype` as
+keywords; every `save_pretrained` returns the directory."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
 import torch
 
-from vlm_vit import VisionEncoder, VisionTower, build_pooler
+from vlm_vit import ImageProcessor, VisionEncoder, VisionTower, build_pooler
 from vlm_vit.finetune import ImageClassifier
 from vlm_vit.integrity import IntegrityError
 from vlm_vit.testing import flip_bytes, offline_hub_cache, put_in_hub_cache
@@ -86,3 +88,34 @@ def test_dtype_casts_every_weight(kind, tmp_path, monkeypatch):
     assert {t.dtype for t in loaded.state_dict().values()} == {torch.bfloat16}
     with torch.no_grad():
         loaded(torch.randn(1, 3, 32, 32, dtype=torch.bfloat16))  # and runs in it
+
+
+# Every class with save_pretrained and from_pretrained, each with a small instance.
+SAVED = {
+    "encoder": (VisionEncoder, lambda: build("encoder")),
+    "tower": (VisionTower, lambda: build("tower")),
+    "classifier": (ImageClassifier, lambda: build("classifier")),
+    "processor": (ImageProcessor, lambda: ImageProcessor.for_family("inception", size=48)),
+}
+
+
+def same(a, b) -> bool:
+    return same_state(a, b) if isinstance(a, torch.nn.Module) else a == b
+
+
+@pytest.mark.parametrize("kind", sorted(SAVED))
+def test_every_save_pretrained_returns_the_directory(kind, tmp_path):
+    _, make = SAVED[kind]
+    assert make().save_pretrained(tmp_path / "saved") == tmp_path / "saved"
+    assert make().save_pretrained(str(tmp_path / "again")) == tmp_path / "again"
+
+
+@pytest.mark.parametrize("kind", sorted(SAVED))
+def test_every_from_pretrained_takes_a_hub_name_as_name(kind, tmp_path, monkeypatch):
+    cls, make = SAVED[kind]
+    assert next(iter(inspect.signature(cls.from_pretrained).parameters)) == "name"
+    model = make()
+    put_in_hub_cache(offline_hub_cache(tmp_path / "hf_home", monkeypatch), f"org/tiny-{kind}",
+                     model.save_pretrained(tmp_path / "saved"))
+    assert same(cls.from_pretrained(f"org/tiny-{kind}"), model)
+    assert same(cls.from_pretrained(name=tmp_path / "saved"), model)

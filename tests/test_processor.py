@@ -436,10 +436,9 @@ def test_save_and_load_round_trip(tmp_path):
                           mean=(0.1, 0.2, 0.3), std=(0.4, 0.5, 0.6), max_pixels=12345,
                           background=(1, 2, 3))
     directory = tmp_path / "nested" / "dir"
-    path = proc.save_pretrained(directory)
-    assert path == directory / PROCESSOR_CONFIG_NAME
+    assert proc.save_pretrained(directory) == directory  # as every save_pretrained returns
     assert sorted(p.name for p in directory.iterdir()) == [PROCESSOR_CONFIG_NAME]  # no temp
-    assert json.loads(path.read_text())["size"] == [384, 256]
+    assert json.loads((directory / PROCESSOR_CONFIG_NAME).read_text())["size"] == [384, 256]
     assert ImageProcessor.from_pretrained(directory) == proc
     assert ImageProcessor.from_dict(proc.to_dict()) == proc
 
@@ -671,7 +670,7 @@ def test_native_fields_round_trip(tmp_path):
         "resize_mode": "native", "patch_multiple": 28, "min_output_pixels": 3136,
         "max_output_pixels": 1_003_520, "max_aspect_ratio": 50.0}
     assert ImageProcessor.from_dict(saved) == proc
-    path = proc.save_pretrained(tmp_path)
+    path = proc.save_pretrained(tmp_path) / PROCESSOR_CONFIG_NAME
     assert json.loads(path.read_text())["patch_multiple"] == 28
     assert ImageProcessor.from_pretrained(tmp_path) == proc
 

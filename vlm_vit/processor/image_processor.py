@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from vlm_vit.files import atomic_write, read_json
+from vlm_vit.hub import resolve
 from vlm_vit.presets import NORMALIZATION as NORMALIZATION  # (mean, std) per family
 from vlm_vit.processor.anyres import Tiling, as_tiling, tile_views
 from vlm_vit.processor.decode import (
@@ -260,7 +261,7 @@ class ImageProcessor:
             directory: Where to write; created with its parents if missing.
 
         Returns:
-            The path of the written file.
+            The directory, as every ``save_pretrained`` returns it.
         """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -269,23 +270,26 @@ class ImageProcessor:
             json.dump(self.to_dict(), handle, indent=2, sort_keys=True)
             handle.write("\n")
         logger.info("saved processor config to %s", path)
-        return path
+        return directory
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike) -> ImageProcessor:
+    def from_pretrained(cls, name: str | os.PathLike) -> ImageProcessor:
         """Reads a processor saved by ``save_pretrained``.
 
         Args:
-            directory: The directory holding ``processor_config.json``.
+            name: The directory holding ``processor_config.json``, or a Hub name of one
+                (``org/name[@revision]``, ``hf-hub:org/name``), as
+                ``VisionEncoder.from_pretrained`` takes (``vlm_vit.hub.resolve``).
 
         Returns:
             The processor.
 
         Raises:
-            FileNotFoundError: If ``directory/processor_config.json`` does not exist.
+            FileNotFoundError: If ``processor_config.json`` does not exist there
+                (``vlm_vit.hub.NotCachedError`` for a name neither cached nor reachable).
             ValueError: If the file is not valid JSON or holds invalid settings.
         """
-        path = Path(directory) / PROCESSOR_CONFIG_NAME
+        path = resolve(name) / PROCESSOR_CONFIG_NAME
         return cls.from_dict(read_json(path), source=path)
 
     # ---- preprocessing ----------------------------------------------------------------
