@@ -242,3 +242,30 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_encoder):
 def test_masking_arguments_are_checked(tiny_encoder, kwargs, message):
     with pytest.raises(ValueError, match=message):
         tiny_encoder(images(), **kwargs)
+
+
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+def test_forward_hooks_on_attn_and_mlp_keep_what_they_saw(tiny_encoder, no_grad):
+    """The residual adds write into neither sublayer's output: a hook's kept tensors equal
+    a fresh recomputation from the hidden states after the forward."""
+    kept: dict[tuple[int, str], torch.Tensor] = {}
+
+    def keep(index, name):
+        def hook(module, inputs, output):
+            kept[index, name] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    handles = [getattr(block, name).register_forward_hook(keep(index, name))
+               for index, block in enumerate(tiny_encoder.blocks) for name in ("attn", "mlp")]
+    try:
+        with no_grad():
+            hidden = tiny_encoder(images(), output_hidden_states=True).hidden_states
+            for index, block in enumerate(tiny_encoder.blocks):
+                attended = block.attn(block.norm1(hidden[index]))[0]
+                middle = hidden[index] + block.ls1(attended)
+                torch.testing.assert_close(kept[index, "attn"], attended, rtol=0, atol=0)
+                torch.testing.assert_close(kept[index, "mlp"], block.mlp(block.norm2(middle)),
+                                           rtol=0, atol=0)
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,4 +1,4 @@
-"""The residual connection of eqs. 2 and 3, summed in place when nothing records it."""
+"""The residual connection of eqs. 2 and 3."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import torch
 
 
 def add_residual(x: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    """x + update. When autograd is not recording, the sum goes into `update` (a sublayer's
-    fresh output, which nothing else holds): the same numbers, one `[B, T, D]` buffer fewer;
-    `x` itself is never changed, since `hidden_states` may hold it."""
-    if (torch.is_grad_enabled() and (x.requires_grad or update.requires_grad)) \
-            or update.shape != x.shape or update.dtype != torch.result_type(x, update):
-        return x + update
-    return update.add_(x)
+    """x + update, in a fresh tensor.
+
+    Never in place, not even when autograd is off: `update` is a sublayer's output, which a
+    user's forward hook on `attn` or `mlp` may keep, and `x` may be held by `hidden_states`.
+    Summing into either would change what they hold; the encode benchmark measured no cost.
+    """
+    return x + update
