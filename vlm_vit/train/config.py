@@ -14,7 +14,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # per block (FSDP2) and writes distributed checkpoints that resume at any number of ranks.
 STRATEGIES = ("ddp", "fsdp")
 # Config fields that may change between a checkpoint and its resume without a warning.
-_HARMLESS_CHANGES = frozenset({"log_every", "checkpoint_every", "keep_checkpoints",
+HARMLESS_CHANGES = frozenset({"log_every", "checkpoint_every", "keep_checkpoints",
                                "num_workers", "device", "compile", "max_bad_steps",
                                "strategy", "cpu_offload"})
 

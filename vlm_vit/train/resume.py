@@ -22,10 +22,10 @@ import vlm_vit.train.distributed as distributed
 import vlm_vit.train.sharded_checkpoint as sharded_checkpoint
 from vlm_vit.data.samples import mixed_seed
 from vlm_vit.data.source import DataSource
-from vlm_vit.train.config import _HARMLESS_CHANGES, TrainConfig
+from vlm_vit.train.config import HARMLESS_CHANGES, TrainConfig
 from vlm_vit.train.distributed import DistributedContext
 from vlm_vit.train.optim import Optimization
-from vlm_vit.train.step import _Progress
+from vlm_vit.train.step import Progress
 
 # What a resume reads from a checkpoint; one without them is skipped like a corrupt one (a
 # distributed checkpoint's weights and optimiser state are in its DCP files instead).
@@ -33,7 +33,7 @@ _CHECKPOINT_KEYS = ("progress", "scheduler", "scaler", "rng", "config")
 _FILE_KEYS = ("objective", "optimizer")
 
 
-def save(run_dir: Path, objective: nn.Module, optimization: Optimization, progress: _Progress,
+def save(run_dir: Path, objective: nn.Module, optimization: Optimization, progress: Progress,
          source: DataSource, config: TrainConfig, context: DistributedContext, log: Any) -> None:
     """Writes a checkpoint from rank 0, with every rank's RNG and data-source state; all ranks
     wait."""
@@ -60,7 +60,7 @@ def save(run_dir: Path, objective: nn.Module, optimization: Optimization, progre
 
 def restore(run_dir: Path, found: Path, objective: nn.Module, optimization: Optimization,
             source: DataSource, config: TrainConfig, context: DistributedContext,
-            log: Any) -> tuple[Path, _Progress, list | None]:
+            log: Any) -> tuple[Path, Progress, list | None]:
     """Loads the newest checkpoint that matches its hash and loads (newer ones that do not are
     reported, moved aside by rank 0, and skipped) into the objective, the optimiser and the
     data source. Returns its path, the progress and the RNG states (set last, by
@@ -77,7 +77,7 @@ def restore(run_dir: Path, found: Path, objective: nn.Module, optimization: Opti
         optimization.scaler.load_state_dict(state["scaler"])
     else:
         _load_file(found, state, objective, optimization)
-    progress = _Progress(**state["progress"])
+    progress = Progress(**state["progress"])
     source.load_state_dict(data_states(state))
     log.info("resuming from %s at step %d", found, progress.step)
     return found, progress, state["rng"]
@@ -131,7 +131,7 @@ def seed_or_restore_rng(rng_states: list | None, config: TrainConfig, step: int,
 def _check_resumed_config(saved: dict[str, Any], config: TrainConfig, log: Any) -> None:
     current = config.to_dict()
     changed = {name: (saved.get(name), value) for name, value in current.items()
-               if saved.get(name) != value and name not in _HARMLESS_CHANGES}
+               if saved.get(name) != value and name not in HARMLESS_CHANGES}
     if changed:
         log.warning("resuming with a changed config (checkpoint -> now): %s; the run "
                     "will differ from an uninterrupted one",

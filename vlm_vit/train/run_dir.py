@@ -31,7 +31,8 @@ RUN_OUTPUTS = (ckpt.CHECKPOINT_DIR, METRICS_NAME, RUN_CONFIG_NAME, ENCODER_DIR, 
                SAMPLES_DIR, OBJECTIVE_NAME, ADAPTER_DIR, MODEL_DIR)
 
 
-def _listing(names: list[str], most: int = 4) -> str:
+def short_listing(names: list[str], most: int = 4) -> str:
+    """The first `most` names joined by commas, and how many more there are."""
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most
                                       else "")
 
@@ -63,9 +64,9 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool,
         changed = changes(True) if resume else None
         if changed == []:
             return
-        what = (f"holds an earlier run's {_listing(entries)}" if not resume else
+        what = (f"holds an earlier run's {short_listing(entries)}" if not resume else
                 f"has no checkpoint to resume from, but holds an earlier run's "
-                f"{_listing(entries)}" + (f", of another run ({recorded.name} -> now: "
+                f"{short_listing(entries)}" + (f", of another run ({recorded.name} -> now: "
                                           f"{'; '.join(changed)})" if changed else ""))
         raise FileExistsError(f"{run_dir} {what}; pass --overwrite (overwrite=True) "
                               f"to start afresh there, or use another run directory")
@@ -108,7 +109,7 @@ def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool,
     if (overwrite or restart) and entries:
         if context.is_main:
             if overwrite:
-                log.warning("--overwrite: removing %s from %s", _listing(entries), run_dir)
+                log.warning("--overwrite: removing %s from %s", short_listing(entries), run_dir)
             for path in (run_dir / name for name in entries):
                 shutil.rmtree(path) if path.is_dir() and not path.is_symlink() \
                     else path.unlink()

@@ -15,7 +15,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
-def _ignore_interrupts(worker_id: int) -> None:
+def ignore_interrupts(worker_id: int) -> None:
     """DataLoader workers ignore Ctrl-C (it reaches the whole process group): the main
     process finishes its step, checkpoints, and then shuts them down itself."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)

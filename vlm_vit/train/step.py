@@ -27,11 +27,11 @@ from vlm_vit.train.config import NonFiniteLossError, TrainConfig
 from vlm_vit.train.distributed import DistributedContext
 from vlm_vit.train.fsdp import local_number, zero_frozen_rows
 from vlm_vit.train.optim import Optimization
-from vlm_vit.train.run_dir import _listing
+from vlm_vit.train.run_dir import short_listing
 
 
 @dataclass
-class _Progress:
+class Progress:
     """Everything about the run's position that a checkpoint carries besides the modules."""
 
     step: int = 0
@@ -45,7 +45,7 @@ class _Progress:
 
 
 def train_step(model: nn.Module, objective: nn.Module, batch: Any, optimization: Optimization,
-               config: TrainConfig, context: DistributedContext, progress: _Progress,
+               config: TrainConfig, context: DistributedContext, progress: Progress,
                stop_requested: Callable[[], bool], log: Any,
                run_dir: Path) -> tuple[dict[str, float], bool]:
     """Forward, backward, clip and update on one global batch.
@@ -147,7 +147,7 @@ def _forward_backward(model: nn.Module, images: torch.Tensor, labels: torch.Tens
 
 
 def _update(objective: nn.Module, optimization: Optimization, loss: float,
-            config: TrainConfig, progress: _Progress, log: Any) -> tuple[float, bool]:
+            config: TrainConfig, progress: Progress, log: Any) -> tuple[float, bool]:
     """Clips the true (unscaled) gradients and steps the optimiser when the loss and the
     gradient norm are finite; returns the norm and whether the weights changed."""
     scaler = optimization.scaler
@@ -167,7 +167,7 @@ def _update(objective: nn.Module, optimization: Optimization, loss: float,
     return grad_norm, updated
 
 
-def _advance(optimization: Optimization, updated: bool, progress: _Progress,
+def _advance(optimization: Optimization, updated: bool, progress: Progress,
              loss: float) -> None:
     """Advances the schedule and the step count, updated or not."""
     # The schedule advances on skipped steps too: the LR stays a function of the step
@@ -182,7 +182,7 @@ def _advance(optimization: Optimization, updated: bool, progress: _Progress,
     progress.losses.append(loss)
 
 
-def _record_bad_step(loss: float, grad_norm: float, config: TrainConfig, progress: _Progress,
+def _record_bad_step(loss: float, grad_norm: float, config: TrainConfig, progress: Progress,
                      log: Any) -> None:
     progress.skipped_steps += 1
     if config.precision == "fp16" and math.isfinite(loss):
@@ -198,7 +198,7 @@ def _record_bad_step(loss: float, grad_norm: float, config: TrainConfig, progres
 
 
 def _record_undecodable(undecodable: list[UndecodableImage], context: DistributedContext,
-                        progress: _Progress, log: Any) -> None:
+                        progress: Progress, log: Any) -> None:
     everyone = [bad for rank in distributed.all_gather_objects(undecodable, context)
                 for bad in rank]
     progress.undecodable_images += len(everyone)
@@ -212,12 +212,11 @@ def _record_undecodable(undecodable: list[UndecodableImage], context: Distribute
             log.debug("skipping %s again", bad.path)
 
 
-
-def _nothing_trained(progress: _Progress, run_dir: Path) -> str:
+def nothing_trained_message(progress: Progress, run_dir: Path) -> str:
     """Why a run whose every step was skipped exports nothing."""
-    undecodable = (f"{len(progress.undecodable_paths)} undecodable image files "
-                   f"({_listing(sorted(progress.undecodable_paths))})" if progress.undecodable_paths
-                   else "no undecodable image")
+    paths = progress.undecodable_paths
+    undecodable = (f"{len(paths)} undecodable image files ({short_listing(sorted(paths))})"
+                   if paths else "no undecodable image")
     return (f"no step of the {progress.step} trained: every batch was skipped ({undecodable}; "
             f"a step without a decodable image, or with a non-finite loss, makes no update), so "
             f"no encoder was exported to {run_dir}; check the data")

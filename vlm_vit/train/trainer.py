@@ -50,7 +50,7 @@ import vlm_vit.train.run_dir as outputs
 from vlm_vit.data.samples import collate_images
 from vlm_vit.data.source import as_source
 from vlm_vit.train.config import (
-    _HARMLESS_CHANGES,
+    HARMLESS_CHANGES,
     PRECISIONS,
     NonFiniteLossError,
     NothingTrainedError,
@@ -74,12 +74,12 @@ from vlm_vit.train.run_dir import (
     OBJECTIVE_NAME,
     RUN_CONFIG_NAME,
     RUN_OUTPUTS,
-    _listing,
+    short_listing,
 )
 from vlm_vit.train.run_export import export_run
 from vlm_vit.train.run_lock import RunLock
-from vlm_vit.train.signals import StopSignals, _ignore_interrupts
-from vlm_vit.train.step import _nothing_trained, _Progress, train_step
+from vlm_vit.train.signals import StopSignals, ignore_interrupts
+from vlm_vit.train.step import Progress, nothing_trained_message, train_step
 
 # Names defined here before the split by idea, still importable from this module.
 __all__ = ["ADAPTER_DIR", "ENCODER_DIR", "METRICS_NAME", "MODEL_DIR", "NO_DECAY_NAMES",
@@ -222,11 +222,11 @@ class Trainer:
     def _recorded_changes(self, whole_run: bool) -> list[str] | None:
         """How the run `run_config.json` records differs from this one (None without one):
         its objective and encoder, and with `whole_run` (no checkpoint carries the rest) its
-        training settings, those `_HARMLESS_CHANGES` aside, and its data."""
+        training settings, those `HARMLESS_CHANGES` aside, and its data."""
         now = outputs.described_model(self.objective)
         if whole_run:
             now["train"] = {name: value for name, value in self.config.to_dict().items()
-                            if name not in _HARMLESS_CHANGES}
+                            if name not in HARMLESS_CHANGES}
             now["dataset"] = self.source.describe()
         return outputs.recorded_changes(self.run_dir, now)
 
@@ -248,13 +248,13 @@ class Trainer:
         distributed.shard(objective, context, config.strategy, precision=config.precision,
                           cpu_offload=config.cpu_offload)  # "fsdp": before the optimiser
         optimization = Optimization.build(objective, config, context.device.type)
-        progress, rng_states = _Progress(), None
+        progress, rng_states = Progress(), None
         if found is not None:
             found, progress, rng_states = run_state.restore(
                 self.run_dir, found, objective, optimization, source, config, context, log)
         elif resume:
             log.warning("--resume: no checkpoint in %s; starting a fresh run%s", self.run_dir,
-                        f" (replacing the {_listing(replaced)} an attempt of it left before "
+                        f" (replacing the {short_listing(replaced)} an attempt of it left before "
                         "its first checkpoint)" if replaced else "")
         if context.is_main:
             self._write_run_config(context, resumed_from=found)
@@ -268,7 +268,7 @@ class Trainer:
                            step=progress.step, resumed=found is not None,
                            sample_log=config.log_samples and source.names_samples, log=log)
         batches = source.loader(pin_memory=context.device.type == "cuda",
-                                worker_init_fn=_ignore_interrupts)
+                                worker_init_fn=ignore_interrupts)
         with StopSignals() as signals:
             try:
                 while progress.step < config.steps:
@@ -297,7 +297,7 @@ class Trainer:
         # Export.
         return self._finish(progress, context, log)
 
-    def _finish(self, progress: _Progress, context: DistributedContext, log: Any) -> TrainResult:
+    def _finish(self, progress: Progress, context: DistributedContext, log: Any) -> TrainResult:
         """Every rank's skipped samples in one summary line, then the export from rank 0."""
         without_image, truncated = 0, []
         for skipped in distributed.all_gather_objects(self.source.skipped(), context):
@@ -306,7 +306,7 @@ class Trainer:
         if without_image:
             log.warning("skipped %d shard samples without an image", without_image)
         if not any(math.isfinite(loss) for loss in progress.losses):
-            raise NothingTrainedError(_nothing_trained(progress, self.run_dir))
+            raise NothingTrainedError(nothing_trained_message(progress, self.run_dir))
         export_run(self.objective, self.run_dir, progress.step, context, log)
         return TrainResult(progress.step, list(progress.losses), progress.skipped_steps,
                            progress.undecodable_images, sorted(progress.undecodable_paths),
