@@ -21,11 +21,10 @@ import vlm_vit.train.checkpoint as ckpt
 import vlm_vit.train.distributed as distributed
 import vlm_vit.train.sharded_checkpoint as sharded_checkpoint
 from vlm_vit.data.samples import mixed_seed
-from vlm_vit.data.source import DataSource
 from vlm_vit.train.config import HARMLESS_CHANGES, TrainConfig
 from vlm_vit.train.distributed import DistributedContext
 from vlm_vit.train.optim import Optimization
-from vlm_vit.train.step import Progress
+from vlm_vit.train.step import Progress, TrainingRun
 
 # What a resume reads from a checkpoint; one without them is skipped like a corrupt one (a
 # distributed checkpoint's weights and optimiser state are in its DCP files instead).
@@ -33,10 +32,11 @@ _CHECKPOINT_KEYS = ("progress", "scheduler", "scaler", "rng", "config")
 _FILE_KEYS = ("objective", "optimizer")
 
 
-def save(run_dir: Path, objective: nn.Module, optimization: Optimization, progress: Progress,
-         source: DataSource, config: TrainConfig, context: DistributedContext, log: Any) -> None:
+def save(run: TrainingRun, progress: Progress) -> None:
     """Writes a checkpoint from rank 0, with every rank's RNG and data-source state; all ranks
     wait."""
+    run_dir, objective, optimization = run.run_dir, run.objective, run.optimization
+    source, config, context = run.source, run.config, run.context
     rng_states = distributed.all_gather_objects(ckpt.rng_state(), context)
     data_states = distributed.all_gather_objects(source.state_dict(), context)
     state = {"step": progress.step, "progress": dataclasses.asdict(progress),
@@ -54,23 +54,22 @@ def save(run_dir: Path, objective: nn.Module, optimization: Optimization, progre
                                     ckpt.checkpoint_path(run_dir, progress.step))
     if context.is_main:
         removed = ckpt.prune_checkpoints(run_dir, config.keep_checkpoints)
-        log.info("saved %s%s", path, f" (removed {len(removed)} older)" if removed else "")
+        run.log.info("saved %s%s", path, f" (removed {len(removed)} older)" if removed else "")
     distributed.barrier(context)  # nobody resumes or exits before the file is whole
 
 
-def restore(run_dir: Path, found: Path, objective: nn.Module, optimization: Optimization,
-            source: DataSource, config: TrainConfig, context: DistributedContext,
-            log: Any) -> tuple[Path, Progress, list | None]:
+def restore(run: TrainingRun, found: Path) -> tuple[Path, Progress, list | None]:
     """Loads the newest checkpoint that matches its hash and loads (newer ones that do not are
     reported, moved aside by rank 0, and skipped) into the objective, the optimiser and the
     data source. Returns its path, the progress and the RNG states (set last, by
-    `seed_or_restore_rng`)."""
+    `seed_or_restore_rng`); `found` is the checkpoint the run saw at its start."""
+    objective, optimization, log = run.objective, run.optimization, run.log
     loaded = ckpt.load_latest_checkpoint(
-        run_dir, required=_CHECKPOINT_KEYS, move_aside=context.is_main, log=log)
+        run.run_dir, required=_CHECKPOINT_KEYS, move_aside=run.context.is_main, log=log)
     if loaded is None:
         raise FileNotFoundError(f"{found} was removed while the run started")
     found, state = loaded
-    _check_resumed_config(state["config"], config, log)
+    _check_resumed_config(state["config"], run.config, log)
     if found.is_dir():
         sharded_checkpoint.load_weights(found, objective, optimization.optimizer)
         optimization.scheduler.load_state_dict(state["scheduler"])
@@ -78,7 +77,7 @@ def restore(run_dir: Path, found: Path, objective: nn.Module, optimization: Opti
     else:
         _load_file(found, state, objective, optimization)
     progress = Progress(**state["progress"])
-    source.load_state_dict(data_states(state))
+    run.source.load_state_dict(data_states(state))
     log.info("resuming from %s at step %d", found, progress.step)
     return found, progress, state["rng"]
 

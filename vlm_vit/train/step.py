@@ -23,6 +23,7 @@ from torch import nn
 import vlm_vit.train.checkpoint as ckpt
 import vlm_vit.train.distributed as distributed
 from vlm_vit.data.samples import ImageBatch, UndecodableImage
+from vlm_vit.data.source import DataSource
 from vlm_vit.train.config import NonFiniteLossError, TrainConfig
 from vlm_vit.train.distributed import DistributedContext
 from vlm_vit.train.fsdp import local_number, zero_frozen_rows
@@ -44,20 +45,43 @@ class Progress:
     undecodable_paths: list[str] = field(default_factory=list)
 
 
-def train_step(model: nn.Module, objective: nn.Module, batch: Any, optimization: Optimization,
-               config: TrainConfig, context: DistributedContext, progress: Progress,
-               stop_requested: Callable[[], bool], log: Any,
-               run_dir: Path) -> tuple[dict[str, float], bool]:
+@dataclass
+class TrainingRun:
+    """What the loop's helpers (`train_step`, `resume.save`, `resume.restore`) share for the
+    whole run; `Trainer` builds it once the optimiser exists.
+
+    Attributes:
+        run_dir: where checkpoints, metrics and the result go.
+        objective: the objective itself (checkpointed; its gradients are clipped), not the
+            DDP wrapper the loop calls.
+        optimization: the optimiser, its LR schedule and its loss scaler.
+        source: this rank's data source.
+        config: the training settings.
+        context: this process's rank, world size and device.
+        log: the module's logger on rank 0, `Silent` on the others.
+    """
+
+    run_dir: Path
+    objective: nn.Module
+    optimization: Optimization
+    source: DataSource
+    config: TrainConfig
+    context: DistributedContext
+    log: Any
+
+
+def train_step(run: TrainingRun, model: nn.Module, batch: Any, progress: Progress,
+               stop_requested: Callable[[], bool]) -> tuple[dict[str, float], bool]:
     """Forward, backward, clip and update on one global batch.
 
     Args:
+        run: the run's objective, optimiser, settings and processes (its `run_dir` is named
+            in the error when the run gives up).
         model: the objective as called (DDP-wrapped under torchrun).
-        objective: the objective itself, whose gradients are clipped.
         batch: this rank's share, as the collate function made it.
         progress: advanced by one step.
         stop_requested: whether this rank has been asked to stop (a signal), asked after
             the forward and backward passes, so a signal during them stops after this step.
-        run_dir: named in the error when the run gives up.
 
     Returns:
         The metrics row, and whether every rank agreed to stop after this step.
@@ -66,8 +90,9 @@ def train_step(model: nn.Module, objective: nn.Module, batch: Any, optimization:
         NonFiniteLossError: after `config.max_bad_steps` non-finite steps in a row.
     """
     started = time.perf_counter()
+    config, context, log = run.config, run.context, run.log
     images, undecodable, labels = _unpack(batch)
-    lr = optimization.optimizer.param_groups[0]["lr"]  # the LR this step uses
+    lr = run.optimization.optimizer.param_groups[0]["lr"]  # the LR this step uses
     count = len(images)
     # A rank without a single image cannot join the gradient all-reduce, so such a step
     # is skipped on every rank.
@@ -75,8 +100,7 @@ def train_step(model: nn.Module, objective: nn.Module, batch: Any, optimization:
                                         context, "min").item())
     # Every rank runs as many micro-batches (collectives) as the rank with the fewest images.
     rank_loss, objective_metrics = (
-        _forward_backward(model, images, labels, optimization.scaler, config, context,
-                          min(config.grad_accumulation, fewest))
+        _forward_backward(model, images, labels, run, min(config.grad_accumulation, fewest))
         if fewest > 0 else (torch.zeros((), dtype=torch.float64), {}))
     # (loss summed over ranks, images, undecodable, ranks asked to stop) in one
     # all-reduce, so every rank agrees on stopping after this step.
@@ -88,19 +112,18 @@ def train_step(model: nn.Module, objective: nn.Module, batch: Any, optimization:
         _record_undecodable(undecodable, context, progress, log)
     grad_norm, updated = math.nan, False
     if fewest > 0:
-        grad_norm, updated = _update(objective, optimization, loss_value, config, progress,
-                                     log)
+        grad_norm, updated = _update(run, loss_value, progress)
     else:
         loss_value = math.nan
         progress.skipped_steps += 1
         log.warning("step %d: no decodable image in a batch; skipping the update",
                     progress.step + 1)
-    _advance(optimization, updated, progress, loss_value)
+    _advance(run.optimization, updated, progress, loss_value)
     if progress.bad_streak >= config.max_bad_steps:
         raise NonFiniteLossError(
             f"{progress.bad_streak} consecutive steps (up to step {progress.step}) had a "
             f"non-finite loss or gradient norm (last: loss {loss_value}, grad norm "
-            f"{grad_norm}); giving up. {_newest_checkpoint(run_dir)} Lower the lr, add "
+            f"{grad_norm}); giving up. {_newest_checkpoint(run.run_dir)} Lower the lr, add "
             "warmup, use bf16 instead of fp16, or check the data."
         )
     seconds = time.perf_counter() - started
@@ -112,12 +135,11 @@ def train_step(model: nn.Module, objective: nn.Module, batch: Any, optimization:
 
 
 def _forward_backward(model: nn.Module, images: torch.Tensor, labels: torch.Tensor | None,
-                      scaler: torch.amp.GradScaler, config: TrainConfig,
-                      context: DistributedContext,
-                      sections: int) -> tuple[torch.Tensor, dict[str, float]]:
+                      run: TrainingRun, sections: int) -> tuple[torch.Tensor, dict[str, float]]:
     """Accumulates the gradient of the batch's mean loss over `sections` micro-batches (the
     same number on every rank); returns the loss (a float64 scalar on the CPU) and the
     objective's metrics, both batch means."""
+    config, context, scaler = run.config, run.context, run.optimization.scaler
     count = len(images)
     images = images.to(context.device, non_blocking=True)
     # Micro-batches hold ~equal shares; each loss is weighted by its share, so the
@@ -146,10 +168,10 @@ def _forward_backward(model: nn.Module, images: torch.Tensor, labels: torch.Tens
     return rank_loss, objective_metrics
 
 
-def _update(objective: nn.Module, optimization: Optimization, loss: float,
-            config: TrainConfig, progress: Progress, log: Any) -> tuple[float, bool]:
+def _update(run: TrainingRun, loss: float, progress: Progress) -> tuple[float, bool]:
     """Clips the true (unscaled) gradients and steps the optimiser when the loss and the
     gradient norm are finite; returns the norm and whether the weights changed."""
+    objective, optimization, config = run.objective, run.optimization, run.config
     scaler = optimization.scaler
     scaler.unscale_(optimization.optimizer)  # clip the true gradients, not the scaled ones
     zero_frozen_rows(objective)  # what a hook does for whole parameters, for FSDP2's shards
@@ -162,7 +184,7 @@ def _update(objective: nn.Module, optimization: Optimization, loss: float,
         scaler.step(optimization.optimizer)
         progress.bad_streak = 0
     else:
-        _record_bad_step(loss, grad_norm, config, progress, log)
+        _record_bad_step(loss, grad_norm, config, progress, run.log)
     scaler.update()
     return grad_norm, updated
 

@@ -79,7 +79,7 @@ from vlm_vit.train.run_dir import (
 from vlm_vit.train.run_export import export_run
 from vlm_vit.train.run_lock import RunLock
 from vlm_vit.train.signals import StopSignals, ignore_interrupts
-from vlm_vit.train.step import Progress, nothing_trained_message, train_step
+from vlm_vit.train.step import Progress, TrainingRun, nothing_trained_message, train_step
 
 # Names defined here before the split by idea, still importable from this module.
 __all__ = ["ADAPTER_DIR", "ENCODER_DIR", "METRICS_NAME", "MODEL_DIR", "NO_DECAY_NAMES",
@@ -248,10 +248,10 @@ class Trainer:
         distributed.shard(objective, context, config.strategy, precision=config.precision,
                           cpu_offload=config.cpu_offload)  # "fsdp": before the optimiser
         optimization = Optimization.build(objective, config, context.device.type)
+        run = TrainingRun(self.run_dir, objective, optimization, source, config, context, log)
         progress, rng_states = Progress(), None
         if found is not None:
-            found, progress, rng_states = run_state.restore(
-                self.run_dir, found, objective, optimization, source, config, context, log)
+            found, progress, rng_states = run_state.restore(run, found)
         elif resume:
             log.warning("--resume: no checkpoint in %s; starting a fresh run%s", self.run_dir,
                         f" (replacing the {short_listing(replaced)} an attempt of it left before "
@@ -274,15 +274,13 @@ class Trainer:
                 while progress.step < config.steps:
                     drawn = next(batches)
                     report.drawn(progress.step + 1, drawn.samples)
-                    row, stopping = train_step(
-                        model, objective, drawn.batch, optimization, config, context,
-                        progress, signals.requested, log, self.run_dir)
+                    row, stopping = train_step(run, model, drawn.batch, progress,
+                                               signals.requested)
                     progress.epoch, progress.batch_index = source.position()
                     report.stepped(row)
                     if (config.checkpoint_every and progress.step % config.checkpoint_every == 0
                             or progress.step == config.steps or stopping):
-                        run_state.save(self.run_dir, objective, optimization, progress, source,
-                                       config, context, log)
+                        run_state.save(run, progress)
                     if stopping and progress.step < config.steps:  # else: done anyway
                         report.close()
                         log.warning("stopped by signal %s after step %d: checkpoint %s; "
