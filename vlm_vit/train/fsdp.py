@@ -103,7 +103,7 @@ def _broadcast_from_rank0(objective: nn.Module) -> None:
             dist.broadcast(tensor.data, src=0)
 
 
-def zero_frozen_rows(objective: nn.Module) -> None:
+def zero_frozen_gradients(objective: nn.Module) -> None:
     """Zeroes the gradient rows a parameter's `FROZEN_ROWS` mark holds frozen (LoRA's key
     rows under `attn_qv`) in this rank's shard of it. Tensor hooks do that for whole
     parameters, but FSDP2 writes a sharded parameter's gradient after its reduce-scatter,
@@ -114,11 +114,17 @@ def zero_frozen_rows(objective: nn.Module) -> None:
             continue
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        local = grad.to_local()
         _, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh,
                                                           grad.placements)
-        start, stop = rows[0] - offset[0], rows[1] - offset[0]
-        local[max(start, 0):max(min(stop, local.shape[0]), 0)] = 0
+        zero_frozen_rows(grad.to_local(), offset[0], rows)
+
+
+def zero_frozen_rows(local: torch.Tensor, offset: int, rows: tuple[int, int]) -> None:
+    """Zeroes, in place, the part of the whole tensor's rows `[start, stop)` that lies in
+    `local`, a shard of it along dim 0 whose first row is the whole tensor's row `offset`
+    (none, some or all of `local`'s rows)."""
+    start, stop = rows[0] - offset, rows[1] - offset
+    local[max(start, 0):max(min(stop, local.shape[0]), 0)] = 0
 
 
 def is_sharded(module: nn.Module) -> bool:

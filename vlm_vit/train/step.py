@@ -26,7 +26,7 @@ from vlm_vit.data.samples import ImageBatch, UndecodableImage
 from vlm_vit.data.source import DataSource
 from vlm_vit.train.config import NonFiniteLossError, TrainConfig
 from vlm_vit.train.distributed import DistributedContext
-from vlm_vit.train.fsdp import local_number, zero_frozen_rows
+from vlm_vit.train.fsdp import local_number, zero_frozen_gradients
 from vlm_vit.train.optim import Optimization
 from vlm_vit.train.run_dir import short_listing
 
@@ -174,7 +174,7 @@ def _update(run: TrainingRun, loss: float, progress: Progress) -> tuple[float, b
     objective, optimization, config = run.objective, run.optimization, run.config
     scaler = optimization.scaler
     scaler.unscale_(optimization.optimizer)  # clip the true gradients, not the scaled ones
-    zero_frozen_rows(objective)  # what a hook does for whole parameters, for FSDP2's shards
+    zero_frozen_gradients(objective)  # what a hook does for whole parameters, for FSDP2's shards
     parameters = [p for p in objective.parameters() if p.grad is not None]
     max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
     # A DTensor under FSDP2, whose full value is the norm over every rank's shards.
