@@ -22,7 +22,7 @@ import torch
 from tests.train.test_distributed import free_port
 from tests.train.toy import config, image_folder, toy_objective, write_noise_images
 from vlm_vit import load_encoder
-from vlm_vit.train import Trainer, sharded_checkpoint
+from vlm_vit.train import Trainer, fsdp, sharded_checkpoint
 from vlm_vit.train import checkpoint as ckpt
 from vlm_vit.train.config import TrainConfig
 
@@ -277,3 +277,20 @@ def test_strategy_settings_are_checked():
         TrainConfig(cpu_offload=True)
     with pytest.raises(ValueError, match="use precision 'bf16'"):
         TrainConfig(strategy="fsdp", precision="fp16")
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5, 13])
+@pytest.mark.parametrize("rows", [(4, 8), (0, 12), (0, 1), (11, 12), (5, 5)])
+def test_zero_frozen_rows_zeroes_each_shards_part_of_the_rows(ranks, rows):
+    """Over FSDP2's dim-0 shards (torch.chunk's, the last ones shorter or empty), each rank
+    zeroing its own shard zeroes exactly the whole tensor's frozen rows."""
+    whole = torch.arange(1.0, 12 * 3 + 1).reshape(12, 3)
+    shards = [piece.clone() for piece in torch.chunk(whole, ranks)]
+    shards += [whole[:0].clone()] * (ranks - len(shards))  # ranks with an empty shard
+    offset = 0
+    for shard in shards:
+        fsdp.zero_frozen_rows(shard, offset, rows)
+        offset += shard.shape[0]
+    expected = whole.clone()
+    expected[rows[0]:rows[1]] = 0
+    assert torch.equal(torch.cat(shards), expected)
