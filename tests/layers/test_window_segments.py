@@ -7,7 +7,12 @@ import torch
 from vlm_vit.layers.attention import Attention
 from vlm_vit.layers.rope_2d import Rope2D, apply_rope, grid_positions, merge_window_order
 from vlm_vit.layers.varlen import Segments, varlen_attention
-from vlm_vit.layers.window_segments import build_windows, window_attention, window_partition
+from vlm_vit.layers.window_segments import (
+    _tile_indices,
+    build_windows,
+    window_attention,
+    window_partition,
+)
 
 PATCH = 14
 CASES = [((8, 12), 4, 2), ((10, 6), 4, 2), ((12, 8), 8, 2), ((5, 7), 3, 1)]
@@ -155,3 +160,22 @@ def test_windows_refuse_a_missing_grid_and_a_partial_sequence():
     with pytest.raises(ValueError, match="got 12 tokens"):
         build_windows(2, [(4, 4)], 12)
     assert build_windows(None, [(4, 4)], 16) is None
+
+
+def test_the_export_tiles_gather_every_real_token_once_and_pad_past_the_grid():
+    """GridWindows' index arithmetic (what torch.export and ONNX trace at symbolic sizes), on
+    every grid up to 9 x 9 and window up to 4: tiles row-major over the grid padded to whole
+    windows, `gather[scatter]` the identity on the real tokens, and the padding index
+    (rows * cols) exactly where a tile's place falls at `row >= rows` or `col >= cols`."""
+    for rows in range(1, 10):
+        for cols in range(1, 10):
+            for window in range(1, 5):
+                gather, scatter = _tile_indices((rows, cols), window, "cpu")
+                tile_rows, tile_cols = -(-rows // window), -(-cols // window)
+                expected = [row * cols + col if row < rows and col < cols else rows * cols
+                            for tile_row in range(tile_rows) for tile_col in range(tile_cols)
+                            for row in range(tile_row * window, (tile_row + 1) * window)
+                            for col in range(tile_col * window, (tile_col + 1) * window)]
+                case = f"grid {rows} x {cols}, window {window}"
+                assert gather.tolist() == expected, case
+                assert torch.equal(gather[scatter], torch.arange(rows * cols)), case
