@@ -2,7 +2,7 @@
 (lazy imports inside functions included), no file over 500 lines, a trainer loop under 350,
 at most the documented long functions, the library never importing the CLI or a recipe.
 The adapters' plugin packages (`adapters/*/vlm_vit_*/`) keep the same file and function
-limits."""
+limits, and none has an import cycle (lazy and type-checking imports included)."""
 
 from __future__ import annotations
 
@@ -94,6 +94,25 @@ def graph() -> dict[str, set[str]]:
 
 def test_no_import_cycle():
     assert cycles(graph()) == []
+
+
+def plugin_graphs() -> dict[str, dict[str, set[str]]]:
+    """Each plugin package's import graph (`adapters/*/vlm_vit_*/`), by package name, its
+    `__init__.py` the package itself, lazy and type-checking imports included."""
+    graphs = {}
+    for package in sorted(PACKAGE.parent.glob("adapters/*/vlm_vit_*/")):
+        found = {package.name if path.stem == "__init__" else f"{package.name}.{path.stem}": path
+                 for path in package.glob("*.py")}
+        graphs[package.name] = {name: imports(name, path, set(found))
+                                for name, path in found.items()}
+    return graphs
+
+
+def test_no_plugin_has_an_import_cycle():
+    graphs = plugin_graphs()
+    assert "vlm_vit_llm" in graphs
+    assert {package: cycles(found) for package, found in graphs.items()
+            if cycles(found)} == {}
 
 
 def test_arrows_point_one_way_to_the_cli_and_the_recipes():

@@ -10,7 +10,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from vlm_vit_llm import MultimodalLM, export_llava
-from vlm_vit_llm.model import merged_state
+from vlm_vit_llm.peft_helpers import merged_state
 
 PROMPTS = ["<image>\nwhat is in the image", "<image> the dog <image>"]
 

@@ -13,6 +13,7 @@ from transformers import AutoImageProcessor, AutoProcessor
 from vlm_vit.processor import Tiling
 from vlm_vit_llm import MultimodalLM, export_llava
 from vlm_vit_llm.llava_next import model_class, read_llava
+from vlm_vit_llm.pixels import as_tiled
 
 PIXEL_ATOL = 1e-5
 # 950 x 1256, 700 x 840 and 640 x 427 at a 32-pixel tile (x 32/336), both orientations.
@@ -62,7 +63,7 @@ def test_the_anyres_export_loads_strictly_with_our_logits_pixels_and_counts(toke
 
     for size in SIZES:
         picture = image(*size)
-        tiled = mm._tiled(picture, 0)
+        tiled = as_tiled(picture, mm.processor, 0)
         for loaded in (processor, default):
             out = loaded(text=["<image>"], images=[picture], return_tensors="pt")
             assert out["image_sizes"][0].tolist() == list(size)

@@ -13,8 +13,9 @@ from vlm_vit import ImageProcessor, VisionTower
 from vlm_vit.convert.hf_clip import hf_clip_config
 from vlm_vit.processor import Tiling
 from vlm_vit_llm import MultimodalLM
+from vlm_vit_llm.batch_types import TiledImage
 from vlm_vit_llm.llava import VISION_PREFIX, llava_tensors
-from vlm_vit_llm.model import TiledImage
+from vlm_vit_llm.pixels import as_tiled
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,7 +64,7 @@ def their_model(mm):
 
 def their_inputs(mm, images):
     """Pixels as their processor pads them: `[images, most views, 3, t, t]`, and sizes."""
-    tiled = [mm._tiled(picture, 0) for picture in images]
+    tiled = [as_tiled(picture, mm.processor, 0) for picture in images]
     most = max(len(one.views) for one in tiled)
     pixel_values = torch.stack([torch.cat([one.views, one.views.new_zeros(
         most - len(one.views), *one.views.shape[1:])]) for one in tiled])

@@ -70,7 +70,7 @@ def test_a_rank_without_images_runs_the_tower_and_adds_exactly_nothing(chat_toke
     calls = []
     objective.mm.tower.register_forward_hook(lambda *_: calls.append(1))
     with monkeypatch.context() as patch:
-        patch.setattr("vlm_vit_llm.multimodal_batch.idle_image_features", lambda mm: None)
+        patch.setattr("vlm_vit_llm.model.idle_image_features", lambda mm: None)
         alone_loss, alone = loss_and_gradients(objective, batch)
     assert calls == []
     monkeypatch.setattr("vlm_vit_llm.parallel.several_processes", lambda: True)

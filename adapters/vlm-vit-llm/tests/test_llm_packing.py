@@ -205,7 +205,7 @@ def test_the_path_is_chosen_once_and_the_cache_is_refused(tokenizer, monkeypatch
     mm = build(tokenizer, "llama", "full")
     checks = []
     original = packing_module.check_packed_attention
-    monkeypatch.setattr(packing_module, "check_packed_attention",
+    monkeypatch.setattr("vlm_vit_llm.model.check_packed_attention",
                         lambda *a: checks.append(a) or original(*a))
     batch = packed(batch_of(mm), mm, max_length=48)
     conversation_loss(mm, batch)

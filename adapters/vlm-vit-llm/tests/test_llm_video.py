@@ -1,6 +1,6 @@
 """A video in the bridge (issue 33): a clip `[T, 3, H, W]` (a tuple of frames, or a LLaVA
 record's `video`: its frames' paths) goes through the tower's temporal patches as one visual
-item, `num_image_tokens((T, H, W))` positions in the LLM, in prompts, conversation records,
+item, `num_image_tokens((H, W), frames=T)` positions in the LLM, in prompts, conversation records,
 padded and packed batches; what cannot take a clip says so."""
 
 import json
@@ -72,7 +72,7 @@ def write_frames(folder):
 def test_a_clip_in_a_prompt_is_its_temporal_slices_tokens(tmp_path, tokenizer):
     mm = video_mm(tmp_path, tokenizer)
     clip = torch.randn(FRAMES, 3, SIDE, SIDE, generator=torch.Generator().manual_seed(1))
-    count = mm.tower.num_image_tokens((FRAMES, SIDE, SIDE))
+    count = mm.tower.num_image_tokens((SIDE, SIDE), frames=FRAMES)
     assert count == 2 * mm.tower.num_image_tokens((SIDE, SIDE)) == 8  # 3 frames: 2 slices
     for given in (clip, tuple(clip)):  # a tensor, or a tuple of frames
         batch = mm.prepare(["<image>\nWhat happens?"], [[given]])

@@ -80,7 +80,7 @@ def test_a_saved_tied_model_loads_tied_with_the_same_logits(tmp_path, kind_and_t
     kind, tokenizer = kind_and_tokenizer
     mm = tied_mm(kind, tokenizer, lora)
     mm.save_pretrained(tmp_path / "mm")
-    # `save_pretrained(state_dict=_base_state(...))` writes the shared matrix once.
+    # `save_pretrained(state_dict=base_state(...))` writes the shared matrix once.
     written = load_file(tmp_path / "mm" / "llm" / "model.safetensors")
     assert [name for name in written if "embed_tokens" in name or "lm_head" in name] == \
         ["model.embed_tokens.weight"]

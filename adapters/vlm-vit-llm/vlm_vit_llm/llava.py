@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+import vlm_vit_llm.llava_next as llava_next
 from vlm_vit import VisionEncoder
 from vlm_vit.convert.hf_clip import (
     check_expressible,
@@ -28,7 +29,8 @@ from vlm_vit.convert.hf_clip import (
     preprocessor_config,
 )
 from vlm_vit.files import MODEL_FILES, atomic_directory
-from vlm_vit_llm.peft_helpers import _split_peft, merged_state
+from vlm_vit_llm.chat import adds_bos, chat_template, structured_chat_template
+from vlm_vit_llm.peft_helpers import merged_state, split_peft
 
 if TYPE_CHECKING:
     from vlm_vit_llm.model import MultimodalLM
@@ -68,9 +70,7 @@ def check_exportable(mm: MultimodalLM) -> None:
     except ValueError as error:
         problems.append(str(error))
     if tower.tiling is not None:  # LLaVA-NeXT or OneVision, whose processors tile
-        from vlm_vit_llm.llava_next import tiling_problems
-
-        problems.extend(tiling_problems(mm))
+        problems.extend(llava_next.tiling_problems(tower, mm.processor))
     else:
         try:  # transformers' CLIPImageProcessor must give our pixels
             preprocessor_config(mm.processor)
@@ -102,13 +102,13 @@ def llava_tensors(mm: MultimodalLM, vision_prefix: str = VISION_PREFIX
     Raises:
         ValueError: when LoRA changes one of two tied weights but not the other.
     """
-    encoder, encoder_adapter = _split_peft(mm.tower.encoder)
+    encoder, encoder_adapter = split_peft(mm.tower.encoder)
     if encoder_adapter is not None:  # a plain encoder on the merged tensors, nothing copied
         encoder = VisionEncoder.from_state_dict(merged_state(encoder_adapter), encoder.config)
     tensors = _renamed(hf_clip_tensors(encoder), {"vision_model.": vision_prefix})
     tensors.update(_renamed(mm.tower.pooler.state_dict(), PROJECTOR_KEYS))
     # The causal LM holds its decoder under `base_model_prefix` and the head beside it.
-    llm = _split_peft(mm.llm)[0]
+    llm = split_peft(mm.llm)[0]
     state = merged_state(mm.llm)
     for alias, name in _tied_names(llm).items():
         if not _same_values(state[alias], state[name]):
@@ -122,7 +122,7 @@ def llava_tensors(mm: MultimodalLM, vision_prefix: str = VISION_PREFIX
 
 
 def _tied_names(module: nn.Module) -> dict[str, str]:
-    """{a second name of a parameter: its first name}, in plain names (as `_base_state`)."""
+    """{a second name of a parameter: its first name}, in plain names (as `base_state`)."""
     first: dict[int, str] = {}
     aliases = {}
     for name, parameter in module.named_parameters(remove_duplicate=False):
@@ -190,15 +190,15 @@ def llava_config(mm: MultimodalLM):
     """The `LlavaConfig`: CLIP vision config, the LLM's config, the image token and layers."""
     from transformers import CLIPVisionConfig, LlavaConfig
 
-    tower, llm = mm.tower, _split_peft(mm.llm)[0]
+    tower, llm = mm.tower, split_peft(mm.llm)[0]
     return LlavaConfig(
-        vision_config=CLIPVisionConfig(**hf_clip_config(_split_peft(tower.encoder)[0])),
+        vision_config=CLIPVisionConfig(**hf_clip_config(split_peft(tower.encoder)[0])),
         text_config=llm.config,
         image_token_index=mm.image_token_id,
         image_seq_length=tower.num_image_tokens(),
         projector_hidden_act="gelu",
         vision_feature_layer=tower.feature_layer,
-        vision_feature_select_strategy="default" if tower.drop_prefix else "full",
+        vision_feature_select_strategy="full" if tower.keep_prefix else "default",
         multimodal_projector_bias=True,
         tie_word_embeddings=bool(getattr(llm.config, "tie_word_embeddings", False)),
     )
@@ -217,14 +217,11 @@ def export_llava(mm: MultimodalLM, directory: str | Path) -> Path:
     """
     from transformers import LlavaForConditionalGeneration, LlavaProcessor
 
-    from vlm_vit_llm import llava_next
-    from vlm_vit_llm.chat import adds_bos, chat_template, structured_chat_template
-
     check_exportable(mm)
     tiling = mm.tower.tiling
     config = llava_config(mm)
     if tiling is not None:
-        config = llava_next.anyres_config(mm, config)
+        config = llava_next.anyres_config(mm.tower, config)
     with torch.device("meta"):
         model = (LlavaForConditionalGeneration if tiling is None
                  else llava_next.model_class(tiling))(config)
@@ -238,7 +235,7 @@ def export_llava(mm: MultimodalLM, directory: str | Path) -> Path:
     # `assign` gives each of a tied pair of names its own Parameter (on one storage): tie
     # them again, so the model written is the one transformers builds from the config.
     model.tie_weights()
-    encoder_config = _split_peft(mm.tower.encoder)[0].config
+    encoder_config = split_peft(mm.tower.encoder)[0].config
     tokenizer = copy.deepcopy(mm.tokenizer)  # the caller's tokenizer is left alone
     if tokenizer.pad_token is None:  # batched processing needs one; LLaVA-1.5 pads with unk
         tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
@@ -248,7 +245,8 @@ def export_llava(mm: MultimodalLM, directory: str | Path) -> Path:
     tokenizer.chat_template = structured_chat_template(
         chat_template(tokenizer), mm.image_token, drop_bos=adds_bos(tokenizer))
     if tiling is not None:
-        processor = llava_next.anyres_processor(mm, tokenizer, config, tokenizer.chat_template)
+        processor = llava_next.anyres_processor(mm.tower, mm.processor, mm.image_token,
+                                                tokenizer, config, tokenizer.chat_template)
     else:
         settings = preprocessor_config(mm.processor)
         settings.pop("image_processor_type")

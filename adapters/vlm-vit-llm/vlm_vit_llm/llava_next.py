@@ -15,7 +15,7 @@ import logging
 import reprlib
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -24,9 +24,9 @@ from vlm_vit.convert.hf_common import PIL_RESAMPLE
 from vlm_vit.files import read_json
 from vlm_vit.processor import ImageProcessor, Tiling
 from vlm_vit.processor.anyres import MAX_PINPOINTS
-
-if TYPE_CHECKING:
-    from vlm_vit_llm.model import MultimodalLM
+from vlm_vit.tower import VisionTower
+from vlm_vit_llm.peft_helpers import split_peft
+from vlm_vit_llm.saving import CONFIG_NAME, ModelParts
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +42,10 @@ def is_onevision(tiling: Tiling) -> bool:
     return tiling.max_feature_tiles is not None
 
 
-def tiling_problems(mm: MultimodalLM) -> list[str]:
-    """What the AnyRes layouts cannot hold of `mm`'s tiling, one line each, naming the
-    setting (empty when it exports)."""
-    from vlm_vit_llm.peft_helpers import _split_peft
-
-    tiling = mm.tower.tiling
+def tiling_problems(tower: VisionTower, processor: ImageProcessor) -> list[str]:
+    """What the AnyRes layouts cannot hold of a tiled tower and its processor, one line
+    each, naming the setting (empty when it exports)."""
+    tiling = tower.tiling
     problems = []
     if not tiling.base_image:
         problems.append("tiling base_image=False: LLaVA-NeXT and OneVision always put the "
@@ -55,7 +53,7 @@ def tiling_problems(mm: MultimodalLM) -> list[str]:
     if not tiling.newline:
         problems.append("tiling newline=False: LLaVA-NeXT and OneVision end every row with "
                         "image_newline")
-    encoder = _split_peft(mm.tower.encoder)[0]
+    encoder = split_peft(tower.encoder)[0]
     image_size = encoder.config.image_size
     if (tiling.tile_size,) * 2 != (tuple(image_size) if isinstance(image_size, (list, tuple))
                                    else (image_size,) * 2):
@@ -65,16 +63,17 @@ def tiling_problems(mm: MultimodalLM) -> list[str]:
         problems.append(f"the encoder has {encoder.num_prefix_tokens} prefix tokens; "
                         "vision_feature_select_strategy 'default' drops exactly one (the class "
                         "token)")
-    if mm.processor.resize_mode == "native":
+    if processor.resize_mode == "native":
         problems.append("processor resize_mode 'native': the AnyRes processors resize")
     return problems
 
 
-def anyres_config(mm: MultimodalLM, llava: Any):
-    """`LlavaNextConfig` or `LlavaOnevisionConfig` with `llava`'s (a `LlavaConfig`) fields."""
+def anyres_config(tower: VisionTower, llava: Any):
+    """`LlavaNextConfig` or `LlavaOnevisionConfig` for a tiled tower, with `llava`'s (a
+    `LlavaConfig`) fields."""
     import transformers
 
-    tiling = mm.tower.tiling
+    tiling = tower.tiling
     fields = {name: getattr(llava, name) for name in (
         "image_token_index", "projector_hidden_act", "vision_feature_layer",
         "vision_feature_select_strategy", "multimodal_projector_bias", "tie_word_embeddings")}
@@ -83,7 +82,7 @@ def anyres_config(mm: MultimodalLM, llava: Any):
     if is_onevision(tiling):
         return transformers.LlavaOnevisionConfig(
             **fields, vision_aspect_ratio=ONEVISION_RATIO.format(tiling.max_feature_tiles))
-    return transformers.LlavaNextConfig(**fields, image_seq_length=mm.tower.num_image_tokens())
+    return transformers.LlavaNextConfig(**fields, image_seq_length=tower.num_image_tokens())
 
 
 def model_class(tiling: Tiling):
@@ -113,17 +112,17 @@ def image_processor(processor: ImageProcessor):
         do_center_crop=True, do_resize=True, **settings)
 
 
-def anyres_processor(mm: MultimodalLM, tokenizer: Any, config: Any, chat_template: str):
-    """`LlavaNextProcessor` or `LlavaOnevisionProcessor`, counting as the tower does
-    (OneVision's: `tokenizer` gets a "<video>" token, and `config` its id)."""
+def anyres_processor(tower: VisionTower, processor: ImageProcessor, image_token: str,
+                     tokenizer: Any, config: Any, chat_template: str):
+    """`LlavaNextProcessor` or `LlavaOnevisionProcessor` for a tiled tower, its processor and
+    image token, counting as the tower does (OneVision's: `tokenizer` gets a "<video>"
+    token, and `config` its id)."""
     import transformers
 
-    from vlm_vit_llm.peft_helpers import _split_peft
-
-    tiling = mm.tower.tiling
-    common = dict(image_processor=image_processor(mm.processor), tokenizer=tokenizer,
+    tiling = tower.tiling
+    common = dict(image_processor=image_processor(processor), tokenizer=tokenizer,
                   vision_feature_select_strategy=config.vision_feature_select_strategy,
-                  image_token=mm.image_token, chat_template=chat_template)
+                  image_token=image_token, chat_template=chat_template)
     if is_onevision(tiling):
         # Its count is the base view's num_image_tokens, less one for "default" (the CLS).
         # Its processor counts "<video>" in every text: without the token, unknown pieces
@@ -134,22 +133,32 @@ def anyres_processor(mm: MultimodalLM, tokenizer: Any, config: Any, chat_templat
         # A video processor it must have; videos are not ours to reproduce.
         video = transformers.LlavaOnevisionVideoProcessor(
             size={"height": tiling.tile_size, "width": tiling.tile_size},
-            image_mean=list(mm.processor.mean), image_std=list(mm.processor.std))
+            image_mean=list(processor.mean), image_std=list(processor.std))
         return transformers.LlavaOnevisionProcessor(
             **common, video_processor=video, video_token=VIDEO_TOKEN,
-            num_image_tokens=mm.tower.tile_side ** 2 + 1,
+            num_image_tokens=tower.tile_side ** 2 + 1,
             vision_aspect_ratio=config.vision_aspect_ratio)
     return transformers.LlavaNextProcessor(
-        **common, patch_size=_split_peft(mm.tower.encoder)[0].config.patch_size,
+        **common, patch_size=split_peft(tower.encoder)[0].config.patch_size,
         num_additional_image_tokens=1)
 
 
 # ---- reading ------------------------------------------------------------------------------
 
-def read_llava(directory: str | Path, *, dtype: torch.dtype | None = None) -> MultimodalLM:
-    """A `MultimodalLM` from a transformers LLaVA-NeXT or OneVision folder
-    (`save_pretrained` of `LlavaNextForConditionalGeneration` or
-    `LlavaOnevisionForConditionalGeneration`, or our export).
+def is_llava_folder(directory: Path) -> bool:
+    """Whether `directory` holds transformers' LLaVA-NeXT or OneVision layout (and not
+    vlm-vit-llm's own, `vlm_vit_llm.saving`)."""
+    if (directory / CONFIG_NAME).is_file() or not (directory / "config.json").is_file():
+        return False
+    model_type = read_json(directory / "config.json").get("model_type")
+    return isinstance(model_type, str) and model_type in MODEL_TYPES
+
+
+def read_llava(directory: str | Path, *, dtype: torch.dtype | None = None) -> ModelParts:
+    """The parts of a `MultimodalLM` (`MultimodalLM.from_pretrained` joins them), for
+    inference, from a transformers LLaVA-NeXT or OneVision folder (`save_pretrained` of
+    `LlavaNextForConditionalGeneration` or `LlavaOnevisionForConditionalGeneration`, or our
+    export).
 
     The vision tower goes through vlm-vit's own converters (`load_tower`), the projector
     and `image_newline` are copied, the language model becomes its causal LM
@@ -166,8 +175,7 @@ def read_llava(directory: str | Path, *, dtype: torch.dtype | None = None) -> Mu
     import transformers
     from huggingface_hub.errors import StrictDataclassError
 
-    from vlm_vit import VisionTower, build_pooler, load_tower
-    from vlm_vit_llm.model import MultimodalLM
+    from vlm_vit import build_pooler, load_tower
 
     directory = Path(directory)
     source = f"{directory / 'config.json'}"
@@ -209,8 +217,8 @@ def read_llava(directory: str | Path, *, dtype: torch.dtype | None = None) -> Mu
     if found != config.image_token_index:
         raise ValueError(f"{source}: image_token_index {config.image_token_index}, but the "
                          f"tokenizer gives {image_token!r} the id {found}")
-    return MultimodalLM(tower.to(model.dtype), llm, tokenizer, image_token=image_token,
-                        processor=processor).eval()
+    return ModelParts(tower.to(model.dtype).eval(), llm, tokenizer, processor, image_token,
+                      layout=config.model_type)
 
 
 def check_config(raw: dict[str, Any], source: str) -> int | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from vlm_vit_llm.peft_helpers import _split_peft
+from vlm_vit_llm.peft_helpers import split_peft
 
 if TYPE_CHECKING:
     from vlm_vit_llm.model import MultimodalLM
@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 def has_adapters(mm: MultimodalLM) -> bool:
     """Whether LoRA is on the LLM or the encoder."""
-    return any(_split_peft(part)[1] is not None for part in (mm.llm, mm.tower.encoder))
+    return any(split_peft(part)[1] is not None for part in (mm.llm, mm.tower.encoder))
 
 
 def merge_adapters(mm: MultimodalLM) -> MultimodalLM:
@@ -37,7 +37,7 @@ def merge_adapters(mm: MultimodalLM) -> MultimodalLM:
     if not has_adapters(mm):
         raise ValueError("the model has no LoRA adapter: nothing to merge")
     for owner, name in ((mm, "llm"), (mm.tower, "encoder")):
-        adapter = _split_peft(getattr(owner, name))[1]
+        adapter = split_peft(getattr(owner, name))[1]
         if adapter is None:
             continue
         from peft.tuners.lora import LoraLayer

@@ -20,6 +20,7 @@ import copy
 import logging
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +28,20 @@ import torch
 from torch import nn
 
 from vlm_vit import ImageProcessor, VisionTower
-from vlm_vit_llm import multimodal_batch, saving
-from vlm_vit_llm.batch_types import IGNORE_INDEX, MultimodalBatch, TiledImage
-from vlm_vit_llm.peft_helpers import _quiet_peft, _split_peft, merged_state
-from vlm_vit_llm.saving import CONFIG_NAME
+from vlm_vit_llm.batch_types import MultimodalBatch, TiledImage
+from vlm_vit_llm.llava_next import is_llava_folder, read_llava
+from vlm_vit_llm.multimodal_batch import build_batch, checked_arguments, expand, token_ids
+from vlm_vit_llm.packing import PATHS, check_packed_attention, choose_packed_attention, run_packed
+from vlm_vit_llm.parallel import idle_image_features
+from vlm_vit_llm.peft_helpers import quiet_peft, split_peft
+from vlm_vit_llm.pixels import as_pixels, token_count
+from vlm_vit_llm.saving import CONFIG_NAME, LAYOUT, ModelParts, read_folder, write_folder
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LLM_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-# Kept importable from here: the batch's types (`vlm_vit_llm.multimodal_batch`) and the
-# saved folder's config name and LoRA merge (`vlm_vit_llm.saving`).
-__all__ = ["CONFIG_NAME", "DEFAULT_LLM_LORA_TARGETS", "IGNORE_INDEX", "MultimodalBatch",
-           "MultimodalLM", "TiledImage", "merged_state", "target_ids"]
+# CONFIG_NAME is `vlm_vit_llm.saving`'s, read from here by the CLI.
+__all__ = ["CONFIG_NAME", "DEFAULT_LLM_LORA_TARGETS", "MultimodalLM", "target_ids"]
 
 
 class MultimodalLM(nn.Module):
@@ -134,48 +137,6 @@ class MultimodalLM(nn.Module):
 
     # -- images ------------------------------------------------------------------------------
 
-    def _pixels(self, image: Any, prompt: int) -> torch.Tensor | TiledImage:
-        """An image as the tower takes it: `[C, H, W]`, a `TiledImage` for a tiled tower, or
-        a clip `[T, C, H, W]` (a tuple of frames, or a 4-D tensor) for temporal patches."""
-        if self.tower.tiling is not None:
-            return self._tiled(image, prompt)
-        channels = self.tower.encoder.config.in_channels
-        if isinstance(image, tuple):  # a video's frames
-            image = torch.stack([self._pixels(frame, prompt) for frame in image]) if image \
-                else torch.empty(0)
-        if isinstance(image, torch.Tensor):
-            if image.ndim == 4 and image.shape[0] == 1:
-                image = image[0]
-            clip = image.ndim == 4 and len(image) > 1
-            if clip and self.tower.encoder.config.temporal_patch_size is None:
-                raise ValueError(f"prompt {prompt}: a clip of {len(image)} frames needs a tower "
-                                 "with temporal patches (temporal_patch_size); this one has none")
-            if image.ndim != 3 + clip or image.shape[-3] != channels:
-                raise ValueError(f"prompt {prompt}: a pixel tensor must be [C, H, W] (or a clip "
-                                 f"[T, C, H, W]) with C = {channels}, got {tuple(image.shape)}")
-            return image
-        return self.processor.preprocess_one(image)
-
-    def _tiled(self, image: Any, prompt: int) -> TiledImage:
-        """An image (or a `TiledImage`) as the tiled tower's views and original size."""
-        if isinstance(image, TiledImage):
-            return image
-        if isinstance(image, torch.Tensor) and image.dtype != torch.uint8:
-            raise ValueError(f"prompt {prompt}: the tower tiles images (AnyRes), and a float "
-                             f"tensor of shape {tuple(image.shape)} has lost the original size; "
-                             "give the image itself, or TiledImage(views, size) as "
-                             "ImageProcessor.tile gives them")
-        views, sizes = self.processor.tile([image])
-        return TiledImage(views[0], sizes[0])
-
-    def _num_image_tokens(self, pixels: torch.Tensor | TiledImage) -> int:
-        """The tokens an image given as `_pixels` makes: by its original size when tiled."""
-        if isinstance(pixels, TiledImage):
-            return self.tower.num_image_tokens(tuple(pixels.size))
-        if pixels.ndim == 4:  # a clip: (frames, H, W)
-            return self.tower.num_image_tokens((len(pixels), *pixels.shape[2:]))
-        return self.tower.num_image_tokens(tuple(pixels.shape[1:]))
-
     def image_features(self, pixels: Sequence[torch.Tensor | TiledImage]) -> list[torch.Tensor]:
         """The projected tokens of each image, `[M_i, D]`, from one tower call: a stacked
         batch when the images share a size, else one packed pass over all of them
@@ -197,7 +158,7 @@ class MultimodalLM(nn.Module):
             else:
                 features = self.tower(images)
         for image, tokens in zip(pixels, features, strict=True):
-            expected = self._num_image_tokens(image)
+            expected = token_count(self.tower, image)
             if tokens.ndim != 2 or tokens.shape[0] != expected:  # a pooler breaking its contract
                 size = image.size if isinstance(image, TiledImage) else tuple(image.shape[-2:])
                 raise RuntimeError(f"the tower returned {tuple(tokens.shape)} tokens for a "
@@ -237,9 +198,67 @@ class MultimodalLM(nn.Module):
                 its images, mismatched list lengths, or a sequence longer than the LLM's
                 context.
         """
-        return multimodal_batch.prepare(self, texts, images, targets,
-                                        token_labels=token_labels,
-                                        padding_side=padding_side, pack=pack)
+        images = checked_arguments(texts, images, targets, token_labels, padding_side)
+        prompt_ids = [self._prompt_ids(text, prompt) for prompt, text in enumerate(texts)]
+        pixels, counts, owners = self._pixels_per_image(texts, images, prompt_ids)
+        features = self.image_features(pixels) if pixels else []  # one tower call
+        idle = None if pixels else idle_image_features(self)  # see vlm_vit_llm.parallel
+        vocabulary = self.llm.get_input_embeddings().num_embeddings
+        labels = None if token_labels is None else [
+            token_ids(row, f"token_labels[{prompt}]", vocabulary, labels=True)
+            for prompt, row in enumerate(token_labels)]
+        target_ids = None if targets is None else [
+            self.encode_target(target) if isinstance(target, str) else
+            token_ids(target, f"targets[{prompt}]", vocabulary, labels=True)
+            for prompt, target in enumerate(targets)]
+        sequences, label_rows = expand(prompt_ids, counts, self.image_token_id, labels=labels,
+                                       targets=target_ids)
+        limit = getattr(getattr(self.llm, "config", None), "max_position_embeddings", None)
+        longest = max(len(s) for s in sequences)
+        if limit is not None and longest > limit:
+            raise ValueError(f"a sequence of {longest} tokens (image tokens included) is "
+                             f"longer than the LLM's context of {limit}")
+        per_prompt: list[list[torch.Tensor]] = [[] for _ in sequences]
+        for owner, tokens in zip(owners, features, strict=True):
+            per_prompt[owner].append(tokens)
+        batch = build_batch(
+            sequences, label_rows, per_prompt, image_token_id=self.image_token_id,
+            pad_token_id=self.pad_token_id, width=self.llm.get_input_embeddings().embedding_dim,
+            with_labels=targets is not None or token_labels is not None,
+            padding_side=padding_side, pack=pack,
+            packing=None if pack is None else self.packed_attention(), device=self.device)
+        return replace(batch, idle_features=idle)
+
+    def _prompt_ids(self, text: str | Sequence[int], prompt: int) -> list[int]:
+        """A prompt's token ids, checked: as many image tokens as placeholders."""
+        vocabulary = self.llm.get_input_embeddings().num_embeddings
+        if not isinstance(text, str):
+            return token_ids(text, f"texts[{prompt}]", vocabulary)
+        ids = list(self.tokenizer(text)["input_ids"])
+        if ids.count(self.image_token_id) != text.count(self.image_token):
+            raise ValueError(f"prompt {prompt}: the tokenizer reads "
+                             f"{ids.count(self.image_token_id)} image tokens in "
+                             f"{text.count(self.image_token)} placeholders: {text[:80]!r}")
+        return ids
+
+    def _pixels_per_image(self, texts: Sequence[str | Sequence[int]],
+                          images: list[list[Any]], prompt_ids: list[list[int]]
+                          ) -> tuple[list[Any], list[int], list[int]]:
+        """Every image of the batch in order as the tower takes it, with its token count
+        and the prompt it belongs to; a prompt whose placeholders do not match its images
+        is refused."""
+        pixels, counts, owners = [], [], []
+        for prompt, per_prompt in enumerate(images):
+            placeholders = prompt_ids[prompt].count(self.image_token_id)
+            if placeholders != len(per_prompt):
+                raise ValueError(f"prompt {prompt} has {placeholders} {self.image_token!r} "
+                                 f"placeholder(s) but {len(per_prompt)} image(s): "
+                                 f"{str(texts[prompt])[:80]!r}")
+            for image in per_prompt:
+                pixels.append(as_pixels(image, self.tower, self.processor, prompt))
+                counts.append(token_count(self.tower, pixels[-1]))
+                owners.append(prompt)
+        return pixels, counts, owners
 
     def packed_attention(self) -> str:
         """How packed rows confine attention to each record on this LLM
@@ -262,8 +281,6 @@ class MultimodalLM(nn.Module):
         Raises:
             ValueError, PackingLeakError: as `packed_attention`.
         """
-        from vlm_vit_llm.packing import PATHS, check_packed_attention, choose_packed_attention
-
         if path is not None and path not in PATHS:
             raise ValueError(f"unknown packed attention path {path!r}; known: {PATHS}")
         chosen = path or choose_packed_attention(self.llm)
@@ -300,8 +317,6 @@ class MultimodalLM(nn.Module):
         if batch.packing is None:
             return self.llm(inputs_embeds=self.embed(batch), attention_mask=batch.attention_mask,
                             position_ids=batch.position_ids, labels=batch.labels, **llm_kwargs)
-        from vlm_vit_llm.packing import run_packed
-
         return run_packed(self.llm, self.embed(batch), batch.position_ids, batch.record_index,
                           batch.packing, labels=batch.labels, **llm_kwargs)
 
@@ -354,7 +369,7 @@ class MultimodalLM(nn.Module):
         self.requires_grad_(False)
         config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, bias="none",
                                  target_modules=list(llm_targets), task_type="CAUSAL_LM")
-        with _quiet_peft():
+        with quiet_peft():
             self.llm = peft.get_peft_model(self.llm, config)
         self._packed_attention = None  # checked again, on the wrapped LLM
         if encoder_targets is not None:
@@ -388,7 +403,9 @@ class MultimodalLM(nn.Module):
         Returns:
             The directory.
         """
-        return saving.save_pretrained(self, directory)
+        parts = ModelParts(self.tower, self.llm, self.tokenizer, self.processor,
+                           self.image_token)
+        return write_folder(parts, directory)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, trainable: bool = False,
@@ -409,16 +426,23 @@ class MultimodalLM(nn.Module):
             vlm_vit.integrity.IntegrityError: naming a file changed since it was saved, or
                 one its folder's manifest does not list.
         """
-        return saving.from_pretrained(cls, directory, trainable=trainable, dtype=dtype,
-                                      verify=verify)
+        from vlm_vit import hub
+
+        directory = hub.locate(directory, patterns=hub.LLM_PATTERNS).directory  # or a name
+        parts = read_llava(directory, dtype=dtype) if is_llava_folder(directory) else \
+            read_folder(directory, trainable=trainable, dtype=dtype, verify=verify)
+        mm = cls(parts.tower, parts.llm, parts.tokenizer, image_token=parts.image_token,
+                 processor=parts.processor)
+        # transformers' LLaVA folders load for inference, as transformers loads them.
+        return mm if parts.layout == LAYOUT else mm.eval()
 
     def merged(self) -> MultimodalLM:
         """A copy with every LoRA adapter folded into its base weights (this one unchanged)."""
         copied = copy.deepcopy(self)
-        llm_base, llm_adapter = _split_peft(copied.llm)
+        llm_base, llm_adapter = split_peft(copied.llm)
         if llm_adapter is not None:
             copied.llm = llm_adapter.merge_and_unload()
-        encoder_base, encoder_adapter = _split_peft(copied.tower.encoder)
+        encoder_base, encoder_adapter = split_peft(copied.tower.encoder)
         if encoder_adapter is not None:
             copied.tower.encoder = encoder_adapter.merge_and_unload()
         return copied

@@ -1,64 +1,41 @@
-"""`MultimodalBatch`: prompts (and targets) as `MultimodalLM` runs them, and how
-`MultimodalLM.prepare` builds one.
+"""How `MultimodalLM.prepare` lays prompts out for the LLM, as pure functions of token ids,
+each image's token count and the image tokens themselves: no model, tokenizer or tower.
 
-Each prompt is tokenised, every image placeholder expanded to the image's token count, and
-the projected image tokens gathered from one tower call; the sequences are then padded one
-per row, or laid end to end in packed rows (`vlm_vit_llm.packing`).
+    sequences, labels = expand([[5, IMAGE, 6]], [3], IMAGE)    # [[5, IMAGE, IMAGE, IMAGE, 6]]
+    batch = build_batch(sequences, labels, [[tokens]], image_token_id=IMAGE, pad_token_id=0,
+                        width=tokens.shape[1])                 # a MultimodalBatch, one row
+
+Every image placeholder becomes as many positions as the image has tokens; the sequences are
+then padded one per row, or laid end to end in packed rows (`vlm_vit_llm.packing`).
 """
 
 from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from vlm_vit_llm.batch_types import IGNORE_INDEX, MultimodalBatch
-from vlm_vit_llm.parallel import idle_image_features
-
-if TYPE_CHECKING:
-    from vlm_vit_llm.model import MultimodalLM
-
-def prepare(mm: MultimodalLM, texts: Sequence[str | Sequence[int]],
-            images: Sequence[Sequence[Any]] | None = None,
-            targets: Sequence[str | Sequence[int]] | None = None, *,
-            token_labels: Sequence[Sequence[int]] | None = None,
-            padding_side: str = "right",
-            pack: Sequence[Sequence[int]] | None = None) -> MultimodalBatch:
-    """`MultimodalLM.prepare` (arguments and errors as there)."""
-    images = _checked_arguments(texts, images, targets, token_labels, padding_side)
-    token_ids = [_prompt_ids(mm, text, prompt) for prompt, text in enumerate(texts)]
-    pixels, counts, owners = _pixels_per_image(mm, texts, images, token_ids)
-    features = mm.image_features(pixels) if pixels else []  # one tower call
-    idle = None if pixels else idle_image_features(mm)  # see vlm_vit_llm.parallel
-
-    sequences, label_rows = _expanded(mm, token_ids, counts, targets, token_labels)
-    limit = getattr(getattr(mm.llm, "config", None), "max_position_embeddings", None)
-    longest = max(len(s) for s in sequences)
-    if limit is not None and longest > limit:
-        raise ValueError(f"a sequence of {longest} tokens (image tokens included) is longer "
-                         f"than the LLM's context of {limit}")
-
-    with_labels = targets is not None or token_labels is not None
-    if pack is not None:
-        return replace(_packed(mm, sequences, label_rows, pack, features, owners,
-                               with_labels=with_labels), idle_features=idle)
-    return _padded(mm, sequences, label_rows, features, padding_side, with_labels, idle)
+from vlm_vit_llm.packing import ONE_ROW_PATHS, PATHS, layout_rows
 
 
-def _checked_arguments(texts: Sequence[str | Sequence[int]], images: Any,
+def checked_arguments(texts: Sequence[str | Sequence[int]], images: Any,
                        targets: Sequence[str | Sequence[int]] | None,
                        token_labels: Sequence[Sequence[int]] | None,
                        padding_side: str) -> list[list[Any]]:
-    """`prepare`'s arguments checked against each other; the images one list per prompt."""
+    """`MultimodalLM.prepare`'s arguments checked against each other (errors as there).
+
+    Returns:
+        The images, one list per prompt.
+    """
     if isinstance(texts, str):
         raise ValueError("texts must be a list of prompts, not one string")
     if len(texts) == 0:
         raise ValueError("texts is empty: give one prompt or more (strings, or lists of "
                          "token ids)")
-    images = _images_per_prompt(images, len(texts))
+    images = images_per_prompt(images, len(texts))
     if targets is not None and len(targets) != len(texts):
         raise ValueError(f"{len(texts)} prompts but {len(targets)} targets")
     if token_labels is not None:
@@ -73,121 +50,8 @@ def _checked_arguments(texts: Sequence[str | Sequence[int]], images: Any,
     return images
 
 
-def _pixels_per_image(mm: MultimodalLM, texts: Sequence[str | Sequence[int]],
-                      images: list[list[Any]], token_ids: list[list[int]]
-                      ) -> tuple[list[Any], list[int], list[int]]:
-    """Every image of the batch in order as the tower takes it, with its token count and
-    the prompt it belongs to; a prompt whose placeholders do not match its images is
-    refused."""
-    pixels, counts, owners = [], [], []
-    for prompt, per_prompt in enumerate(images):
-        placeholders = token_ids[prompt].count(mm.image_token_id)
-        if placeholders != len(per_prompt):
-            raise ValueError(f"prompt {prompt} has {placeholders} {mm.image_token!r} "
-                             f"placeholder(s) but {len(per_prompt)} image(s): "
-                             f"{str(texts[prompt])[:80]!r}")
-        for image in per_prompt:
-            pixels.append(mm._pixels(image, prompt))
-            counts.append(mm._num_image_tokens(pixels[-1]))
-            owners.append(prompt)
-    return pixels, counts, owners
-
-
-def _expanded(mm: MultimodalLM, token_ids: list[list[int]], counts: list[int],
-              targets: Sequence[str | Sequence[int]] | None,
-              token_labels: Sequence[Sequence[int]] | None
-              ) -> tuple[list[list[int]], list[list[int]]]:
-    """Each prompt's ids with every image token repeated its image's count, its target
-    appended; and the labels of those positions."""
-    sequences, label_rows, image_counts = [], [], iter(counts)
-    for prompt, ids in enumerate(token_ids):
-        expanded, labels = [], []
-        given = (_token_ids(mm, token_labels[prompt], f"token_labels[{prompt}]", labels=True)
-                 if token_labels is not None else [IGNORE_INDEX] * len(ids))
-        for token, label in zip(ids, given, strict=True):
-            if token == mm.image_token_id:  # never learned, whatever the label says
-                count = next(image_counts)
-                expanded.extend([token] * count)
-                labels.extend([IGNORE_INDEX] * count)
-            else:
-                expanded.append(token)
-                labels.append(label)
-        if targets is not None:
-            target = targets[prompt]
-            target = mm.encode_target(target) if isinstance(target, str) else \
-                _token_ids(mm, target, f"targets[{prompt}]", labels=True)
-            target = [t for t in target if t != IGNORE_INDEX]
-            if mm.image_token_id in target:
-                raise ValueError(f"target {prompt} holds the image token "
-                                 f"{mm.image_token!r}; targets are text only")
-            expanded, labels = expanded + target, labels + target
-        if not expanded:
-            raise ValueError(f"texts[{prompt}] is empty: it gives no token (and no target "
-                             f"follows it); every sequence needs one token or more")
-        sequences.append(expanded)
-        label_rows.append(labels)
-    return sequences, label_rows
-
-
-def _padded(mm: MultimodalLM, sequences: list[list[int]], label_rows: list[list[int]],
-            features: list[torch.Tensor], padding_side: str, with_labels: bool,
-            idle: torch.Tensor | None) -> MultimodalBatch:
-    """`prepare`'s padded rows: one sequence per row, padded on `padding_side`."""
-    width = mm.llm.get_input_embeddings().embedding_dim
-    batch, length = len(sequences), max(len(s) for s in sequences)
-    input_ids = torch.full((batch, length), mm.pad_token_id, dtype=torch.long)
-    labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros((batch, length), dtype=torch.long)
-    for row, (sequence, label_row) in enumerate(zip(sequences, label_rows, strict=True)):
-        span = slice(length - len(sequence), length) if padding_side == "left" \
-            else slice(0, len(sequence))
-        input_ids[row, span] = torch.tensor(sequence, dtype=torch.long)
-        labels[row, span] = torch.tensor(label_row, dtype=torch.long)
-        attention_mask[row, span] = 1
-    image_mask = (input_ids == mm.image_token_id) & attention_mask.bool()
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    record_index = torch.where(attention_mask.bool(), torch.arange(batch)[:, None], -1)
-    device = mm.device
-    image_features = torch.cat(features) if features else torch.zeros(0, width)
-    return MultimodalBatch(
-        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-        position_ids=position_ids.to(device), image_mask=image_mask.to(device),
-        image_features=image_features.to(device),
-        labels=labels.to(device) if with_labels else None,
-        record_index=record_index.to(device), idle_features=idle)
-
-
-def _packed(mm: MultimodalLM, sequences: list[list[int]], label_rows: list[list[int]],
-            pack: Sequence[Sequence[int]], features: list[torch.Tensor],
-            owners: list[int], with_labels: bool) -> MultimodalBatch:
-    """`prepare`'s packed rows: the prompts laid out as `pack` says, their image tokens
-    reordered to match (still from the one tower call)."""
-    from vlm_vit_llm.packing import ONE_ROW_PATHS, layout_rows
-
-    path = mm.packed_attention()
-    layout = layout_rows(sequences, label_rows, pack, mm.pad_token_id,
-                         one_row=path in ONE_ROW_PATHS)
-    order = [index for row in pack for index in row]
-    per_prompt: list[list[torch.Tensor]] = [[] for _ in sequences]
-    for owner, tokens in zip(owners, features, strict=True):
-        per_prompt[owner].append(tokens)
-    in_order = [tokens for index in order for tokens in per_prompt[index]]
-    width = mm.llm.get_input_embeddings().embedding_dim
-    image_features = torch.cat(in_order) if in_order else torch.zeros(0, width)
-    attention_mask = layout["attention_mask"]
-    device = mm.device
-    return MultimodalBatch(
-        input_ids=layout["input_ids"].to(device), attention_mask=attention_mask.to(device),
-        position_ids=layout["position_ids"].to(device),
-        image_mask=((layout["input_ids"] == mm.image_token_id)
-                    & attention_mask.bool()).to(device),
-        image_features=image_features.to(device),
-        labels=layout["labels"].to(device) if with_labels else None,
-        record_index=layout["record_index"].to(device), packing=path)
-
-
-def _images_per_prompt(images: Any, count: int) -> list[list[Any]]:
-    """`prepare`'s images as one list per prompt (None or [] for a prompt without).
+def images_per_prompt(images: Any, count: int) -> list[list[Any]]:
+    """`MultimodalLM.prepare`'s images as one list per prompt (None or [] for a prompt without).
 
     Raises:
         ValueError: for images not given as a list of `count` lists, naming the entry.
@@ -207,21 +71,121 @@ def _images_per_prompt(images: Any, count: int) -> list[list[Any]]:
     return [list(per_prompt or []) for per_prompt in images]
 
 
-def _prompt_ids(mm: MultimodalLM, text: str | Sequence[int], prompt: int) -> list[int]:
-    if not isinstance(text, str):
-        return _token_ids(mm, text, f"texts[{prompt}]")
-    ids = list(mm.tokenizer(text)["input_ids"])
-    if ids.count(mm.image_token_id) != text.count(mm.image_token):
-        raise ValueError(f"prompt {prompt}: the tokenizer reads "
-                         f"{ids.count(mm.image_token_id)} image tokens in "
-                         f"{text.count(mm.image_token)} placeholders: {text[:80]!r}")
-    return ids
+def expand(token_ids: Sequence[Sequence[int]], counts: Sequence[int], image_token_id: int,
+           *, labels: Sequence[Sequence[int]] | None = None,
+           targets: Sequence[Sequence[int]] | None = None
+           ) -> tuple[list[list[int]], list[list[int]]]:
+    """Each prompt's ids with every image token repeated its image's count, its target
+    appended; and the labels of those positions.
+
+    Args:
+        token_ids: per prompt, its token ids, one `image_token_id` per image.
+        counts: every image's token count, in the order of the image tokens across prompts.
+        image_token_id: the placeholder's id.
+        labels: per prompt, a label per token (`IGNORE_INDEX` where nothing is learned);
+            default: nothing learned. An image's positions are never learned.
+        targets: per prompt, the ids learned after it (`IGNORE_INDEX` entries dropped).
+
+    Returns:
+        (sequences, labels), one list per prompt each.
+
+    Raises:
+        ValueError: for a target holding the image token, or a prompt left without a token.
+    """
+    sequences, label_rows, image_counts = [], [], iter(counts)
+    for prompt, ids in enumerate(token_ids):
+        expanded, row = [], []
+        given = labels[prompt] if labels is not None else [IGNORE_INDEX] * len(ids)
+        for token, label in zip(ids, given, strict=True):
+            if token == image_token_id:  # never learned, whatever the label says
+                count = next(image_counts)
+                expanded.extend([token] * count)
+                row.extend([IGNORE_INDEX] * count)
+            else:
+                expanded.append(token)
+                row.append(label)
+        if targets is not None:
+            target = [t for t in targets[prompt] if t != IGNORE_INDEX]
+            if image_token_id in target:
+                raise ValueError(f"target {prompt} holds the image token (id {image_token_id}); "
+                                 "targets are text only")
+            expanded, row = expanded + target, row + target
+        if not expanded:
+            raise ValueError(f"texts[{prompt}] is empty: it gives no token (and no target "
+                             f"follows it); every sequence needs one token or more")
+        sequences.append(expanded)
+        label_rows.append(row)
+    return sequences, label_rows
 
 
-def _token_ids(mm: MultimodalLM, ids: Sequence[int] | torch.Tensor, name: str, *,
-               labels: bool = False) -> list[int]:
-    """`ids` as a list of ints, each a row of the LLM's embeddings (or, for `labels`,
-    `IGNORE_INDEX`).
+def build_batch(sequences: Sequence[Sequence[int]], label_rows: Sequence[Sequence[int]],
+                features: Sequence[Sequence[torch.Tensor]], *, image_token_id: int,
+                pad_token_id: int, width: int, with_labels: bool = True,
+                padding_side: str = "right", pack: Sequence[Sequence[int]] | None = None,
+                packing: str | None = None,
+                device: torch.device | str = "cpu") -> MultimodalBatch:
+    """Expanded sequences (`expand`) as a `MultimodalBatch`: one per row, padded on
+    `padding_side`; or, with `pack`, laid out as it says (`vlm_vit_llm.packing.layout_rows`).
+
+    Args:
+        sequences, label_rows: per prompt, its expanded ids and their labels.
+        features: per prompt, its images' tokens `[M_i, width]` in placeholder order.
+        image_token_id, pad_token_id: the ids of an image position and of padding.
+        width: the LLM's embedding width (the features' second dimension).
+        with_labels: keep the labels (else `labels` is None).
+        padding_side: "right" or "left", for one prompt per row.
+        pack: per row, the indices of the prompts laid end to end there.
+        packing: with `pack`, the attention path that confines each record (one of
+            `vlm_vit_llm.packing.PATHS`).
+        device: where the tensors go.
+
+    Raises:
+        ValueError: for `pack` without a known `packing` path.
+    """
+    if pack is None:
+        layout = _padded(sequences, label_rows, pad_token_id, padding_side)
+        order = range(len(sequences))
+    else:
+        if packing not in PATHS:
+            raise ValueError(f"packed rows need an attention path, one of {PATHS}; got "
+                             f"{packing!r}")
+        layout = layout_rows(sequences, label_rows, pack, pad_token_id,
+                             one_row=packing in ONE_ROW_PATHS)
+        order = [index for row in pack for index in row]
+    in_order = [tokens for index in order for tokens in features[index]]
+    image_features = torch.cat(in_order) if in_order else torch.zeros(0, width)
+    input_ids, attention_mask = layout["input_ids"], layout["attention_mask"]
+    return MultimodalBatch(
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+        position_ids=layout["position_ids"].to(device),
+        image_mask=((input_ids == image_token_id) & attention_mask.bool()).to(device),
+        image_features=image_features.to(device),
+        labels=layout["labels"].to(device) if with_labels else None,
+        record_index=layout["record_index"].to(device), packing=packing if pack else None)
+
+
+def _padded(sequences: Sequence[Sequence[int]], label_rows: Sequence[Sequence[int]],
+            pad_token_id: int, padding_side: str) -> dict[str, torch.Tensor]:
+    """One sequence per row, padded on `padding_side`: the tensors `layout_rows` gives."""
+    batch, length = len(sequences), max(len(s) for s in sequences)
+    input_ids = torch.full((batch, length), pad_token_id, dtype=torch.long)
+    labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((batch, length), dtype=torch.long)
+    for row, (sequence, label_row) in enumerate(zip(sequences, label_rows, strict=True)):
+        span = slice(length - len(sequence), length) if padding_side == "left" \
+            else slice(0, len(sequence))
+        input_ids[row, span] = torch.tensor(sequence, dtype=torch.long)
+        labels[row, span] = torch.tensor(label_row, dtype=torch.long)
+        attention_mask[row, span] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "record_index": torch.where(attention_mask.bool(), torch.arange(batch)[:, None], -1)}
+
+
+def token_ids(ids: Sequence[int] | torch.Tensor, name: str, vocabulary: int, *,
+              labels: bool = False) -> list[int]:
+    """`ids` as a list of ints, each in `range(vocabulary)` (the rows of the LLM's
+    embeddings) or, for `labels`, `IGNORE_INDEX`.
 
     Raises:
         ValueError: naming `name[position]` for an entry that is no int or out of range.
@@ -230,7 +194,7 @@ def _token_ids(mm: MultimodalLM, ids: Sequence[int] | torch.Tensor, name: str, *
         raise ValueError(f"{name} is a {type(ids).__name__}; give a string or a list of "
                          "token ids [L]")
     values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-    rows = mm.llm.get_input_embeddings().num_embeddings
+    rows = vocabulary
     for position, value in enumerate(values):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ValueError(f"{name}[{position}] is {value!r}, not a token id: {name} must "

@@ -27,7 +27,7 @@ from torch import nn
 from vlm_vit import VisionEncoder
 from vlm_vit_llm.model import MultimodalLM
 from vlm_vit_llm.parallel import whole_parameters
-from vlm_vit_llm.peft_helpers import _split_peft
+from vlm_vit_llm.peft_helpers import split_peft
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class BridgeObjective(nn.Module):
         Raises:
             ValueError: from transformers, for an LLM without checkpointing support.
         """
-        llm = _split_peft(self.mm.llm)[0]  # peft's wrapper forwards these to the base
+        llm = split_peft(self.mm.llm)[0]  # peft's wrapper forwards these to the base
         if enabled:
             kwargs = {"use_reentrant": False}
             if hasattr(llm, "activation_checkpointing_enable"):  # the old name warns there

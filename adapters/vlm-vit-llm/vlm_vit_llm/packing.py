@@ -41,13 +41,13 @@ from typing import Any
 import torch
 from torch import nn
 
+import vlm_vit_llm.varlen_attention as varlen_attention
 from vlm_vit.train.token_budget import first_fit_decreasing
-from vlm_vit_llm import varlen_attention
+from vlm_vit_llm.batch_types import IGNORE_INDEX
 from vlm_vit_llm.presets import LOSS_REDUCTIONS as LOSS_REDUCTIONS
 
 logger = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100  # as vlm_vit_llm.model (imported there from here would be circular)
 PATHS = ("flash_attention_2", "varlen_sdpa", "position_ids", "block_mask")
 ONE_ROW_PATHS = ("flash_attention_2", "varlen_sdpa")  # all rows end to end, no padding
 # The check's tolerance on logits, relative to their largest magnitude: a leak moves them by

@@ -25,6 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlm_vit.processor.anyres import num_views
+from vlm_vit_llm.batch_types import TiledImage
+
 
 def several_processes() -> bool:
     """Whether this process is one of several in a `torch.distributed` process group."""
@@ -49,9 +52,6 @@ def idle_image_features(mm: Any) -> torch.Tensor | None:
     tiling = mm.tower.tiling
     if tiling is None:
         return mm.image_features([torch.zeros(channels, *mm.processor.size)])[0]
-    from vlm_vit.processor.anyres import num_views
-    from vlm_vit_llm.batch_types import TiledImage
-
     side = (tiling.tile_size, tiling.tile_size)
     blank = TiledImage(torch.zeros(num_views(tiling, side), channels, *side), side)
     return mm.image_features([blank])[0]

@@ -14,15 +14,20 @@ import torch
 from torch import nn
 
 
-def _split_peft(module: nn.Module) -> tuple[nn.Module, Any]:
-    """(the base model, the peft model or None)."""
+def split_peft(module: nn.Module) -> tuple[nn.Module, Any]:
+    """A module and its peft wrapper apart.
+
+    Returns:
+        (the base model, the peft model on it), or (`module`, None) when peft does not wrap
+        `module`.
+    """
     base = getattr(module, "get_base_model", None)
     if base is not None and hasattr(module, "peft_config"):
         return base(), module
     return module, None
 
 
-def _base_state(module: nn.Module) -> dict[str, torch.Tensor]:
+def base_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """A module's state dict without LoRA: peft's LoRA tensors dropped and its wrapped
     layers (`x.base_layer.weight`) under their own names again (`x.weight`)."""
     return {name.replace(".base_layer.", "."): tensor
@@ -30,9 +35,9 @@ def _base_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _quiet_peft() -> Iterator[None]:
-    """Wrapping a model, peft reads a property transformers 5 deprecates, with a warning
-    the user can do nothing about."""
+def quiet_peft() -> Iterator[None]:
+    """Within the block peft wraps a model without a warning the user can do nothing about
+    (peft reads `is_gradient_checkpointing`, a property transformers 5 deprecates)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
         yield
@@ -54,12 +59,12 @@ def merged_state(module: nn.Module) -> dict[str, torch.Tensor]:
     Raises:
         ValueError: for an adapter that does not merge by addition (DoRA and other variants).
     """
-    base, adapter = _split_peft(module)
+    base, adapter = split_peft(module)
     if adapter is None:
         return module.state_dict()
     from peft.tuners.lora import LoraLayer
 
-    state = _base_state(base)
+    state = base_state(base)
     with torch.no_grad():
         for name, layer in base.named_modules():
             if not isinstance(layer, LoraLayer) or layer.disable_adapters:

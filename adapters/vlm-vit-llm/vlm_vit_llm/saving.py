@@ -1,4 +1,5 @@
-"""A `MultimodalLM` on disk: `save_pretrained`'s folder, read back by `from_pretrained`.
+"""A `MultimodalLM` on disk: the folder `save_pretrained` writes from the model's parts
+(`write_folder`), and the parts `from_pretrained` assembles read back (`read_folder`).
 
     multimodal_config.json   the image token and which adapters there are
     tower/                   the VisionTower (base weights) and the processor
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,10 +23,7 @@ from vlm_vit import ImageProcessor, VisionEncoder, VisionTower
 from vlm_vit.card import PLACEHOLDER, model_card, write_card
 from vlm_vit.files import MODEL_FILES, atomic_directory, atomic_write, read_json
 from vlm_vit.integrity import MANIFEST_NAME, read_manifest, verify_files, write_manifest
-from vlm_vit_llm.peft_helpers import _base_state, _quiet_peft, _split_peft
-
-if TYPE_CHECKING:
-    from vlm_vit_llm.model import MultimodalLM
+from vlm_vit_llm.peft_helpers import base_state, quiet_peft, split_peft
 
 logger = logging.getLogger(__name__)
 
@@ -38,27 +37,51 @@ SAVED_ENTRIES = (*MODEL_FILES, TOWER_DIR, LLM_DIR, LLM_ADAPTER_DIR, VISION_ADAPT
 # The sub-folders hashed in their own `manifest.json` (the tower writes its own).
 HASHED_DIRS = (LLM_DIR, LLM_ADAPTER_DIR, VISION_ADAPTER_DIR)
 UNHASHED_FILES = (MANIFEST_NAME, "README.md")  # a card the user may edit is not a weight
+LAYOUT = "vlm_vit_llm"  # the config's "format": this module's folder layout
 
 
-def save_pretrained(mm: MultimodalLM, directory: str | Path) -> Path:
-    """`MultimodalLM.save_pretrained` (see there)."""
+@dataclass
+class ModelParts:
+    """A `MultimodalLM`'s parts, as a folder holds them (`MultimodalLM(tower, llm, tokenizer,
+    image_token=..., processor=...)` joins them).
+
+    Attributes:
+        tower: the `VisionTower` (its encoder a peft model when LoRA is on it).
+        llm: the causal LM, or a peft model on one.
+        tokenizer: the LLM's tokenizer.
+        processor: the tower's `ImageProcessor`.
+        image_token: the placeholder string in prompts.
+        layout: the folder's layout: `LAYOUT`, or transformers' model type of a LLaVA folder
+            (`vlm_vit_llm.llava_next.MODEL_TYPES`).
+    """
+
+    tower: VisionTower
+    llm: nn.Module
+    tokenizer: Any
+    processor: ImageProcessor
+    image_token: str
+    layout: str = LAYOUT
+
+
+def write_folder(parts: ModelParts, directory: str | Path) -> Path:
+    """`MultimodalLM.save_pretrained`: the parts written to `directory` (see there)."""
     from vlm_vit.lora import save_adapter
 
     directory = Path(directory)
-    llm_base, llm_adapter = _split_peft(mm.llm)
-    encoder_base, encoder_adapter = _split_peft(mm.tower.encoder)
-    tower = mm.tower
+    llm_base, llm_adapter = split_peft(parts.llm)
+    encoder_base, encoder_adapter = split_peft(parts.tower.encoder)
+    tower = parts.tower
     if encoder_adapter is not None:  # the tower again, on the encoder without LoRA
-        encoder = VisionEncoder.from_state_dict(_base_state(encoder_base),
+        encoder = VisionEncoder.from_state_dict(base_state(encoder_base),
                                                 encoder_base.config)
-        tower = VisionTower(encoder, tower.pooler, tower.feature_layer, tower.drop_prefix,
+        tower = VisionTower(encoder, tower.pooler, tower.feature_layer, tower.keep_prefix,
                             processor=tower.processor, tiling=tower.tiling)
-        tower.image_newline = mm.tower.image_newline  # the same parameter, or None
+        tower.image_newline = parts.tower.image_newline  # the same parameter, or None
     with atomic_directory(directory, replaces=SAVED_ENTRIES) as temp:
         tower.save_pretrained(temp / TOWER_DIR)
-        mm.processor.save_pretrained(temp / TOWER_DIR)
-        llm_base.save_pretrained(temp / LLM_DIR, state_dict=_base_state(llm_base))
-        mm.tokenizer.save_pretrained(temp / LLM_DIR)
+        parts.processor.save_pretrained(temp / TOWER_DIR)
+        llm_base.save_pretrained(temp / LLM_DIR, state_dict=base_state(llm_base))
+        parts.tokenizer.save_pretrained(temp / LLM_DIR)
         if llm_adapter is not None:
             llm_adapter.save_pretrained(str(temp / LLM_ADAPTER_DIR))
         if encoder_adapter is not None:
@@ -67,30 +90,30 @@ def save_pretrained(mm: MultimodalLM, directory: str | Path) -> Path:
             if (temp / name).is_dir():
                 write_manifest(temp / name, _hashed_files(temp / name))
         config = {"format": "vlm_vit_llm", "format_version": 1,
-                  "image_token": mm.image_token,
+                  "image_token": parts.image_token,
                   "llm_adapter": llm_adapter is not None,
                   "vision_adapter": encoder_adapter is not None}
         with atomic_write(temp / CONFIG_NAME, "w") as handle:
             json.dump(config, handle, indent=2)
             handle.write("\n")
-        write_card(temp, _model_card(mm, llm_base))
+        write_card(temp, _model_card(parts, llm_base))
     logger.info("saved the multimodal model to %s", directory)
     return directory
 
 
-def _model_card(mm: MultimodalLM, llm: nn.Module) -> str:
+def _model_card(parts: ModelParts, llm: nn.Module) -> str:
     """The Hub card of a saved model: what it joins, and how to load it."""
     base = getattr(getattr(llm, "config", None), "_name_or_path", "") or ""
     facts = {"LLM": type(llm).__name__ + (f" ({base})" if base else ""),
-             "vision encoder": f"{mm.tower.encoder.config.width} wide, "
-                               f"{mm.tower.encoder.config.depth} blocks",
-             "projector": getattr(mm.tower.pooler, "pooler_spec", {}).get("name"),
-             "feature layer": mm.tower.feature_layer,
-             "image tokens": mm.tower.num_image_tokens(),
-             "image token": f"`{mm.image_token}`",
+             "vision encoder": f"{parts.tower.encoder.config.width} wide, "
+                               f"{parts.tower.encoder.config.depth} blocks",
+             "projector": getattr(parts.tower.pooler, "pooler_spec", {}).get("name"),
+             "feature layer": parts.tower.feature_layer,
+             "image tokens": parts.tower.num_image_tokens(),
+             "image token": f"`{parts.image_token}`",
              "LoRA adapters": ", ".join(name for name, on in (
-                 ("LLM", hasattr(mm.llm, "peft_config")),
-                 ("encoder", _split_peft(mm.tower.encoder)[1] is not None)) if on)
+                 ("LLM", hasattr(parts.llm, "peft_config")),
+                 ("encoder", split_peft(parts.tower.encoder)[1] is not None)) if on)
                               or "none"}
     metadata = {"library_name": "vlm-vit", "pipeline_tag": "image-text-to-text",
                 "tags": ["vlm-vit", "llava", "multimodal"]}
@@ -98,24 +121,16 @@ def _model_card(mm: MultimodalLM, llm: nn.Module) -> str:
         metadata["base_model"] = base
     usage = ("from vlm_vit_llm import MultimodalLM\n\n"
              f"mm = MultimodalLM.from_pretrained(\"{PLACEHOLDER}\")\n"
-             f"mm.generate([\"{mm.image_token}\\nDescribe it.\"], [[\"photo.jpg\"]])")
+             f"mm.generate([\"{parts.image_token}\\nDescribe it.\"], [[\"photo.jpg\"]])")
     return model_card(metadata, "Multimodal LM (vlm-vit)", facts, usage)
 
 
-def from_pretrained(cls: type[MultimodalLM], directory: str | Path, *, trainable: bool,
-                    dtype: torch.dtype | None, verify: bool | None) -> MultimodalLM:
-    """`MultimodalLM.from_pretrained` (see there), building a `cls`."""
+def read_folder(directory: Path, *, trainable: bool, dtype: torch.dtype | None,
+                verify: bool | None) -> ModelParts:
+    """The parts of a folder `write_folder` wrote (arguments and errors as
+    `MultimodalLM.from_pretrained`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vlm_vit import hub
-
-    directory = hub.locate(directory, patterns=hub.LLM_PATTERNS).directory  # or a name
-    if not (directory / CONFIG_NAME).is_file() and (directory / "config.json").is_file():
-        from vlm_vit_llm.llava_next import MODEL_TYPES, read_llava
-
-        model_type = read_json(directory / "config.json").get("model_type")
-        if isinstance(model_type, str) and model_type in MODEL_TYPES:
-            return read_llava(directory, dtype=dtype)  # transformers' LLaVA-NeXT folder
     config = read_json(directory / CONFIG_NAME)
     if config.get("format") != "vlm_vit_llm":
         raise ValueError(f"{directory / CONFIG_NAME} is not a vlm-vit-llm model config")
@@ -129,7 +144,7 @@ def from_pretrained(cls: type[MultimodalLM], directory: str | Path, *, trainable
     if config.get("llm_adapter"):
         from peft import PeftModel
 
-        with _quiet_peft():
+        with quiet_peft():
             llm = PeftModel.from_pretrained(llm, str(directory / LLM_ADAPTER_DIR),
                                             is_trainable=trainable)
     if config.get("vision_adapter"):
@@ -137,7 +152,7 @@ def from_pretrained(cls: type[MultimodalLM], directory: str | Path, *, trainable
 
         tower.encoder = load_adapter(tower.encoder, directory / VISION_ADAPTER_DIR,
                                      trainable=trainable)
-    return cls(tower, llm, tokenizer, image_token=config["image_token"], processor=processor)
+    return ModelParts(tower, llm, tokenizer, processor, config["image_token"])
 
 
 def _hashed_files(folder: Path) -> list[str]:
