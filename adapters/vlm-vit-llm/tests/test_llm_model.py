@@ -5,7 +5,7 @@ import torch
 from conftest import IMAGE_SIZE, LLM_WIDTH, perturb_lora, photos, tiny_llm, tiny_tower
 
 from vlm_vit import build_pooler
-from vlm_vit_llm import IGNORE_INDEX, MultimodalLM
+from vlm_vit_llm import IGNORE_INDEX, MultimodalLM, Video
 
 PROMPTS = ["describe the picture", "<image>\nwhat is in the image", "<image> and <image> the"]
 
@@ -170,6 +170,8 @@ def test_bad_calls_are_refused_by_name(mm):
     with pytest.raises(ValueError, match=r"\[C, H, W\]"):
         mm.prepare(["<image>"], [[torch.zeros(3, 32)]])
     with pytest.raises(ValueError, match="a clip of 2 frames needs a tower with temporal"):
+        mm.prepare(["<image>"], [[Video(torch.zeros(2, 3, 32, 32))]])
+    with pytest.raises(ValueError, match="a pixel tensor of 2 frames"):
         mm.prepare(["<image>"], [[torch.zeros(2, 3, 32, 32)]])
     with pytest.raises(ValueError, match="target 0 holds the image token"):
         mm.prepare(["<image>"], [pixels(1)], targets=["a <image> b"])

@@ -1,7 +1,8 @@
-"""A video in the bridge (issue 33): a clip `[T, 3, H, W]` (a tuple of frames, or a LLaVA
-record's `video`: its frames' paths) goes through the tower's temporal patches as one visual
-item, `num_image_tokens((H, W), frames=T)` positions in the LLM, in prompts, conversation records,
-padded and packed batches; what cannot take a clip says so."""
+"""A video in the bridge (issues 33, 41): a clip, `Video(frames)` (its frames, or their pixels
+`[T, 3, H, W]`; a LLaVA record's `video`: its frames' paths) goes through the tower's temporal
+patches as one visual item, `num_image_tokens((H, W), frames=T)` positions in the LLM, in
+prompts, conversation records, padded and packed batches; only a `Video` is a clip (a tuple of
+images is that many images); what cannot take a clip says so."""
 
 import json
 
@@ -16,7 +17,7 @@ from test_llm_train_anyres import alone_loss, one_step
 from vlm_vit import ImageProcessor, load_tower
 from vlm_vit.data.shards import Sample
 from vlm_vit.processor import NORMALIZATION
-from vlm_vit_llm import MultimodalLM
+from vlm_vit_llm import MultimodalLM, Video
 from vlm_vit_llm.chat import adopt_chat_template, tokenize_conversation
 from vlm_vit_llm.records import ConversationRecords
 from vlm_vit_llm.shard_decode import ConversationShardDecode
@@ -74,18 +75,38 @@ def test_a_clip_in_a_prompt_is_its_temporal_slices_tokens(tmp_path, tokenizer):
     clip = torch.randn(FRAMES, 3, SIDE, SIDE, generator=torch.Generator().manual_seed(1))
     count = mm.tower.num_image_tokens((SIDE, SIDE), frames=FRAMES)
     assert count == 2 * mm.tower.num_image_tokens((SIDE, SIDE)) == 8  # 3 frames: 2 slices
-    for given in (clip, tuple(clip)):  # a tensor, or a tuple of frames
+    for given in (Video(clip), Video(tuple(clip))):  # its pixels, or its frames
         batch = mm.prepare(["<image>\nWhat happens?"], [[given]])
         assert batch.image_mask.sum().item() == count
         with torch.no_grad():
             embedded = mm.embed(batch)[batch.image_mask]
             assert torch.equal(embedded, mm.tower([clip])[0])
     with torch.no_grad():  # a clip beside an image in one prompt: one packed tower call
-        batch = mm.prepare(["<image> then <image>"], [[clip, clip[0]]])
+        batch = mm.prepare(["<image> then <image>"], [[Video(clip), clip[0]]])
         tokens = mm.embed(batch)[batch.image_mask]
         expected = torch.cat(mm.tower([clip, clip[0]]))
     assert torch.equal(tokens, expected) and len(tokens) == count + 4
-    assert mm.generate(["<image>\nWhat happens?"], [[clip]], max_new_tokens=2)
+    assert mm.generate(["<image>\nWhat happens?"], [[Video(clip)]], max_new_tokens=2)
+
+
+def test_a_tuple_of_images_is_images_and_only_a_video_is_a_clip(tmp_path, tokenizer):
+    mm = video_mm(tmp_path, tokenizer)
+    frames = tuple(torch.randn(FRAMES, 3, SIDE, SIDE, generator=torch.Generator().manual_seed(2)))
+    image_tokens = mm.tower.num_image_tokens((SIDE, SIDE))
+    clip_tokens = mm.tower.num_image_tokens((SIDE, SIDE), frames=FRAMES)
+    assert (image_tokens, clip_tokens) == (4, 8)
+    as_images = mm.prepare(["<image>" * FRAMES], [frames])  # a tuple of 3 images: 3 images
+    assert as_images.image_mask.sum().item() == FRAMES * image_tokens == 12
+    as_clip = mm.prepare(["<image>"], [[Video(frames)]])  # a Video of 3 frames: one clip
+    assert as_clip.image_mask.sum().item() == clip_tokens
+    with torch.no_grad():
+        assert torch.equal(as_clip.image_features, mm.tower([torch.stack(frames)])[0])
+    with pytest.raises(ValueError, match="prompt 0: a tuple of 3 is not an image"):
+        mm.prepare(["<image>"], [[frames]])  # no clip from nesting
+    with pytest.raises(ValueError, match=r"prompt 0: a pixel tensor of 3 frames .* Video"):
+        mm.prepare(["<image>"], [[torch.stack(frames)]])  # nor from a tensor's rank
+    with pytest.raises(ValueError, match="give a clip as Video"):
+        mm.image_features([torch.stack(frames)])
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
@@ -99,13 +120,14 @@ def test_a_video_record_trains_as_the_record_built_by_hand(tmp_path, chat_tokeni
                                   max_length=256)
     items = [dataset[index] for index in range(len(dataset))]
     frames = [mm.processor.preprocess_one(folder / "v" / f"{i}.png") for i in range(FRAMES)]
-    assert torch.equal(items[0].pixels[0], torch.stack(frames))
+    assert torch.equal(items[0].pixels[0].frames, torch.stack(frames))
 
     assert collate.count_tokens(items[0].pixels[0]) == 8  # what packing and truncation use
     batch = collate(items)
     assert batch.undecodable == []
     rows = []
-    for item, pixels in zip(items, ([torch.stack(frames)], [frames[0]], []), strict=True):
+    for item, pixels in zip(items, ([Video(torch.stack(frames))], [frames[0]], []),
+                            strict=True):
         ids, labels = tokenize_conversation(mm.tokenizer, item.turns, mm.tokenizer.chat_template)
         rows.append((ids, labels, pixels))
     with torch.no_grad():
@@ -125,7 +147,7 @@ def test_a_clip_is_refused_where_it_cannot_go(tmp_path, tokenizer, chat_tokenize
     plain = MultimodalLM(tiny_tower(), tiny_llm(), tokenizer)
     with pytest.raises(ValueError, match=r"prompt 0: a clip of 3 frames needs a tower with "
                                          r"temporal patches"):
-        plain.prepare(["<image>"], [[torch.zeros(3, 3, 32, 32)]])
+        plain.prepare(["<image>"], [[Video(torch.zeros(3, 3, 32, 32))]])
     folder = write_frames(tmp_path / "data")
     bad = [
         {"id": "file", "video": "v.mp4", "conversations": [human("<image>"), gpt("x")]},

@@ -1,11 +1,13 @@
 """The types a `MultimodalLM` batch is made of: `MultimodalBatch` (prompts as the LLM runs
-them), `TiledImage` (one image as a tiled tower takes it) and `IGNORE_INDEX`. A leaf: it
-imports nothing of the plugin, so every module can use these names.
+them), `TiledImage` (one image as a tiled tower takes it), `Video` (a clip) and
+`IGNORE_INDEX`. A leaf: it imports nothing of the plugin, so every module can use these names.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,3 +58,17 @@ class TiledImage:
 
     views: torch.Tensor
     size: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Video:
+    """One clip, for a tower with temporal patches (`temporal_patch_size`): one `<image>`
+    placeholder stands for all its frames, `tower.num_image_tokens((H, W), frames=T)`
+    positions. Only a `Video` is a clip: a list or tuple of images is that many images.
+
+    Attributes:
+        frames: the frames in time order (PIL images, files, arrays, `[C, H, W]` tensors),
+            or their pixels `[T, C, H, W]`.
+    """
+
+    frames: Sequence[Any] | torch.Tensor

@@ -21,31 +21,30 @@ from vlm_vit import ImageProcessor
 from vlm_vit.pretrain.base import ObjectiveOutput
 from vlm_vit.processor import Tiling
 from vlm_vit.processor.anyres import num_image_tokens as tiled_tokens
-from vlm_vit_llm.batch_types import TiledImage
+from vlm_vit_llm.batch_types import TiledImage, Video
 from vlm_vit_llm.model import MultimodalLM
 from vlm_vit_llm.packing import LOSS_REDUCTIONS, loss_terms, loss_units, pack_rows, split_rows
-
-Pixels = torch.Tensor | TiledImage  # `[3, H, W]`, a clip `[T, 3, H, W]`, or tiled views
+from vlm_vit_llm.pixels import Pixels
 
 
 def load_pixels(processor: ImageProcessor, image: Any) -> Pixels:
     """One image preprocessed as `MultimodalLM` takes it: `[3, H, W]` pixels
     (`preprocess_one`), or with the processor's tiling a `TiledImage` (`tile`: the views and
-    the original size, which sets the image's token count). A tuple is a video's frames (a
-    `Record`'s clip): `[T, 3, H, W]`, each frame preprocessed alone.
+    the original size, which sets the image's token count). A `Video` (a `Record`'s clip)
+    becomes a `Video` of its frames' pixels `[T, 3, H, W]`, each frame preprocessed alone.
 
     Raises:
         ValueError: as `preprocess_one` (ImageLoadError, ImageTooLargeError); for a clip with
             a tiling, or whose frames preprocess to different sizes.
     """
-    if isinstance(image, tuple):
+    if isinstance(image, Video):
         if processor.tiling is not None:
             raise ValueError("a tiled (AnyRes) tower takes images, not video frames")
-        frames = [processor.preprocess_one(frame) for frame in image]
+        frames = [processor.preprocess_one(frame) for frame in image.frames]
         shapes = {tuple(frame.shape) for frame in frames}
         if len(shapes) > 1:
             raise ValueError(f"the frames of a clip preprocess to different sizes {sorted(shapes)}")
-        return torch.stack(frames)
+        return Video(torch.stack(frames))
     if processor.tiling is None:
         return processor.preprocess_one(image)
     views, sizes = processor.tile([image])
@@ -83,11 +82,11 @@ class ImageTokens:
 
     def __call__(self, pixels: Pixels) -> int:
         """The tokens of one image (or clip) as `load_pixels` gives it."""
-        if isinstance(pixels, torch.Tensor) and pixels.ndim == 4:
+        if isinstance(pixels, Video):
             if self.temporal is None:
                 raise ValueError("a clip needs a tower with temporal patches "
                                  "(temporal_patch_size); this one has none")
-            return -(-len(pixels) // self.temporal) * self.fixed
+            return -(-len(pixels.frames) // self.temporal) * self.fixed
         if self.tiling is None:
             return self.fixed
         return tiled_tokens(self.tiling, tuple(pixels.size), self.tile_side)
@@ -206,6 +205,8 @@ class ConversationBatch:
 def _moved(image: Pixels, device: torch.device | str, non_blocking: bool) -> Pixels:
     if isinstance(image, TiledImage):
         return replace(image, views=image.views.to(device, non_blocking=non_blocking))
+    if isinstance(image, Video):
+        return Video(image.frames.to(device, non_blocking=non_blocking))
     return image.to(device, non_blocking=non_blocking)
 
 

@@ -28,13 +28,13 @@ import torch
 from torch import nn
 
 from vlm_vit import ImageProcessor, VisionTower
-from vlm_vit_llm.batch_types import MultimodalBatch, TiledImage
+from vlm_vit_llm.batch_types import MultimodalBatch, TiledImage, Video
 from vlm_vit_llm.llava_next import is_llava_folder, read_llava
 from vlm_vit_llm.multimodal_batch import build_batch, checked_arguments, expand, token_ids
 from vlm_vit_llm.packing import PATHS, check_packed_attention, choose_packed_attention, run_packed
 from vlm_vit_llm.parallel import idle_image_features
 from vlm_vit_llm.peft_helpers import quiet_peft, split_peft
-from vlm_vit_llm.pixels import as_pixels, token_count
+from vlm_vit_llm.pixels import Pixels, as_pixels, token_count
 from vlm_vit_llm.saving import CONFIG_NAME, LAYOUT, ModelParts, read_folder, write_folder
 
 logger = logging.getLogger(__name__)
@@ -137,12 +137,17 @@ class MultimodalLM(nn.Module):
 
     # -- images ------------------------------------------------------------------------------
 
-    def image_features(self, pixels: Sequence[torch.Tensor | TiledImage]) -> list[torch.Tensor]:
+    def image_features(self, pixels: Sequence[Pixels]) -> list[torch.Tensor]:
         """The projected tokens of each image, `[M_i, D]`, from one tower call: a stacked
         batch when the images share a size, else one packed pass over all of them
-        (`vlm_vit.packing`: each image's tokens as if it were alone; a clip's temporal
+        (`vlm_vit.packing`: each image's tokens as if it were alone; a `Video`'s temporal
         slices end to end); for a tiled tower,
-        every view of every `TiledImage` in one batch, packed by their sizes."""
+        every view of every `TiledImage` in one batch, packed by their sizes.
+
+        Raises:
+            ValueError: for pixels that are not `[C, H, W]`, a `TiledImage` (tiled) or a
+                `Video` of `[T, C, H, W]` (a 4-D tensor alone is refused: clips are Videos).
+        """
         parameter = next(self.tower.parameters())
         cast = {"device": parameter.device, "dtype": parameter.dtype}
         if self.tower.tiling is not None:
@@ -152,7 +157,11 @@ class MultimodalLM(nn.Module):
             features = self.tower([image.views.to(**cast) for image in pixels],
                                   image_sizes=[image.size for image in pixels])
         else:
-            images = [image.to(**cast) for image in pixels]
+            if any(isinstance(image, torch.Tensor) and image.ndim != 3 for image in pixels):
+                raise ValueError("image pixels must be [C, H, W] each; give a clip as "
+                                 "Video(frames [T, C, H, W])")
+            images = [(image.frames if isinstance(image, Video) else image).to(**cast)
+                      for image in pixels]
             if len({tuple(image.shape) for image in images}) == 1 and images[0].ndim == 3:
                 features = list(self.tower(torch.stack(images)))
             else:
@@ -160,7 +169,8 @@ class MultimodalLM(nn.Module):
         for image, tokens in zip(pixels, features, strict=True):
             expected = token_count(self.tower, image)
             if tokens.ndim != 2 or tokens.shape[0] != expected:  # a pooler breaking its contract
-                size = image.size if isinstance(image, TiledImage) else tuple(image.shape[-2:])
+                size = image.size if isinstance(image, TiledImage) else \
+                    tuple((image.frames if isinstance(image, Video) else image).shape[-2:])
                 raise RuntimeError(f"the tower returned {tuple(tokens.shape)} tokens for a "
                                    f"{size[0]}x{size[1]} image but promised {expected}")
         return features
@@ -178,8 +188,9 @@ class MultimodalLM(nn.Module):
         Args:
             texts: one prompt per sequence: a string, or its token ids as the tokenizer
                 gives them (`tokenizer(prompt)["input_ids"]`, one image token id per image).
-            images: per prompt, its images in placeholder order (PIL images, files, arrays,
-                or `[C, H, W]` pixel tensors); None or [] for a prompt without images.
+            images: per prompt, a list (or tuple) of its images in placeholder order (PIL
+                images, files, arrays, `[C, H, W]` pixel tensors, `TiledImage`s), a clip as
+                one `Video`; None or [] for a prompt without images.
             targets: per prompt, the text to learn after it (strings, or token ids from
                 `encode_target`); the loss sees only these.
             token_labels: instead of `targets`, for prompts given as token ids: per prompt,

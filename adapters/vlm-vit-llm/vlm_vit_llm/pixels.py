@@ -10,41 +10,62 @@ from typing import Any
 import torch
 
 from vlm_vit import ImageProcessor, VisionTower
-from vlm_vit_llm.batch_types import TiledImage
+from vlm_vit_llm.batch_types import TiledImage, Video
+
+Pixels = torch.Tensor | TiledImage | Video  # `[C, H, W]`, tiled views, or a clip's `[T, C, H, W]`
 
 
-def as_pixels(image: Any, tower: VisionTower, processor: ImageProcessor,
-              prompt: int) -> torch.Tensor | TiledImage:
-    """An image as the tower takes it: `[C, H, W]`, a `TiledImage` for a tiled tower, or
-    a clip `[T, C, H, W]` (a tuple of frames, or a 4-D tensor) for temporal patches.
+def as_pixels(image: Any, tower: VisionTower, processor: ImageProcessor, prompt: int) -> Pixels:
+    """An image as the tower takes it: `[C, H, W]`, a `TiledImage` for a tiled tower, or for
+    a `Video` a `Video` of its pixels `[T, C, H, W]`.
 
     Args:
-        image: a PIL image, a file, an array, a pixel tensor, or a `TiledImage`.
+        image: a PIL image, a file, an array, a pixel tensor, a `TiledImage` or a `Video`.
         tower, processor: the tower and the processor that turns files into its pixels.
         prompt: the prompt's index, for the errors.
 
     Raises:
-        ValueError: naming the prompt, for pixels of the wrong shape, or a clip on a tower
-            without temporal patches.
+        ValueError: naming the prompt, for pixels of the wrong shape, a list or tuple (not an
+            image), or a `Video` on a tower without temporal patches.
     """
+    if isinstance(image, Video):
+        return Video(_clip(image.frames, tower, processor, prompt))
+    if isinstance(image, (list, tuple)):
+        raise ValueError(f"prompt {prompt}: a {type(image).__name__} of {len(image)} is not "
+                         "an image: give each image in the prompt's list, or a clip as "
+                         "Video(frames)")
     if tower.tiling is not None:
         return as_tiled(image, processor, prompt)
     channels = tower.encoder.config.in_channels
-    if isinstance(image, tuple):  # a video's frames
-        image = torch.stack([as_pixels(frame, tower, processor, prompt) for frame in image]) \
-            if image else torch.empty(0)
     if isinstance(image, torch.Tensor):
         if image.ndim == 4 and image.shape[0] == 1:
             image = image[0]
-        clip = image.ndim == 4 and len(image) > 1
-        if clip and tower.encoder.config.temporal_patch_size is None:
-            raise ValueError(f"prompt {prompt}: a clip of {len(image)} frames needs a tower "
-                             "with temporal patches (temporal_patch_size); this one has none")
-        if image.ndim != 3 + clip or image.shape[-3] != channels:
-            raise ValueError(f"prompt {prompt}: a pixel tensor must be [C, H, W] (or a clip "
-                             f"[T, C, H, W]) with C = {channels}, got {tuple(image.shape)}")
+        if image.ndim == 4:
+            raise ValueError(f"prompt {prompt}: a pixel tensor of {len(image)} frames "
+                             f"{tuple(image.shape)}: give a clip as Video(frames)")
+        if image.ndim != 3 or image.shape[0] != channels:
+            raise ValueError(f"prompt {prompt}: a pixel tensor must be [C, H, W] with "
+                             f"C = {channels}, got {tuple(image.shape)}")
         return image
     return processor.preprocess_one(image)
+
+
+def _clip(frames: Any, tower: VisionTower, processor: ImageProcessor,
+          prompt: int) -> torch.Tensor:
+    """A `Video`'s frames as pixels `[T, C, H, W]`, each frame as `as_pixels` makes it."""
+    count = len(frames)
+    if tower.encoder.config.temporal_patch_size is None or tower.tiling is not None:
+        raise ValueError(f"prompt {prompt}: a clip of {count} frames needs a tower with "
+                         "temporal patches (temporal_patch_size), untiled; this one has none")
+    if not isinstance(frames, torch.Tensor):
+        if count == 0:
+            raise ValueError(f"prompt {prompt}: a Video without frames")
+        frames = torch.stack([as_pixels(frame, tower, processor, prompt) for frame in frames])
+    channels = tower.encoder.config.in_channels
+    if frames.ndim != 4 or frames.shape[1] != channels or count == 0:
+        raise ValueError(f"prompt {prompt}: a Video's pixels must be [T, C, H, W] with T >= 1 "
+                         f"and C = {channels}, got {tuple(frames.shape)}")
+    return frames
 
 
 def as_tiled(image: Any, processor: ImageProcessor, prompt: int) -> TiledImage:
@@ -64,10 +85,11 @@ def as_tiled(image: Any, processor: ImageProcessor, prompt: int) -> TiledImage:
     return TiledImage(views[0], sizes[0])
 
 
-def token_count(tower: VisionTower, pixels: torch.Tensor | TiledImage) -> int:
-    """The tokens an image given as `as_pixels` makes: by its original size when tiled."""
+def token_count(tower: VisionTower, pixels: Pixels) -> int:
+    """The tokens an image given as `as_pixels` makes: by its original size when tiled, by
+    its frames and size for a `Video`."""
     if isinstance(pixels, TiledImage):
         return tower.num_image_tokens(tuple(pixels.size))
-    if pixels.ndim == 4:  # a clip [T, C, H, W]
-        return tower.num_image_tokens(tuple(pixels.shape[2:]), frames=len(pixels))
+    if isinstance(pixels, Video):  # [T, C, H, W]
+        return tower.num_image_tokens(tuple(pixels.frames.shape[2:]), frames=len(pixels.frames))
     return tower.num_image_tokens(tuple(pixels.shape[1:]))

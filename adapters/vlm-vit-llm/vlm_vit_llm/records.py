@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from vlm_vit.files import resolves_inside
+from vlm_vit_llm.batch_types import Video
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +66,13 @@ class Record(NamedTuple):
     Attributes:
         where: how messages name it (`file:line (id ...)`).
         turns: the messages in order.
-        images: absolute image paths in placeholder order; a video is one tuple of its
+        images: absolute image paths in placeholder order; a video is one `Video` of its
             frames' paths.
     """
 
     where: str
     turns: list[Turn]
-    images: list[Path | tuple[Path, ...]]
+    images: list[Path | Video]
 
 
 class BadRecord(ValueError):
@@ -174,7 +175,7 @@ def parse_record(raw: Any, where: str, image_folder: Path, image_token: str = "<
             if not (image_folder / name).is_file():
                 raise bad(f"no image {image_folder / name}", "missing image")
     return Record(where, turns, [image_folder / item if isinstance(item, str)
-                                 else tuple(image_folder / name for name in item)
+                                 else Video(tuple(image_folder / name for name in item))
                                  for item in names])
 
 
@@ -259,7 +260,7 @@ class ConversationRecords:
                 self.skipped.add(where, bad.reason, bad.kind)
                 continue
             chars = sum(len(turn.text) for turn in record.turns)
-            self.has_videos |= any(isinstance(item, tuple) for item in record.images)
+            self.has_videos |= any(isinstance(item, Video) for item in record.images)
             spans.append((start, end, line, len(record.images), chars))
         if not spans:
             raise ValueError(f"{self.path} holds no usable records"
