@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.train.toy import Interrupted, config, toy_objective, write_shards
+from vlm_vit.data import ShardSource
 from vlm_vit.data.folders import Augmentation
 from vlm_vit.data.samples import collate_images
 from vlm_vit.data.shards import ImageDecode, ShardStream, expand_shards, is_shard_spec, iter_samples
@@ -183,6 +184,74 @@ def test_bad_images_samples_without_one_and_a_truncated_shard_are_named_and_coun
     assert [(url, n) for url, n, _ in result.truncated_shards] == [(shards[2], truncated_read)]
     assert f"skipping {shards[1]}:garbage" in caplog.text
     assert "without an image" in caplog.text
+
+
+def write_paired_shards(folder: Path, shards: int = 5, pairs: int = 3) -> list[str]:
+    """Shards of (a sample without an image, then one with) pairs, in tar order: read
+    unshuffled, each image drawn accounts for exactly one skipped sample, counted in the
+    image's own batch, whatever the ranks, workers and resumes."""
+    import webdataset as wds
+
+    paths = []
+    for shard in range(shards):
+        path = folder / f"paired-{shard:02d}.tar"
+        with wds.TarWriter(str(path)) as writer:
+            for pair in range(pairs):
+                writer.write({"__key__": f"p{shard}-{pair}-text", "txt": b"no image here"})
+                writer.write({"__key__": f"p{shard}-{pair}", "png": _png()})
+        paths.append(str(path))
+    return paths
+
+
+def draw_ranks(shards: list[str], world_size: int, workers: int, batches: int,
+               states: list[dict] | None = None) -> tuple[list[dict], int]:
+    """Each of `world_size` ranks (one after another, in this process) loads `states` if
+    given and draws `batches` batches of 2; returns every rank's state and the skipped
+    samples summed over the ranks, as the trainer sums them."""
+    saved, skipped = [], 0
+    for rank in range(world_size):
+        source = ShardSource(ShardStream(shards, decode(), shuffle=False, shuffle_block=1))
+        source.configure(2, collate_images, rank=rank, world_size=world_size, workers=workers)
+        if states is not None:
+            source.load_state_dict(states)
+        loader = source.loader()
+        for _ in range(batches):
+            next(loader)
+        loader.close()
+        saved.append(source.state_dict())
+        skipped += source.skipped()["no_image"]
+    return saved, skipped
+
+
+@pytest.mark.parametrize(("old", "new"), [((2, 0), (3, 0)), ((3, 0), (1, 0)),
+                                          ((1, 0), (2, 2))])
+def test_the_skipped_count_survives_a_resume_on_other_ranks(tmp_path, old, new):
+    """Every image drawn, before and after a resume remapped onto other ranks and workers,
+    accounts for one sample without an image: the count over the ranks is exact."""
+    shards = write_paired_shards(tmp_path)
+    states, skipped = draw_ranks(shards, *old, batches=2)
+    assert skipped == old[0] * 2 * 2
+    _, skipped = draw_ranks(shards, *new, batches=3, states=states)
+    assert skipped == old[0] * 2 * 2 + new[0] * 3 * 2
+
+
+def test_the_trainer_counts_every_skipped_sample_across_a_remapped_resume(tmp_path):
+    """Through the trainer: killed after its step-3 checkpoint, resumed on two DataLoader
+    workers instead of none (the stream's state remapped), `without_image` equals the
+    images the run drew, one per sample without an image."""
+    shards = write_paired_shards(tmp_path)
+    steps = dict(steps=5, log_samples=True, checkpoint_every=3)
+
+    def stream() -> ShardStream:
+        return ShardStream(shards, decode(), shuffle=False, shuffle_block=1)
+
+    with pytest.raises(Interrupted):
+        Trainer(toy_objective(crash_at_call=5), stream(), config(**steps), tmp_path / "run",
+                progress=False).fit()
+    result = Trainer(toy_objective(), stream(), config(**steps, num_workers=2),
+                     tmp_path / "run", progress=False).fit(resume=True)
+    assert len(read_sample_log(tmp_path / "run")) == 5 * 4
+    assert result.without_image == 5 * 4
 
 
 @pytest.mark.slow  # test_ranks_and_workers_read_disjoint_shards... checks it in one process
