@@ -78,7 +78,7 @@ def write_model_card(directory: str | Path, config: EncoderConfig,
         pooler = tower.get("pooler", {})
         facts.update({"pooler": pooler.get("name"), "pooler output": pooler.get("out_dim"),
                       "feature layer": tower.get("feature_layer"),
-                      "prefix tokens dropped": tower.get("drop_prefix")})
+                      "prefix tokens kept": tower.get("keep_prefix")})
         tags.append("vision-tower")
         usage = ("import vlm_vit\n\ntower = vlm_vit.load_tower(\"" + PLACEHOLDER + "\")\n"
                  "tokens = tower(pixel_values)  # the pooler's output")

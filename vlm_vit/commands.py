@@ -206,3 +206,118 @@ def add_strategy_arguments(parser) -> None:
         "checkpoints that resume at any number of processes")
     parser.add_argument("--cpu-offload", action="store_true",
                         help="fsdp only: keep parameters and optimizer state in host memory")
+
+
+def add_model_argument(parser, *, optional: bool = False, help: str) -> None:
+    """The model a command starts from: its first positional argument, `MODEL`, in every
+    command (a checkpoint, a model name, or a variant where the command builds one)."""
+    parser.add_argument("model", metavar="MODEL", nargs="?" if optional else None,
+                        help=help)
+
+
+def add_lora_arguments(parser, *, targets_help: str, default_targets: list[str] | None,
+                       switch: bool) -> None:
+    """LoRA's flags, one shape in every command: `--lora-r`, `--lora-alpha`,
+    `--lora-dropout`, `--lora-targets` (and `--lora`, which turns it on, where LoRA is a
+    choice rather than the stage's)."""
+    group = parser.add_argument_group("LoRA")
+    if switch:
+        group.add_argument("--lora", action="store_true",
+                           help="train LoRA adapters (and the head) instead of every weight")
+    group.add_argument("--lora-r", type=int, default=16, metavar="R", help="the rank")
+    group.add_argument("--lora-alpha", type=float, default=32.0, metavar="ALPHA",
+                       help="the scale numerator: updates are scaled by alpha / r")
+    group.add_argument("--lora-dropout", type=float, default=0.0, metavar="P")
+    group.add_argument("--lora-targets", nargs="+", default=default_targets, metavar="NAME",
+                       help=targets_help)
+
+
+def lora_options(args) -> dict:
+    """The LoRA flags as `apply_lora` keyword arguments (a single preset name as a string).
+
+    Raises:
+        ValueError: a rank below 1, an alpha or dropout out of range, naming the flag.
+    """
+    if args.lora_r < 1:
+        raise ValueError(f"--lora-r must be at least 1, got {args.lora_r}")
+    if args.lora_alpha <= 0:
+        raise ValueError(f"--lora-alpha must be positive, got {args.lora_alpha}")
+    if not 0 <= args.lora_dropout < 1:
+        raise ValueError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    targets = args.lora_targets
+    if targets is not None and len(targets) == 1:
+        targets = targets[0]
+    return {"r": args.lora_r, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
+            **({"targets": targets} if targets is not None else {})}
+
+
+def add_optimisation_arguments(parser, *, steps: int, batch_size: int, lr: float | None,
+                               lr_help: str, warmup_help: str, weight_decay: float,
+                               checkpoint_every: int | None, num_workers: int = 2) -> None:
+    """The optimisation flags every training command takes, with the command's defaults:
+    steps, batch, accumulation, learning rate and warmup, weight decay, seed, checkpoint
+    interval, precision, compile, activation checkpointing, loader workers, device."""
+    group = parser.add_argument_group("optimisation")
+    group.add_argument("--steps", type=int, default=steps)
+    group.add_argument("--batch-size", type=int, default=batch_size,
+                       help="global batch per step")
+    group.add_argument("--grad-accumulation", type=int, default=1, metavar="N",
+                       help="micro-batches per step (the batch is split N ways)")
+    group.add_argument("--lr", type=float, default=lr, help=lr_help)
+    group.add_argument("--warmup-steps", type=int, default=None, help=warmup_help)
+    group.add_argument("--weight-decay", type=float, default=weight_decay)
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--checkpoint-every", type=int, default=checkpoint_every, metavar="N",
+                       help="steps between checkpoints (default "
+                       f"{checkpoint_every or 'a fifth of the steps'}; Ctrl-C or SIGTERM "
+                       "also saves one, at the step it stops)")
+    group.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+                       type=precision_name,
+                       help="autocast precision, also spelled float32, bfloat16, float16 "
+                       "(default: bf16 on a GPU, fp32 on a CPU)")
+    group.add_argument("--compile", action="store_true", help="torch.compile the model")
+    group.add_argument("--grad-checkpointing", action="store_true",
+                       help="recompute activations in the backward pass (less memory)")
+    group.add_argument("--num-workers", type=int, default=num_workers)
+    group.add_argument("--device", default="auto")
+
+
+def optimisation_options(args, *, lr: float, warmup_steps: int,
+                         checkpoint_every: int | None = None) -> dict:
+    """`TrainConfig` keyword arguments from `add_optimisation_arguments`' flags, with the
+    command's defaults for the learning rate, warmup and checkpoint interval where they were
+    not given."""
+    import torch
+
+    cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
+    return {"steps": args.steps, "batch_size": args.batch_size,
+            "grad_accumulation": args.grad_accumulation,
+            "lr": lr if args.lr is None else args.lr,
+            "warmup_steps": warmup_steps if args.warmup_steps is None else args.warmup_steps,
+            "weight_decay": args.weight_decay,
+            "precision": args.precision or ("bf16" if cuda else "fp32"),
+            "grad_checkpointing": args.grad_checkpointing, "compile": args.compile,
+            "checkpoint_every": checkpoint_every if args.checkpoint_every is None
+            else args.checkpoint_every, "seed": args.seed,
+            "num_workers": args.num_workers, "device": args.device}
+
+
+# `--precision` (training autocast) takes the short names, `--dtype` (stored weights) the long;
+# each accepts every spelling of `vlm_vit.presets.DTYPE_SPELLINGS`.
+_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def precision_name(text: str) -> str:
+    """`--precision`'s value as its short name (`bfloat16` -> `bf16`); an unknown one is left
+    for argparse's choices to refuse."""
+    from vlm_vit.presets import DTYPE_SPELLINGS
+
+    return _SHORT.get(DTYPE_SPELLINGS.get(text.lower(), ""), text)
+
+
+def dtype_name(text: str) -> str:
+    """`--dtype`'s value as its long name (`bf16` -> `bfloat16`); an unknown one is left for
+    argparse's choices to refuse."""
+    from vlm_vit.presets import DTYPE_SPELLINGS
+
+    return DTYPE_SPELLINGS.get(text.lower(), text)

@@ -57,8 +57,8 @@ def test_encode_a_folder_matches_the_library(tmp_path, checkpoint, folder, capsy
 
 def test_encode_layers_and_drop_prefix(tmp_path, checkpoint, folder):
     out = tmp_path / "layers.safetensors"
-    assert main(["encode", str(checkpoint), str(folder), "-o", str(out), "--layer", "-2",
-                 "--layer", "0", "--drop-prefix", "--quiet"]) == 0
+    assert main(["encode", str(checkpoint), str(folder), "-o", str(out), "--feature-layer", "-2",
+                 "--feature-layer", "0", "--no-keep-prefix", "--quiet"]) == 0
     tensors, metadata = read(out)
     assert set(tensors) == {"layer_-2", "layer_0"}
     assert tensors["layer_-2"].shape == (3, 16, 32) and metadata["num_prefix_tokens"] == "0"
@@ -69,7 +69,7 @@ def test_encode_layers_and_drop_prefix(tmp_path, checkpoint, folder):
     (["encode", "CKPT", "missing.png", "-o", "x.safetensors"], "missing.png does not exist"),
     (["encode", "CKPT", "IMGS/notes.txt", "-o", "x.safetensors"], "notes.txt"),
     (["encode", "CKPT", "IMGS", "-o", "x.pt"], "--out must end in .safetensors"),
-    (["encode", "CKPT", "IMGS", "-o", "x.safetensors", "--layer", "9"], "out of range"),
+    (["encode", "CKPT", "IMGS", "-o", "x.safetensors", "--feature-layer", "9"], "out of range"),
     (["encode", "CKPT", "IMGS", "-o", "x.safetensors", "--image-size", "30"],
      "not a multiple of patch size 8"),
 ])
@@ -106,8 +106,8 @@ def test_encode_at_native_resolution_matches_each_image_alone(tmp_path, checkpoi
                                                               photo_folder, drop_prefix, capsys):
     out = tmp_path / "native.safetensors"
     argv = ["encode", str(checkpoint), str(photo_folder), "-o", str(out), "--native-resolution",
-            "--max-tokens", "120", "--layer", "-2", "--quiet"]
-    assert main(argv + (["--drop-prefix"] if drop_prefix else [])) == 0
+            "--max-tokens", "120", "--feature-layer", "-2", "--quiet"]
+    assert main(argv + (["--no-keep-prefix"] if drop_prefix else [])) == 0
     tensors, metadata = read(out)
     files = json.loads(metadata["files"])
     encoder = load_encoder(checkpoint).eval()

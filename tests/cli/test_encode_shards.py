@@ -97,8 +97,8 @@ def finish(process):
 
 @pytest.mark.parametrize("options", [
     [],
-    ["--layer", "-2", "--layer", "0", "--drop-prefix", "--batch-size", "3", "--dtype",
-     "bfloat16"],
+    ["--feature-layer", "-2", "--feature-layer", "0", "--no-keep-prefix", "--batch-size", "3",
+     "--dtype", "bfloat16"],
 ])
 def test_each_shard_gives_one_file_with_the_folder_paths_tokens(tmp_path, checkpoint, shards,
                                                                  options, capsys):
@@ -283,7 +283,7 @@ def test_a_rerun_with_other_settings_does_not_touch_the_outputs(tmp_path, checkp
     assert main(["encode", str(checkpoint), folder, "-o", str(out), "--quiet"]) == 0
     capsys.readouterr()
     assert main(["encode", str(checkpoint), folder, "-o", str(out), "--quiet",
-                 "--drop-prefix"]) == 1
+                 "--no-keep-prefix"]) == 1
     err = capsys.readouterr().err
     assert "shard-00.safetensors was encoded with settings" in err and "remove it" in err
     assert len(err.strip().splitlines()) == 1

@@ -61,13 +61,13 @@ def one_line(capsys, argv, *, training=False):
 
 
 def pretrain(tiny, images, out, *extra):
-    return ["pretrain", "--objective", "mpp", "--model", str(tiny), "--data", str(images),
+    return ["pretrain", "--objective", "mpp", str(tiny), "--data", str(images),
             "--out", str(out), "--batch-size", "4", "--num-workers", "0", "--device", "cpu",
             "--steps", "2", "--checkpoint-every", "2", *extra]
 
 
 def finetune(tiny, images, out, *extra):
-    return ["finetune", "--encoder", str(tiny), "--data", str(images), "--out", str(out),
+    return ["finetune", str(tiny), "--data", str(images), "--out", str(out),
             "--batch-size", "4", "--num-workers", "0", "--device", "cpu", "--steps", "2",
             *extra]
 
@@ -138,7 +138,7 @@ def test_int32_weights_name_the_dtype(tiny, images, tmp_path, capsys):
 
 def test_merge_of_a_pickled_adapter_is_one_line(tiny, images, tmp_path, capsys):
     run = tmp_path / "run"
-    assert main(finetune(tiny, images, run, "--lora", "r=2")) == 0
+    assert main(finetune(tiny, images, run, "--lora", "--lora-r", "2")) == 0
     adapter = run / "adapter"
     weights = load_file(adapter / "adapter_model.safetensors")
     (adapter / "adapter_model.safetensors").unlink()
@@ -251,16 +251,16 @@ def test_a_diverging_run_is_one_line_naming_the_newest_checkpoint(tiny, images, 
 
 def test_a_refused_finetune_rerun_leaves_finetune_json_alone(tiny, images, tmp_path, capsys):
     run = tmp_path / "run"
-    assert main(finetune(tiny, images, run, "--lora", "r=2")) == 0
+    assert main(finetune(tiny, images, run, "--lora", "--lora-r", "2")) == 0
     before = (run / "finetune.json").read_text()
     other = tmp_path / "other"
     VisionEncoder(EncoderConfig(**TINY)).save_pretrained(other)  # same shapes, other weights
     capsys.readouterr()
-    line = one_line(capsys, finetune(other, images, run, "--lora", "r=2", "--pooling", "mean"),
-                    training=True)
+    line = one_line(capsys, finetune(other, images, run, "--lora", "--lora-r", "2", "--pooling",
+                                     "mean"), training=True)
     assert "already holds checkpoints" in line
-    line = one_line(capsys, finetune(other, images, run, "--lora", "r=2", "--pooling", "mean",
-                                     "--resume"), training=True)
+    line = one_line(capsys, finetune(other, images, run, "--lora", "--lora-r", "2", "--pooling",
+                                     "mean", "--resume"), training=True)
     assert f"encoder {str(tiny)!r} -> {str(other)!r}" in line
     assert "pooling 'cls' -> 'mean'" in line
     assert (run / "finetune.json").read_text() == before

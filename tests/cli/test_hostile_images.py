@@ -26,7 +26,7 @@ def test_folder_pretrain_skips_files_pil_fails_on_with_any_exception(tmp_path, c
         (tmp_path / "images" / f"{kind}.jpg").write_bytes(build())
     torch.manual_seed(0)
     VisionEncoder(tiny_config()).save_pretrained(tmp_path / "start")
-    argv = ["pretrain", "--objective", "mpp", "--model", str(tmp_path / "start"), "--data",
+    argv = ["pretrain", "--objective", "mpp", str(tmp_path / "start"), "--data",
             str(tmp_path / "images"), "--out", str(tmp_path / "run"), "--batch-size", "4",
             "--num-workers", "0", "--steps", "3", "--checkpoint-every", "3"]
     assert main(argv) == 0  # 3 steps of 4 read all 8 files

@@ -28,7 +28,7 @@ def setup(tmp_path):
 @pytest.mark.parametrize("objective", ["mpp", "mae"])
 def test_pretrain_leaves_a_loadable_encoder_and_resumes(setup, objective, capsys):
     run = setup / f"run-{objective}"
-    argv = ["pretrain", "--objective", objective, "--model", str(setup / "start"), "--data",
+    argv = ["pretrain", "--objective", objective, str(setup / "start"), "--data",
             str(setup / "images"), "--out", str(run), "--batch-size", "4", "--num-workers", "0",
             "--checkpoint-every", "2", "--decoder-width", "32", "--decoder-depth", "1"]
     assert main([*argv, "--steps", "2"]) == 0
@@ -42,7 +42,7 @@ def test_pretrain_leaves_a_loadable_encoder_and_resumes(setup, objective, capsys
 
 
 def test_pretrain_user_errors(setup, capsys):
-    assert main(["pretrain", "--objective", "mpp", "--model", "vit-ti/16", "--data",
+    assert main(["pretrain", "--objective", "mpp", "vit-ti/16", "--data",
                  str(setup / "nowhere"), "--out", str(setup / "run")]) == 1
     err = capsys.readouterr().err
     assert "nowhere is neither a folder nor tar shards" in err
@@ -65,7 +65,7 @@ def test_the_mae_decoder_is_scaled_to_the_encoder(variant, decoder):
 
 
 def test_pretrain_prints_what_it_trains(setup, capsys):
-    assert main(["pretrain", "--objective", "mae", "--model", str(setup / "start"), "--data",
+    assert main(["pretrain", "--objective", "mae", str(setup / "start"), "--data",
                  str(setup / "images"), "--out", str(setup / "run"), "--batch-size", "4",
                  "--num-workers", "0", "--steps", "1"]) == 0
     line = capsys.readouterr().out.splitlines()[0]
@@ -86,7 +86,7 @@ def test_run_outputs_in_the_repository_root_are_ignored_by_git():
 
 
 def test_a_second_run_into_the_same_directory_needs_resume_or_overwrite(setup, capsys):
-    argv = ["pretrain", "--objective", "mpp", "--model", str(setup / "start"), "--data",
+    argv = ["pretrain", "--objective", "mpp", str(setup / "start"), "--data",
             str(setup / "images"), "--out", str(setup / "run"), "--batch-size", "4",
             "--num-workers", "0", "--steps", "1", "--checkpoint-every", "0"]
     assert main(argv) == 0
@@ -126,7 +126,7 @@ def test_pretrain_on_shards_killed_at_a_random_moment_resumes_bit_exactly(tmp_pa
 
     def command(out):
         return [sys.executable, "-m", "vlm_vit.cli", "pretrain", "--objective", "mae",
-                "--model", str(tmp_path / "start"), "--data", str(tmp_path / "shards"),
+                str(tmp_path / "start"), "--data", str(tmp_path / "shards"),
                 "--out", str(out), "--batch-size", "4", "--num-workers", "2", "--steps", "40",
                 "--checkpoint-every", "3", "--decoder-width", "32", "--decoder-depth", "1",
                 "--log-samples"]
@@ -160,7 +160,7 @@ def test_pretrain_on_shards_killed_at_a_random_moment_resumes_bit_exactly(tmp_pa
 @pytest.mark.parametrize("quiet", [True, False])
 def test_quiet_hides_the_progress_bar(setup, quiet, capsys):
     """Issue 27, 9: `--quiet` (as encode and probe have it) on pretrain too."""
-    assert main(["pretrain", "--objective", "mpp", "--model", str(setup / "start"), "--data",
+    assert main(["pretrain", "--objective", "mpp", str(setup / "start"), "--data",
                  str(setup / "images"), "--out", str(setup / "run"), "--batch-size", "4",
                  "--num-workers", "0", "--steps", "2", *(["--quiet"] if quiet else [])]) == 0
     captured = capsys.readouterr()

@@ -42,17 +42,17 @@ COMMANDS = {
             "--batch-size", "4", "--checkpoint-every", "5"],
     "mpp": ["pretrain", "--objective", "mpp", "--batch-size", "4", "--checkpoint-every", "5"],
     # attn_qv: the key rows of lora_B stay zero under FSDP2 too (`fsdp.zero_frozen_rows`).
-    "lora": ["finetune", "--lora", "r=4,alpha=8,targets=attn_qv", "--batch-size", "4",
+    "lora": ["finetune", "--lora", "--lora-r", "4", "--lora-alpha", "8",
+             "--lora-targets", "attn_qv", "--batch-size", "4",
              "--lr", "1e-2", "--test-fraction", "0.25"],
 }
 
 
 def train(setup: Path, objective: str, strategy: str) -> Path:
     out = setup / f"{objective}-{strategy}"
-    model = ["--model"] if objective != "lora" else ["--encoder"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m",
-               "vlm_vit.cli", *COMMANDS[objective], *model, str(setup / "encoder"), "--data",
+               "vlm_vit.cli", *COMMANDS[objective], str(setup / "encoder"), "--data",
                str(setup / "digits"), "--out", str(out), "--steps", "5", "--num-workers", "0",
                "--strategy", strategy, "--quiet", "--device", "cpu"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",

@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def pretrain(tmp_path: Path, out: Path) -> list[str]:
-    return ["-m", "vlm_vit.cli", "pretrain", "--objective", "mae", "--model",
-            str(tmp_path / "start"), "--data", str(tmp_path / "shards"), "--out", str(out),
+    return ["-m", "vlm_vit.cli", "pretrain", "--objective", "mae", str(tmp_path / "start"),
+            "--data", str(tmp_path / "shards"), "--out", str(out),
             "--batch-size", "4", "--num-workers", "1", "--steps", "4", "--checkpoint-every",
             "2", "--decoder-width", "32", "--decoder-depth", "1", "--strategy", "fsdp",
             "--quiet"]

@@ -136,7 +136,7 @@ def test_killing_torchrun_stops_both_workers_without_a_checkpoint(pretraining_da
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m",
                "vlm_vit.cli", "pretrain", "--objective", "mae", "--decoder-width", "32",
-               "--decoder-depth", "1", "--model", str(pretraining_data / "encoder"),
+               "--decoder-depth", "1", str(pretraining_data / "encoder"),
                "--data", str(pretraining_data / "images"), "--out", str(run_dir),
                "--steps", "300", "--batch-size", "4", "--checkpoint-every", "50",
                "--num-workers", "0", "--device", "cpu", "--quiet"]

@@ -15,7 +15,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "figures with analysis.json (the numbers behind them) into --out: mean attention "
         "distance per head and layer, attention rollout over each image, position-embedding "
         "similarity and the principal components of the patch embedding.")
-    parser.add_argument("encoder", metavar="ENCODER", help="any checkpoint load_encoder reads")
+    parser.add_argument("model", metavar="MODEL", help="any checkpoint load_encoder reads, or "
+                        "a model name")
     parser.add_argument("--images", required=True, nargs="+", metavar="IMAGE_OR_DIR",
                         help="image files or folders (searched recursively)")
     parser.add_argument("--out", required=True, type=Path, metavar="DIR",
@@ -36,11 +37,11 @@ def run(args: argparse.Namespace) -> int:
     if args.filters < 1:
         raise ValueError(f"--filters must be at least 1, got {args.filters}")
     files = find_images(args.images)  # a missing path fails before the checkpoint is read
-    with reading_checkpoint(args.encoder):
-        encoder, processor = load_with_processor(args.encoder)
+    with reading_checkpoint(args.model):
+        encoder, processor = load_with_processor(args.model)
     encoder = encoder.to(args.device).eval()
     result = analysis.analyze(encoder, files, args.out, processor=processor,
                               filter_count=args.filters, progress=not args.quiet)
-    print(f"analysed {len(result['images'])} images with {args.encoder}: "
+    print(f"analysed {len(result['images'])} images with {args.model}: "
           f"{len(result['figures'])} figures and {JSON_NAME} in {args.out}")
     return 0

@@ -1,7 +1,7 @@
 """`vlm-vit encode`: images to a safetensors file of tokens, or tar shards to one file each.
 
 Images and folders give one file, `-o out.safetensors`: `tokens` [N, T, D] (or one `layer_K`
-per --layer) in file order, the file paths in the metadata `files`.
+per --feature-layer) in file order, the file paths in the metadata `files`.
 
 Tar shards give one file per shard: see `vlm_vit.cli.encode_shards`.
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vlm_vit.cli.common import check_output_apart
+from vlm_vit.commands import dtype_name
 from vlm_vit.presets import ENCODE_DTYPES, NORMALIZATION
 
 if TYPE_CHECKING:  # torch and the model load when the command runs, not for --help
@@ -29,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "per shard)",
         description="Encode images (files or folders, searched recursively) and write their "
         "tokens to a safetensors file: `tokens` [images, tokens, width] after the final norm, "
-        "or one `layer_K` tensor per --layer (raw block outputs, as hidden_states[K]). "
+        "or one `layer_K` tensor per --feature-layer (raw block outputs, as hidden_states[K]). "
         "WebDataset tar shards (a brace pattern such as dir/{00000..00007}.tar, a glob, a "
         "folder of tars, a pipe: URL, or several) are encoded one output per shard: -o is a "
         "folder and gets OUT/<shard name>.safetensors, whose row i is the sample keys[i] "
@@ -43,17 +44,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("inputs", nargs="+", metavar="IMAGE_OR_DIR_OR_SHARDS")
     parser.add_argument("-o", "--out", required=True, type=Path,
                         help="output .safetensors; for tar shards, the output folder")
-    parser.add_argument("--layer", type=int, action="append", dest="layers", metavar="K",
+    parser.add_argument("--feature-layer", type=int, action="append", dest="feature_layers",
+                        metavar="K",
                         help="hidden-state index to write (repeatable; -2 for LLaVA)")
-    parser.add_argument("--drop-prefix", action="store_true",
-                        help="drop the class and register tokens, keep the patch tokens")
+    parser.add_argument("--keep-prefix", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep the class and register tokens before the patch tokens "
+                        "(the default; --no-keep-prefix writes the patch tokens only)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--image-size", type=int, nargs="+", metavar="SIDE",
                         help="encode at SIDE or HEIGHT WIDTH (position table resized)")
     parser.add_argument("--normalize", choices=sorted(NORMALIZATION),
                         help="mean/std preset (default: the checkpoint's processor settings)")
     parser.add_argument("--dtype", choices=sorted(ENCODE_DTYPES), default="float32",
-                        help="bfloat16 / float16: weights in that dtype; int8: the block "
+                        type=dtype_name,
+                        help="also spelled fp32, bf16, fp16; bfloat16 / float16: weights in "
+                        "that dtype; int8: the block "
                         "Linears quantized to int8 (PyTorch dynamic quantization, CPU only)")
     parser.add_argument("--device", default="cpu",
                         help="cpu, cuda, cuda:N or mps; under torchrun, cuda means "
@@ -156,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     tensors = {name: torch.cat(parts) for name, parts in collected.items()}
     metadata = {
         "files": json.dumps([str(f) for f in encoded]), "grid": json.dumps(list(grid)),
-        "num_prefix_tokens": str(0 if args.drop_prefix else encoder.num_prefix_tokens),
+        "num_prefix_tokens": str(encoder.num_prefix_tokens if args.keep_prefix else 0),
         "model": str(args.model), "skipped": json.dumps(skipped.entries),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -277,14 +282,14 @@ def _run_native(args: argparse.Namespace, files: list[Path], encoder: VisionEnco
             for name, tensor in zip(names, out.features if layers else [out.tokens],
                                     strict=True):
                 for index, part in zip(pack, tensor.split(list(out.lengths)), strict=True):
-                    per_image[name][index] = (part[prefix:] if args.drop_prefix else part).cpu()
+                    per_image[name][index] = (part if args.keep_prefix else part[prefix:]).cpu()
             for index, grid in zip(pack, out.grids, strict=True):
                 grids[index] = grid
             progress.update(len(pack))
     done = [index for index, grid in enumerate(grids) if grid is not None]  # decoded ones
     skipped.check_some_left(len(done))
     tensors = {name: torch.cat([parts[i] for i in done]) for name, parts in per_image.items()}
-    kept = 0 if args.drop_prefix else prefix
+    kept = prefix if args.keep_prefix else 0
     tensors["lengths"] = torch.tensor([kept + r * c for r, c in (grids[i] for i in done)],
                                       dtype=torch.int64)
     tensors["grids"] = torch.tensor([grids[i] for i in done], dtype=torch.int64)

@@ -42,7 +42,7 @@ def _model_and_processor(args: argparse.Namespace) -> tuple[VisionEncoder, Image
 
 def prepare_encoder(args: argparse.Namespace
              ) -> tuple[VisionEncoder, ImageProcessor, list[int] | None, list[str]]:
-    """The encoder on its device and dtype, its processor, the --layer indices (None for the
+    """The encoder on its device and dtype, its processor, the --feature-layer indices (None for the
     final tokens) and the output tensor names; a bad layer fails before any image is read."""
     encoder, processor = _model_and_processor(args)
     if args.dtype == "int8":
@@ -57,7 +57,7 @@ def prepare_encoder(args: argparse.Namespace
 
 def _layers(encoder: VisionEncoder, args: argparse.Namespace
             ) -> tuple[list[int] | None, list[str]]:
-    layers = args.layers or None
+    layers = args.feature_layers or None
     for layer in layers or []:
         encoder.layer_index(layer)
     names = [f"layer_{k}" for k in layers] if layers else ["tokens"]
@@ -68,12 +68,12 @@ def encode_batch(args: argparse.Namespace, encoder: VisionEncoder, pixels: torch
              layers: list[int] | None, names: list[str]
              ) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
     """One batch `[B, 3, H, W]` through the encoder: name -> `[B, T, D]` on the CPU (the
-    prefix dropped with --drop-prefix), and the patch grid."""
+    prefix dropped with --no-keep-prefix), and the patch grid."""
     out = encoder(pixels.to(device=args.device, dtype=DTYPES[args.dtype]),
                   feature_layers=layers)
     tensors = {}
     for name, tensor in zip(names, out.features if layers else [out.tokens], strict=True):
-        if args.drop_prefix:
+        if not args.keep_prefix:
             tensor = tensor[:, out.num_prefix_tokens:]
         tensors[name] = tensor.cpu()
     return tensors, out.grid

@@ -116,7 +116,7 @@ def _check_output_folder(args: argparse.Namespace, shards: list[str]) -> None:
 
 def _settings(args: argparse.Namespace) -> str:
     """The options that shape the tokens, as the JSON recorded in each output."""
-    return json.dumps({"layers": args.layers or None, "drop_prefix": args.drop_prefix,
+    return json.dumps({"layers": args.feature_layers or None, "keep_prefix": args.keep_prefix,
                        "dtype": args.dtype, "image_size": args.image_size,
                        "normalize": args.normalize})
 
@@ -265,7 +265,7 @@ def _shard_batches(url: str, index: int, processor: ImageProcessor, batch_size: 
 def _empty_tokens(args: argparse.Namespace, encoder: VisionEncoder) -> torch.Tensor:
     """`[0, T, D]` for a shard without one decodable image, T and D as the others'."""
     config = encoder.config
-    prefix = 0 if args.drop_prefix else config.num_prefix_tokens
+    prefix = config.num_prefix_tokens if args.keep_prefix else 0
     tokens = prefix + config.grid[0] * config.grid[1]
     return torch.zeros(0, tokens, config.width, dtype=DTYPES[args.dtype])
 
@@ -292,7 +292,7 @@ def _encode_shard(args: argparse.Namespace, url: str, index: int, path: Path,
         "samples": str(len(record.keys)), "read": str(record.read),
         "skipped": json.dumps(record.skipped), "truncated": "true" if truncated else "false",
         "source": json.dumps(source), "grid": json.dumps(list(encoder.config.grid)),
-        "num_prefix_tokens": str(0 if args.drop_prefix else encoder.num_prefix_tokens),
+        "num_prefix_tokens": str(encoder.num_prefix_tokens if args.keep_prefix else 0),
         "model": escape_name(str(args.model)), "settings": _settings(args), "complete": "true",
     }
     write_safetensors(tensors, path, metadata=metadata)

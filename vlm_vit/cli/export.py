@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from vlm_vit.cli.common import image_size, is_variant, reading_checkpoint, variant_or_checkpoint
+from vlm_vit.commands import dtype_name
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -40,7 +41,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "weights) in place of a checkpoint's own")
     parser.add_argument("--out-dim", type=int, help="the --pooler's output width")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "int8"], default="float32",
-                        help="bfloat16: bf16 weights (torch-export); int8: ONNX Runtime's "
+                        type=dtype_name,
+                        help="also spelled fp32, bf16; bfloat16: bf16 weights (torch-export); "
+                        "int8: ONNX Runtime's "
                         "dynamic quantization of the block Linears (onnx)")
     parser.add_argument("--random-init", action="store_true",
                         help="allow a variant name: export random weights (for testing)")
@@ -62,8 +65,8 @@ def _load(args: argparse.Namespace):
         if args.pooler is None:
             return encoder
         pooler = build_pooler(args.pooler, in_dim=encoder.config.width, out_dim=args.out_dim)
-        drop_prefix = not getattr(pooler, "requires_class_token", False)
-        return VisionTower(encoder, pooler, drop_prefix=drop_prefix)
+        keep_prefix = getattr(pooler, "requires_class_token", False)
+        return VisionTower(encoder, pooler, keep_prefix=keep_prefix)
     from vlm_vit.finetune import CLASSIFIER_CONFIG_NAME, HEAD_WEIGHTS_NAME
 
     if (Path(args.model) / CLASSIFIER_CONFIG_NAME).is_file():

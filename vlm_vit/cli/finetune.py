@@ -8,7 +8,16 @@ import json
 import shutil
 from pathlib import Path
 
-from vlm_vit.cli.common import add_strategy_arguments, reading_checkpoint, refusing_pickles
+from vlm_vit.cli.common import reading_checkpoint, refusing_pickles
+from vlm_vit.commands import (
+    add_lora_arguments,
+    add_model_argument,
+    add_optimisation_arguments,
+    add_strategy_arguments,
+    lora_options,
+    optimisation_options,
+)
+from vlm_vit.presets import POOLINGS
 
 FINETUNE_NAME = "finetune.json"  # what `merge` needs to rebuild the model
 # Where a full fine-tune leaves its classifier (`ImageClassifier.save_pretrained`, what
@@ -24,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "the head; a held-out share measures accuracy at the end. A full fine-tune leaves "
         "RUN_DIR/classifier, the directory `vlm-vit predict` reads; a LoRA run's adapter "
         "becomes one with `vlm-vit merge RUN_DIR --out DIR`.")
-    parser.add_argument("--encoder", required=True, metavar="PATH")
+    add_model_argument(parser, help="the encoder to start from: a checkpoint or model name")
     parser.add_argument("--data", required=True, metavar="DIR_OR_SHARDS",
                         help="a folder with one sub-folder per class, or WebDataset tar "
                         "shards whose samples carry the class index in `cls` (or in a json "
@@ -37,22 +46,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="shards without the dataset.json of `vlm-vit shards`: the number "
                         "of classes (labels 0..K-1, K at most 1,000,000)")
     parser.add_argument("--out", required=True, type=Path, metavar="RUN_DIR")
-    parser.add_argument("--lora", metavar="SPEC",
-                        help="e.g. r=16,alpha=32,targets=attn_qv (targets: attn, attn_qv, mlp, "
-                        "all)")
-    parser.add_argument("--qlora", action="store_true", help="4-bit NF4 block Linears")
-    parser.add_argument("--pooling", choices=["cls", "mean"], default="cls")
+    parser.add_argument("--pooling", choices=POOLINGS, default="cls")
     parser.add_argument("--image-size", type=int, default=None,
                         help="fine-tune at this resolution (position table interpolated)")
-    parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--test-fraction", type=float, default=0.2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--grad-checkpointing", action="store_true")
+    add_optimisation_arguments(parser, steps=500, batch_size=32, lr=1e-3,
+                               lr_help="peak learning rate (default %(default)s)",
+                               warmup_help="default: steps / 10", weight_decay=0.0,
+                               checkpoint_every=None)
     add_strategy_arguments(parser)
-    parser.add_argument("--num-workers", type=int, default=2)
-    parser.add_argument("--device", default="auto")
+    add_lora_arguments(parser, targets_help="a preset (attn, attn_qv, mlp, all) or module "
+                       "names (default: attn)", default_targets=None, switch=True)
+    parser.add_argument("--qlora", action="store_true",
+                        help="with --lora: 4-bit NF4 block Linears")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--overwrite", action="store_true",
@@ -68,21 +74,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     merge.set_defaults(run=run_merge)
 
 
-def parse_lora(spec: str) -> dict:
-    """`r=16,alpha=32,targets=attn_qv,dropout=0.1` as keyword arguments for `apply_lora`."""
-    kinds = {"r": int, "alpha": float, "dropout": float, "targets": str}
-    options = {}
-    for part in filter(None, spec.split(",")):
-        key, _, value = part.partition("=")
-        if key not in kinds or not value:
-            raise ValueError(f"--lora takes r=, alpha=, dropout=, targets=; got {part!r}")
-        try:
-            options[key] = kinds[key](value)
-        except ValueError as error:
-            raise ValueError(f"--lora {key}={value!r}: {error}") from error
-    return options
-
-
 def build_model(settings: dict, say: bool = False):
     """The classifier (LoRA-wrapped when the settings say so) and its processor; `say`
     prints which format the encoder was read as, when it is another library's."""
@@ -94,7 +85,7 @@ def build_model(settings: dict, say: bool = False):
     if say and converted.format != "native":
         rules = (f"; {len(converted.rules)} documented rule(s) decided what it does not "
                  "record (-v names them)" if converted.rules else "")
-        print(f"--encoder {settings['encoder']}: read as a {converted.format} checkpoint "
+        print(f"MODEL {settings['encoder']}: read as a {converted.format} checkpoint "
               f"and converted{rules}")
     encoder, processor = from_converted(converted, settings["encoder"], **overrides)
     model = ImageClassifier(encoder, len(settings["classes"]), pooling=settings["pooling"])
@@ -123,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     recorded = _recorded_settings(out, settings) if args.resume and not args.overwrite else None
     torch.manual_seed(args.seed)
-    with reading_checkpoint(args.encoder):
+    with reading_checkpoint(args.model):
         model, processor = build_model(settings, say=launched_rank() == 0)
     from vlm_vit.lora import describe_trainable
 
@@ -135,12 +126,9 @@ def run(args: argparse.Namespace) -> int:
     preprocess = ImageProcessor(size=size, mean=tuple(processor.mean), std=tuple(processor.std))
     # The held-out split differs by storage: stratified for a folder, a key hash for shards.
     train, held_out = _PARTS[kind](args, preprocess, classes)
-    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                         warmup_steps=args.steps // 10, weight_decay=0.0,
-                         grad_checkpointing=args.grad_checkpointing, seed=args.seed,
-                         num_workers=args.num_workers, device=args.device,
-                         checkpoint_every=max(args.steps // 5, 1), strategy=args.strategy,
-                         cpu_offload=args.cpu_offload)
+    config = TrainConfig(**optimisation_options(args, lr=1e-3, warmup_steps=args.steps // 10,
+                                                checkpoint_every=max(args.steps // 5, 1)),
+                         strategy=args.strategy, cpu_offload=args.cpu_offload)
     trainer = Trainer(model, train, config, out, collate=collate_labelled,
                       command=getattr(args, "command_line", None), progress=not args.quiet)
     main_rank = launched_rank() == 0
@@ -159,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         if main_rank and is_sharded(model):
             # FSDP2 sharded the live model over the processes, which have ended their part;
             # rank 0 goes on with a whole copy holding the final checkpoint's weights.
-            with reading_checkpoint(args.encoder):
+            with reading_checkpoint(args.model):
                 model, _ = build_model(settings)
             load_weights(sharded_checkpoint_path(out, args.steps), model)
         if main_rank and settings["lora"] is None:
@@ -187,12 +175,18 @@ def _settings(args: argparse.Namespace) -> tuple[str, list[str], dict]:
 
     if args.qlora and not args.lora:
         raise ValueError("--qlora needs --lora (QLoRA trains LoRA adapters on 4-bit weights)")
+    given = [flag for flag, value, default in (
+        ("--lora-r", args.lora_r, 16), ("--lora-alpha", args.lora_alpha, 32.0),
+        ("--lora-dropout", args.lora_dropout, 0.0), ("--lora-targets", args.lora_targets, None))
+        if value != default]
+    if given and not args.lora:
+        raise ValueError(f"{', '.join(given)} configure LoRA, which needs --lora")
     # A folder's own reader names a missing one, as before storage() decided.
     kind = storage(args.data, "--data", check_folder=False)
     classes = _shard_classes(args) if kind == "shards" else read_class_folder(Path(args.data))[2]
-    settings = {"encoder": str(args.encoder), "image_size": args.image_size,
+    settings = {"encoder": str(args.model), "image_size": args.image_size,
                 "pooling": args.pooling, "classes": classes, "qlora": args.qlora,
-                "lora": parse_lora(args.lora) if args.lora else None}
+                "lora": lora_options(args) if args.lora else None}
     return kind, classes, settings
 
 

@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vlm_vit.commands import add_strategy_arguments, variant_or_checkpoint
+from vlm_vit.commands import (
+    add_model_argument,
+    add_optimisation_arguments,
+    add_strategy_arguments,
+    optimisation_options,
+    variant_or_checkpoint,
+)
 from vlm_vit.presets import NORMALIZATION
 
 OBJECTIVES = ("mpp", "mae")
@@ -18,33 +24,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Pretrain an encoder on a folder of unlabelled images (searched "
         "recursively). Leaves RUN_DIR/encoder (native format) at the end; --resume continues "
         "from the last complete checkpoint in RUN_DIR. Runs data-parallel under torchrun.")
+    add_model_argument(parser, help="a variant name (random init) or a checkpoint to start "
+                       "from")
     parser.add_argument("--objective", choices=OBJECTIVES, required=True)
-    parser.add_argument("--model", required=True, metavar="NAME_OR_PATH",
-                        help="a variant name (random init) or a checkpoint to start from")
     parser.add_argument("--data", required=True, metavar="DIR_OR_SHARDS",
                         help="a folder of images, or WebDataset tar shards: "
                         "'shards/{00000..00127}.tar', a glob, a folder of .tar files, or a "
                         "URL webdataset opens (pipe:..., https://...)")
     parser.add_argument("--out", required=True, type=Path, metavar="RUN_DIR")
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch per step")
-    parser.add_argument("--grad-accumulation", type=int, default=1)
     parser.add_argument("--image-size", type=int, default=None, help="default: the model's")
-    parser.add_argument("--lr", type=float, default=None,
-                        help="peak learning rate (default: 1.5e-4 x batch / 256, as MAE)")
-    parser.add_argument("--warmup-steps", type=int, default=None, help="default: steps / 20")
-    parser.add_argument("--weight-decay", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checkpoint-every", type=int, default=500, metavar="N",
-                        help="steps between checkpoints (default %(default)s; Ctrl-C or "
-                        "SIGTERM also saves one, at the step it stops)")
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
-                        help="default: bf16 on a GPU, fp32 on a CPU")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--num-workers", type=int, default=2)
-    parser.add_argument("--grad-checkpointing", action="store_true")
+    add_optimisation_arguments(
+        parser, steps=1000, batch_size=64, lr=None,
+        lr_help="peak learning rate (default: 1.5e-4 x batch / 256, as MAE)",
+        warmup_help="default: steps / 20", weight_decay=0.05, checkpoint_every=500)
     add_strategy_arguments(parser)
-    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--normalize", choices=sorted(NORMALIZATION), default="inception")
     parser.add_argument("--mask-ratio", type=float, default=0.75, help="mae only")
     parser.add_argument("--decoder-width", type=int, default=None,
@@ -90,16 +83,10 @@ def run(args: argparse.Namespace) -> int:
                                 decoder_depth=args.decoder_depth)
     augmentation = Augmentation(encoder.config.image_size, mean=mean, std=std)
     source = open_source(args.data, ImageDecode(augmentation, seed=args.seed), seed=args.seed)
-    cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
     config = TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, grad_accumulation=args.grad_accumulation,
-        lr=args.lr or 1.5e-4 * args.batch_size / 256,
-        warmup_steps=args.steps // 20 if args.warmup_steps is None else args.warmup_steps,
-        weight_decay=args.weight_decay, precision=args.precision or ("bf16" if cuda else "fp32"),
-        grad_checkpointing=args.grad_checkpointing, compile=args.compile,
-        checkpoint_every=args.checkpoint_every, seed=args.seed, num_workers=args.num_workers,
-        device=args.device, log_samples=args.log_samples, strategy=args.strategy,
-        cpu_offload=args.cpu_offload)
+        **optimisation_options(args, lr=1.5e-4 * args.batch_size / 256,
+                               warmup_steps=args.steps // 20),
+        log_samples=args.log_samples, strategy=args.strategy, cpu_offload=args.cpu_offload)
     command = getattr(args, "command_line", None)
     if launched_rank() == 0:
         print(describe_objective(args.objective, objective))

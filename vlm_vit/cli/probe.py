@@ -22,7 +22,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "`cls` field (or --label-field of its json); class names come from the dataset.json "
         "beside the shards (`vlm-vit shards --classes` writes it), else 0..K-1. Shard samples "
         "without an image, or whose image or label cannot be read, are skipped and counted.")
-    parser.add_argument("encoder", metavar="ENCODER", help="any checkpoint load_encoder reads")
+    parser.add_argument("model", metavar="MODEL", help="any checkpoint load_encoder reads, or "
+                        "a model name")
     parser.add_argument("--data", required=True, metavar="DIR_OR_SHARDS",
                         help="a folder with one sub-folder of images per class, or tar shards "
                         "(a brace pattern such as dir/{00000..00007}.tar, a glob, a folder of "
@@ -74,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
                          "sub-folders")
     elif not Path(args.data).is_dir():
         raise FileNotFoundError(f"--data {args.data} does not exist or is not a folder")
-    with reading_checkpoint(args.encoder):
-        encoder, processor = load_with_processor(args.encoder)
+    with reading_checkpoint(args.model):
+        encoder, processor = load_with_processor(args.model)
     options = dict(processor=processor, shots=args.shots, test_fraction=args.test_fraction,
                    seed=args.seed, pooling=args.pooling, batch_size=args.batch_size,
                    device=args.device, progress=not args.quiet)
@@ -83,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
         result = evaluate_shards(encoder, args.data, label_field=args.label_field, **options)
     else:
         result = evaluate_folder(encoder, Path(args.data), **options)
-    result["encoder"] = str(args.encoder)
-    print(f"{args.encoder} on {args.data}: {len(result['classes'])} classes, "
+    result["encoder"] = str(args.model)
+    print(f"{args.model} on {args.data}: {len(result['classes'])} classes, "
           f"{result['num_train']} train / {result['num_test']} test images, "
           f"{result['pooling']} pooling, width {result['feature_dim']}")
     if shards:

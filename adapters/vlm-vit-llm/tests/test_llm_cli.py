@@ -35,7 +35,7 @@ def test_train_both_stages_then_generate_and_export(parts, capsys):
     stage_1 = parts / "s1" / "model"
     assert json.loads((stage_1 / "multimodal_config.json").read_text())["llm_adapter"] is False
 
-    assert main(train_args(parts, "--model", str(stage_1), "--stage", "2", "--lora-r", "4",
+    assert main(train_args(parts, str(stage_1), "--stage", "2", "--lora-r", "4",
                            "--lora-encoder", "attn", "--out", str(parts / "s2"))) == 0
     capsys.readouterr()
     stage_2 = parts / "s2" / "model"
@@ -52,7 +52,7 @@ def test_train_both_stages_then_generate_and_export(parts, capsys):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--out", "run"], "give --model (a saved multimodal model), or both --tower and --llm"),
+    (["--out", "run"], "give MODEL (a saved multimodal model), or both --tower and --llm"),
     (["--tower", "nowhere", "--llm", "nowhere", "--out", "run"],
      "--llm: nowhere does not exist (and is not a Hugging Face Hub name like org/name)"),
     (["--tower", "nowhere", "--llm", "no-org/no-llm", "--out", "run"],
@@ -92,7 +92,7 @@ def test_train_on_llava_conversations_then_chat(parts, tmp_path, capsys, chat_to
     captured = capsys.readouterr()
     assert "trained stage 1 for 2 steps" in captured.out
     assert "skipped 1 bad record(s) of 5" in captured.err and "(id many)" in captured.err
-    assert main([*common, "--model", str(tmp_path / "s1" / "model"), "--stage", "2",
+    assert main([*common, str(tmp_path / "s1" / "model"), "--stage", "2",
                  "--lora-r", "4", "--template", "vicuna_v1", "--group-by-length",
                  "--grad-checkpointing", "--max-length", "120",
                  "--out", str(tmp_path / "s2")]) == 0
@@ -105,12 +105,12 @@ def test_train_on_llava_conversations_then_chat(parts, tmp_path, capsys, chat_to
     assert len(capsys.readouterr().out.splitlines()) == 1
 
     # Bad input: one line, exit 1.
-    assert main([*common, "--model", str(tmp_path / "s1" / "model"), "--strict",
+    assert main([*common, str(tmp_path / "s1" / "model"), "--strict",
                  "--out", str(tmp_path / "s3")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "(id many): 2 '<image>' placeholder(s) but 1 image(s)" in err[0]
     no_folder = [a for a in common if a not in ("--image-folder", str(images))]
-    assert main([*no_folder, "--model", str(tmp_path / "s1" / "model"),
+    assert main([*no_folder, str(tmp_path / "s1" / "model"),
                  "--out", str(tmp_path / "s4")]) == 1
     assert "--data-format llava needs --image-folder DIR" in capsys.readouterr().err
 

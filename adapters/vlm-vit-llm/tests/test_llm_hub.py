@@ -1,4 +1,4 @@
-"""The plugin takes model names where it takes folders: `--tower`, `--llm`, `--model` and
+"""The plugin takes model names where it takes folders: `--tower`, `--llm`, MODEL and
 `MultimodalLM.from_pretrained`, from a Hugging Face cache, offline; and its saved models
 carry a model card."""
 

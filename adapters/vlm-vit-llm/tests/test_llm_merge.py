@@ -64,11 +64,11 @@ def test_merge_writes_a_plain_model_with_the_lora_models_logits_and_stage_2_cont
              str(tmp_path / "data" / "captions.jsonl"), "--steps", "2", "--batch-size", "2",
              "--num-workers", "0", "--device", "cpu", "--quiet", "--stage", "2",
              "--lora-r", "4"]
-    assert main([*train, "--model", str(lora_model), "--out", str(tmp_path / "refused")]) == 1
+    assert main([*train, str(lora_model), "--out", str(tmp_path / "refused")]) == 1
     assert one_error_line(capsys) == (
-        f"vlm-vit llm: error: --model {lora_model} holds LoRA adapters; merge them first "
+        f"vlm-vit llm: error: MODEL {lora_model} holds LoRA adapters; merge them first "
         f"(vlm-vit llm merge {lora_model} --out DIR), then train --stage 2 from DIR")
-    assert main([*train, "--model", str(merged_dir), "--out", str(tmp_path / "s2")]) == 0
+    assert main([*train, str(merged_dir), "--out", str(tmp_path / "s2")]) == 0
     assert "trained stage 2 for 2 steps" in capsys.readouterr().out
     again = json.loads((tmp_path / "s2" / "model" / "multimodal_config.json").read_text())
     assert again["llm_adapter"]

@@ -43,7 +43,7 @@ def caption_args(folder, model, out, *extra):
     data = folder / "data"
     if not data.exists():
         write_captions(data)
-    return ["llm", "train", "--model", str(model), "--data", str(data), "--captions",
+    return ["llm", "train", str(model), "--data", str(data), "--captions",
             str(data / "captions.jsonl"), "--steps", "2", "--batch-size", "2",
             "--num-workers", "0", "--device", "cpu", "--quiet", "--out", str(out), *extra]
 
@@ -101,7 +101,7 @@ def test_a_tiled_model_trains_on_llava_shards(tmp_path, tiled_model, capsys):
     images = write_images(tmp_path / "images")
     records = write_records(tmp_path / "records.json", RECORDS, lines=False)
     write_shards(images, tmp_path / "shards", per_shard=2, llava=records, progress=False)
-    assert main(["llm", "train", "--model", str(model), "--data-format", "llava", "--data",
+    assert main(["llm", "train", str(model), "--data-format", "llava", "--data",
                  f"{tmp_path / 'shards'}/*.tar", "--template", "plain", "--steps", "2",
                  "--batch-size", "2", "--num-workers", "0", "--device", "cpu", "--quiet",
                  "--packing", "--out", str(tmp_path / "run")]) == 0
@@ -170,7 +170,7 @@ def test_a_saved_tiled_tower_keeps_its_tiling_and_refuses_anyres(parts, tiled_mo
     ("anyres_max_0", "--anyres anyres_max_0: OneVision's anyres_max_N needs N in 1..144"),
     ("32x64,64x", "--anyres 32x64,64x: canvas 64x is not HEIGHTxWIDTH in positive pixels"),
     ("32x48", "--anyres 32x48: tiling pinpoint (32, 48) is not a multiple of the tile size 32"),
-    ("model", "--anyres is for a new model from --tower and --llm; --model "),
+    ("model", "--anyres is for a new model from --tower and --llm; MODEL "),
 ])
 def test_a_bad_anyres_is_one_line_naming_the_flag(parts, tiled_model, capsys, value, message):
     args = new_model_args(parts, parts / "encoder", parts / "run", "--anyres", value)

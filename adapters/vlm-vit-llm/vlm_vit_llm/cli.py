@@ -9,7 +9,12 @@ import shlex
 import sys
 from pathlib import Path
 
-from vlm_vit.commands import add_strategy_arguments
+from vlm_vit.commands import (
+    add_lora_arguments,
+    add_model_argument,
+    add_strategy_arguments,
+    precision_name,
+)
 from vlm_vit_llm.packing_args import PackingOptions, add_packing_arguments, packing_from_args
 from vlm_vit_llm.tiling_args import AnyRes, add_anyres_argument, anyres_from_args
 
@@ -68,7 +73,7 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
         "shards --captions` or `--llava` writes them), which carry their images, captions "
         "and records: no --captions or --image-folder. A bad shard sample is named "
         "(shard:key) and skipped, counted with the images that do not decode; a caption "
-        "sample without an image is counted as such. Starts from --model (a saved "
+        "sample without an image is counted as such. Starts from MODEL (a saved "
         "multimodal model) or builds one from --tower and --llm. Leaves RUN_DIR/model.")
     _add_model_arguments(train)
     train.add_argument("--data", required=True, metavar="PATH_OR_SHARDS",
@@ -85,7 +90,8 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--lr", type=float, default=None, help="default: 1e-3 stage 1, 2e-4 stage 2")
     train.add_argument("--warmup-steps", type=int, default=None, help="default: steps / 30")
     train.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
-                       help="default: bf16 on a GPU, fp32 on a CPU")
+                       type=precision_name, help="autocast precision, also spelled float32, "
+                       "bfloat16, float16 (default: bf16 on a GPU, fp32 on a CPU)")
     train.add_argument("--device", default="auto")
     train.add_argument("--grad-checkpointing", action="store_true",
                        help="recompute activations in backward (LLM and encoder): less memory")
@@ -105,14 +111,13 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_model_arguments(train: argparse.ArgumentParser) -> None:
-    """Where `llm train` starts: --model, or --tower with --llm."""
-    start = train.add_argument_group("the model")
-    start.add_argument("--model", type=Path, metavar="DIR_OR_NAME",
-                       help="a multimodal model saved by an earlier run (RUN_DIR/model), or its "
-                       "Hub name")
+    """Where `llm train` starts: MODEL, or --tower with --llm."""
+    add_model_argument(train, optional=True, help="a multimodal model saved by an earlier run "
+                       "(RUN_DIR/model), or its Hub name; or none, and --tower with --llm")
+    start = train.add_argument_group("a new model")
     start.add_argument("--tower", metavar="PATH_OR_NAME",
                        help="a vision checkpoint, saved tower or model name (with --llm, "
-                       "instead of --model); a saved tiled tower keeps its tiling (--anyres)")
+                       "instead of MODEL); a saved tiled tower keeps its tiling (--anyres)")
     start.add_argument("--llm", type=Path, metavar="DIR_OR_NAME",
                        help="a Hugging Face causal LM folder with its tokenizer, or its name")
     start.add_argument("--projector", default="mlp2x_gelu", help="pooler for a new tower")
@@ -145,14 +150,13 @@ def _add_data_arguments(train: argparse.ArgumentParser) -> None:
 
 
 def _add_lora_arguments(train: argparse.ArgumentParser) -> None:
-    """Stage 2's LoRA."""
-    lora = train.add_argument_group("LoRA (stage 2)")
-    lora.add_argument("--lora-r", type=int, default=16)
-    lora.add_argument("--lora-alpha", type=float, default=32)
-    lora.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
-                      help="LLM module names (default: q_proj k_proj v_proj o_proj)")
-    lora.add_argument("--lora-encoder", default=None, metavar="PRESET",
-                      help="also LoRA on the encoder: attn, attn_qv, mlp or all")
+    """Stage 2's LoRA: the flags `finetune` takes (`vlm_vit.commands.add_lora_arguments`),
+    and LoRA on the encoder too."""
+    add_lora_arguments(train, targets_help="LLM module names (default: q_proj k_proj v_proj "
+                       "o_proj)", default_targets=None, switch=False)
+    train.add_argument("--lora-encoder", default=None, metavar="PRESET",
+                       help="also LoRA on the encoder: attn, attn_qv, mlp or all")
+
 
 def _existing(path: Path, what: str) -> Path:
     if not path.exists():
@@ -196,16 +200,16 @@ def load_multimodal(value: str | Path, what: str, *, trainable: bool = False):
 
 
 def build_model(args: argparse.Namespace, anyres: AnyRes | None = None):
-    """The model to train: `--model`, or a new one from `--tower` and `--llm` (tiled as
+    """The model to train: MODEL, or a new one from `--tower` and `--llm` (tiled as
     `anyres` asks, or as the tower was saved: `vlm_vit_llm.tiling_args`)."""
     from vlm_vit_llm.model import MultimodalLM
 
     if args.model is not None:
         if args.tower or args.llm:
-            raise ValueError("give --model, or --tower with --llm, not both")
-        return load_multimodal(args.model, "--model", trainable=True)
+            raise ValueError("give MODEL, or --tower with --llm, not both")
+        return load_multimodal(args.model, "MODEL", trainable=True)
     if not (args.tower and args.llm):
-        raise ValueError("give --model (a saved multimodal model), or both --tower and --llm")
+        raise ValueError("give MODEL (a saved multimodal model), or both --tower and --llm")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vlm_vit import load_processor, load_tower
@@ -225,7 +229,7 @@ def build_model(args: argparse.Namespace, anyres: AnyRes | None = None):
         raise _flagged(error, "--tower") from error
     with reading_checkpoint(args.tower):
         tower = load_tower(tower_at, args.projector, out_dim=width,
-                           feature_layer=args.feature_layer, drop_prefix=True)
+                           feature_layer=args.feature_layer)
     tower = tiled_tower(tower, anyres, saved_tiling(tower_at.directory), f"--tower {args.tower}")
     processor = tower.processor if tower.tiling is not None else \
         load_processor(tower_at, required=False)
@@ -259,7 +263,7 @@ def _train(args: argparse.Namespace) -> int:
     packing = packing_from_args(args, shards=shards)  # bad flags fail before the LLM loads
     anyres = anyres_from_args(args)
     if args.model is not None:
-        args.model = _model(args.model, "--model")  # once: the records read its image token
+        args.model = _model(args.model, "MODEL")  # once: the records read its image token
         if args.stage == 2:
             _refuse_adapters(args.model)
     records = None if shards else _records(args)  # bad data fails before the LLM is loaded
@@ -269,7 +273,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.stage == 1:
         mm.train_projector_only()
     else:
-        mm.add_lora(r=args.lora_r, alpha=args.lora_alpha,
+        mm.add_lora(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                     llm_targets=args.lora_targets or DEFAULT_LLM_LORA_TARGETS,
                     encoder_targets=args.lora_encoder)
     # After the stage: it fingerprints the frozen base.
@@ -307,7 +311,7 @@ def _refuse_adapters(model: Path) -> None:
         return  # from_pretrained names what is missing
     config = read_json(model / CONFIG_NAME)
     if config.get("llm_adapter") or config.get("vision_adapter"):
-        raise ValueError(f"--model {model} holds LoRA adapters; merge them first (vlm-vit llm "
+        raise ValueError(f"MODEL {model} holds LoRA adapters; merge them first (vlm-vit llm "
                          f"merge {model} --out DIR), then train --stage 2 from DIR")
 
 

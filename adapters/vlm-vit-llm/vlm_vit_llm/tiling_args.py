@@ -75,7 +75,7 @@ def add_anyres_argument(group: argparse._ArgumentGroup | argparse.ArgumentParser
         "tokens shrunk to N; OneVision's is anyres_max_9), or canvases in pixels, "
         "HEIGHTxWIDTH,... (336x672,672x336,672x672); a tile is the tower's input size. A "
         "saved tiled tower given to --tower keeps its tiling (its projector and "
-        "image_newline start new), and refuses --anyres; a --model keeps its own tiling, "
+        "image_newline start new), and refuses --anyres; a saved MODEL keeps its own tiling, "
         "or none")
 
 
@@ -119,14 +119,14 @@ def anyres_from_args(args: argparse.Namespace) -> AnyRes | None:
     """The `AnyRes` `--anyres` asks for (None without it), checked before anything loads.
 
     Raises:
-        ValueError: naming the flag, for a bad value, or with `--model` (a saved model keeps
+        ValueError: naming the flag, for a bad value, or with MODEL (a saved model keeps
             its tower's tiling).
     """
     text = getattr(args, "anyres", None)
     if text is None:
         return None
     if getattr(args, "model", None) is not None:
-        raise ValueError(f"{FLAG} is for a new model from --tower and --llm; --model "
+        raise ValueError(f"{FLAG} is for a new model from --tower and --llm; MODEL "
                          f"{args.model} keeps its tower's tiling (or none)")
     return parse_anyres(text)
 
@@ -189,7 +189,7 @@ def tiled_tower(tower: Any, anyres: AnyRes | None, saved: Any, source: str) -> A
         if processor is not None:
             processor = dataclasses.replace(processor, tiling=tiling)
         return VisionTower(tower.encoder, tower.pooler, feature_layer=tower.feature_layer,
-                           drop_prefix=tower.drop_prefix, processor=processor, tiling=tiling)
+                           keep_prefix=tower.keep_prefix, processor=processor, tiling=tiling)
     except ValueError as error:
         raise ValueError(f"{failed}: {error}") from None
 
