@@ -354,6 +354,7 @@ class EncoderConfig:
         return cls(**{**VARIANTS[key], **overrides})
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as plain JSON values (what `config.json` records under `encoder`)."""
         data = dataclasses.asdict(self)
         data["image_size"] = list(self.image_size)
         if self.hybrid_layers is not None:

@@ -90,7 +90,11 @@ class Pooler(Protocol):
 
     def num_output_tokens(
         self, grid: tuple[int, int], *, num_prefix_tokens: int = 0
-    ) -> int | None: ...
+    ) -> int | None:
+        """How many tokens the pooler returns for an image of `grid` patches (with
+        `num_prefix_tokens` class and register tokens before them), or None for one vector
+        per image."""
+        ...
 
 
 def register_pooler(name: str):
