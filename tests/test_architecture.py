@@ -15,10 +15,6 @@ MAX_TRAINER_LINES = 350
 LONG_FUNCTION = 80
 # Functions allowed to reach LONG_FUNCTION lines, each with the reason it stays whole.
 DOCUMENTED_LONG: dict[str, str] = {}  # function -> why it may be 80 lines or more
-# Old import paths kept for one release, each reading its names from the new home with a
-# DeprecationWarning; nothing else may import them.
-SHIMS = {"vlm_vit.shards", "vlm_vit.evaluate", "vlm_vit.label_efficiency",
-         "vlm_vit.train.tar_shards", "vlm_vit.train.data", "vlm_vit.train.shard_writer"}
 
 
 def modules() -> dict[str, Path]:
@@ -116,33 +112,24 @@ def test_no_plugin_has_an_import_cycle():
 
 
 def test_arrows_point_one_way_to_the_cli_and_the_recipes():
-    """Nothing imports the CLI; only the CLI (and a deprecated alias) imports a recipe."""
+    """Nothing imports the CLI; only the CLI imports a recipe."""
     for name, targets in graph().items():
         if not name.startswith("vlm_vit.cli"):
             wrong = sorted(t for t in targets if t.startswith("vlm_vit.cli"))
             assert not wrong, f"{name} imports {wrong}"
-        if not name.startswith(("vlm_vit.cli", "vlm_vit.recipes")) and name not in SHIMS:
+        if not name.startswith(("vlm_vit.cli", "vlm_vit.recipes")):
             wrong = sorted(t for t in targets if t.startswith("vlm_vit.recipes"))
             assert not wrong, f"{name} imports {wrong}"
 
 
-# The tests of the aliases themselves.
-ALIAS_TESTS = {"tests/test_package.py", "tests/data/test_source.py", "tests/test_evaluate.py",
-               "tests/test_label_efficiency.py"}
-
-
-def test_no_module_imports_a_deprecated_alias():
+def test_no_deprecation_shim_is_left():
+    """Nothing was released: no old name is kept behind a DeprecationWarning (issue 41)."""
     repository = PACKAGE.parent
-    for path in [*PACKAGE.rglob("*.py"), *repository.glob("adapters/*/*/*.py"),
-                 *repository.glob("adapters/*/tests/*.py"), *repository.glob("benchmarks/*.py"),
-                 *repository.glob("examples/*.py"), *repository.glob("tests/**/*.py")]:
-        if str(path.relative_to(repository)) in ALIAS_TESTS:
-            continue
+    for path in [*PACKAGE.rglob("*.py"), *repository.glob("adapters/*/vlm_vit_*/*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([node.module] if isinstance(node, ast.ImportFrom) else
-                     [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
-            wrong = [name for name in names if name in SHIMS]
-            assert not wrong, f"{path.relative_to(repository)} imports {wrong}"
+            if isinstance(node, ast.Name) and node.id == "DeprecationWarning":
+                raise AssertionError(f"{path.relative_to(repository)}:{node.lineno} keeps a "
+                                     "deprecated name")
 
 
 def test_files_stay_small():

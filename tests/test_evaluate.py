@@ -288,33 +288,6 @@ def test_a_keyed_split_and_its_shots_depend_on_the_names_not_their_order():
 
 
 
-def test_one_settings_object_or_its_keywords_give_the_same_result():
-    features, labels = blobs(10, classes=3, spread=0.6)
-    settings = EvalSettings(shots=(1, 3), seed=2, k=5, C=0.5)
-    result = evaluate_features(features, labels, ["a", "b", "c"], settings)
-    assert result == evaluate_features(features, labels, ["a", "b", "c"], shots=[1, 3],
-                                       seed=2, k=5, C=0.5)
-    assert result["knn_k"] == 5 and result["linear_probe_C"] == 0.5 and result["seed"] == 2
-    # keywords override the settings object
-    assert evaluate_features(features, labels, ["a", "b", "c"], settings, seed=0) == \
-        evaluate_features(features, labels, ["a", "b", "c"], shots=[1, 3], k=5, C=0.5)
-    # a keyword that is no setting, or one that means nothing to features, is refused
-    for bad in ({"pooling": "mean"}, {"shot": [1]}):
-        with pytest.raises(TypeError, match="unexpected keyword argument"):
-            evaluate_features(features, labels, ["a", "b", "c"], **bad)
-    assert EvalSettings().pooling is None  # the protocol's default: cls with a class token
-
-def test_the_old_module_name_still_works_with_a_deprecation_warning():
-    import vlm_vit.eval
-    import vlm_vit.evaluate
-
-    for name in vlm_vit.eval.__all__:
-        with pytest.warns(DeprecationWarning, match=f"import {name} from there"):
-            assert getattr(vlm_vit.evaluate, name) is getattr(vlm_vit.eval, name)
-    with pytest.raises(ImportError):
-        from vlm_vit.evaluate import _features  # noqa: F401
-
-
 def test_the_classifiers_need_numpy_only():
     """vlm_vit/eval/classifiers.py loads and scores with torch unimportable."""
     import subprocess

@@ -113,17 +113,7 @@ def test_without_layer_decay_every_group_runs_at_the_one_lr():
     assert {group["lr"] for group in groups} == {2e-3}
 
 
-def test_the_old_module_name_still_works_with_a_deprecation_warning():
-    import vlm_vit.label_efficiency
-    from vlm_vit.recipes import label_efficiency
-
-    for name in dir(vlm_vit.label_efficiency):
-        with pytest.warns(DeprecationWarning, match="vlm_vit.recipes.label_efficiency"):
-            assert getattr(vlm_vit.label_efficiency, name) is getattr(label_efficiency, name)
-    assert "FinetuneRecipe" in dir(vlm_vit.label_efficiency)
-
-
-def test_finetune_many_progress_is_a_bar_and_a_callable_still_counts_runs(capsys):
+def test_finetune_many_progress_is_a_bar_and_done_reports_each_run(capsys):
     from vlm_vit.recipes.label_efficiency import FinetuneJob, finetune_many
 
     images, labels = stripes()
@@ -134,8 +124,7 @@ def test_finetune_many_progress_is_a_bar_and_a_callable_still_counts_runs(capsys
     assert finetune_many(jobs, images, labels, np.arange(20, 40), recipe,
                          progress=True) == quiet
     assert "fine-tuning: 100%" in capsys.readouterr().err
-    ticks = []
-    with pytest.warns(DeprecationWarning, match="progress=True shows a progress bar"):
-        assert finetune_many(jobs, images, labels, np.arange(20, 40), recipe,
-                             progress=lambda: ticks.append(1)) == quiet
-    assert ticks == [1, 1]
+    finished = []
+    assert finetune_many(jobs, images, labels, np.arange(20, 40), recipe,
+                         done=lambda index, accuracy: finished.append((index, accuracy))) == quiet
+    assert finished == list(enumerate(quiet))  # each run as it ends, in order

@@ -51,35 +51,6 @@ def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["config.json"]
 
 
-def test_renamed_modules_keep_their_old_names_for_a_release_with_a_warning():
-
-    from vlm_vit import weights
-
-    with pytest.warns(DeprecationWarning, match=r"vlm_vit\.shards is renamed vlm_vit\.weights"):
-        from vlm_vit.shards import SHARD_INDEX, read_sharded
-    assert SHARD_INDEX is weights.SHARD_INDEX and read_sharded is weights.read_sharded
-    with pytest.raises(ImportError, match="no_such_name"):
-        from vlm_vit.shards import no_such_name  # noqa: F401
-
-
-def test_the_package_imports_no_shim():
-    import ast
-    from pathlib import Path
-
-    import vlm_vit
-
-    root = Path(vlm_vit.__file__).parent
-    through_shim = [
-        str(path.relative_to(root)) for path in root.rglob("*.py")
-        for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, (ast.Import, ast.ImportFrom))
-        and any(name == "vlm_vit.shards" for name in
-                ([node.module] if isinstance(node, ast.ImportFrom) else
-                 [alias.name for alias in node.names]))
-    ]
-    assert through_shim == []
-
-
 def test_the_command_table_and_every_subcommand_s_help_load_no_torch():
     """Issue 47, 9: `vlm-vit --help` took about 4 s of CPU importing torch; the command table
     and each subcommand's --help (the plugins' too) now import neither torch nor any

@@ -20,7 +20,6 @@ so verifying roughly adds the time of one more read of the weights.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -109,13 +108,6 @@ def write_manifest(directory: str | Path, files: Iterable[str | Path], *,
         json.dump(manifest, handle, indent=2)
         handle.write("\n")
     return directory / MANIFEST_NAME
-
-
-def remove_manifest(directory: str | Path) -> None:
-    """Deletes a directory's manifest, so files being rewritten are never checked against the
-    hashes of the ones they replace."""
-    with contextlib.suppress(FileNotFoundError):
-        (Path(directory) / MANIFEST_NAME).unlink()
 
 
 def read_manifest(directory: str | Path) -> dict[str, dict[str, Any]] | None:

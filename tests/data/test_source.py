@@ -3,8 +3,6 @@ resume of checkpoints written before the sources owned their state."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
@@ -97,38 +95,6 @@ def test_a_shard_stream_becomes_a_shard_source(tmp_path):
     source.configure(2, collate_images, world_size=1)
     with pytest.raises(ValueError, match=r"of ranks \[0, 0\]"):  # not one state per rank
         source.load_state_dict([source.state_dict()] * 2)
-
-
-def test_progress_bar_is_the_deprecated_name_of_progress(data, tmp_path):
-    with pytest.warns(DeprecationWarning, match="progress="):
-        trainer = Trainer(toy_objective(), image_folder(data), config(), tmp_path / "a",
-                          progress_bar=False)
-    assert trainer.progress is False and trainer.progress_bar is False
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert Trainer(toy_objective(), image_folder(data), config(), tmp_path / "b",
-                       progress=False).progress is False
-
-
-@pytest.mark.parametrize(("old", "name", "home"), [
-    ("vlm_vit.train.tar_shards", "ShardStream", "vlm_vit.data.shards.stream"),
-    ("vlm_vit.train.tar_shards", "is_shard_spec", "vlm_vit.data.shards.spec"),
-    ("vlm_vit.train.tar_shards", "Sample", "vlm_vit.data.shards.reader"),
-    ("vlm_vit.train.tar_shards", "read_sample_log", "vlm_vit.train.metrics"),
-    ("vlm_vit.train.tar_shards", "UndecodableImage", "vlm_vit.data.samples"),
-    ("vlm_vit.train.data", "ImageFolder", "vlm_vit.data.folders"),
-    ("vlm_vit.train.data", "read_caption_lines", "vlm_vit.data.folders"),
-    ("vlm_vit.train.data", "ImageBatch", "vlm_vit.data.samples"),
-    ("vlm_vit.train.shard_writer", "write_shards", "vlm_vit.data.shards.writer"),
-])
-def test_old_import_paths_still_work_and_warn(old, name, home):
-    import importlib
-
-    with pytest.warns(DeprecationWarning, match=rf"{old}\.{name} moved to {home}\.{name}"):
-        value = getattr(importlib.import_module(old), name)
-    assert value is getattr(importlib.import_module(home), name)
-    with pytest.raises(AttributeError):
-        importlib.import_module(old).no_such_name  # noqa: B018
 
 
 def test_open_source_decides_between_a_folder_and_shards_in_one_place(data, tmp_path):

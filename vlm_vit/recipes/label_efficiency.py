@@ -17,7 +17,6 @@ import copy
 import hashlib
 import shutil
 import tempfile
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -231,19 +230,13 @@ def finetune_many(jobs: list[FinetuneJob], images: torch.Tensor, labels: np.ndar
         jobs: the runs.
         images, labels, eval_rows, recipe: as in `finetune_accuracy`, shared by the runs.
         workers: processes (1: in this process).
-        progress: show a progress bar of the finished runs. (A callable here, the old
-            meaning, is called after each finished run, with a DeprecationWarning.)
+        progress: show a progress bar of the finished runs.
         done: called with (the job's index, its accuracy) as each run finishes, in order:
             how a caller records results that a stopped job must not lose.
 
     Returns:
         The accuracies, in the order of `jobs`.
     """
-    if callable(progress):
-        warnings.warn("finetune_many(progress=<callable>) is deprecated: progress=True shows "
-                      "a progress bar", DeprecationWarning, stacklevel=2)
-        return _run_jobs(jobs, images, labels, eval_rows, recipe, workers,
-                         lambda index, accuracy: progress())
     with tqdm(total=len(jobs), desc="fine-tuning", unit="run", disable=not progress) as bar:
         def tick(index: int, accuracy: float) -> None:
             bar.update()

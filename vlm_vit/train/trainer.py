@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import math
 import sys
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,7 +112,6 @@ class Trainer:
         command: the command line that reproduces the run, for run_config.json (default:
             this process's `sys.argv`).
         progress: show the progress bar (on rank 0).
-        progress_bar: the old name of `progress` (deprecated).
     """
 
     def __init__(
@@ -126,28 +124,17 @@ class Trainer:
         collate: Callable[[list], Any] | None = None,
         command: str | None = None,
         progress: bool = True,
-        progress_bar: bool | None = None,
     ) -> None:
         if not isinstance(getattr(objective, "encoder", None), nn.Module):
             raise TypeError(f"{type(objective).__name__} has no `encoder` module; the trainer "
                             "saves objective.encoder at the end")
-        if progress_bar is not None:
-            warnings.warn("Trainer(progress_bar=) is deprecated; use progress=",
-                          DeprecationWarning, stacklevel=2)
-            progress = progress_bar
         self.objective = objective
-        self.dataset = dataset
         self.source = as_source(dataset)
         self.config = config
         self.run_dir = Path(run_dir)
         self.collate = collate or collate_images
         self.command = command if command is not None else " ".join(sys.argv)
         self.progress = progress
-
-    @property
-    def progress_bar(self) -> bool:
-        """The old name of `progress`."""
-        return self.progress
 
     # -- the run ----------------------------------------------------------------------------
 
