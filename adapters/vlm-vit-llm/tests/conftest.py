@@ -188,3 +188,16 @@ def chatml_tokenizer(chatml_tokenizer_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(chatml_tokenizer_dir)
+
+
+@pytest.fixture
+def parts(tmp_path, tokenizer):
+    """An encoder checkpoint, an LLM folder with its tokenizer, and captioned images: what
+    `vlm-vit llm train --tower ... --llm ...` starts from."""
+    from test_llm_train import write_captions
+
+    tiny_tower().encoder.save_pretrained(tmp_path / "encoder")
+    tiny_llm().save_pretrained(tmp_path / "llm")
+    tokenizer.save_pretrained(tmp_path / "llm")
+    write_captions(tmp_path / "data")
+    return tmp_path

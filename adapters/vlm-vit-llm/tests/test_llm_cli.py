@@ -4,20 +4,9 @@ import json
 import re
 
 import pytest
-from conftest import tiny_llm, tiny_tower
-from test_llm_train import write_captions
+from conftest import tiny_llm
 
 from vlm_vit.cli import main
-
-
-@pytest.fixture
-def parts(tmp_path, tokenizer):
-    """An encoder checkpoint, an LLM folder with its tokenizer, and captioned images."""
-    tiny_tower().encoder.save_pretrained(tmp_path / "encoder")
-    tiny_llm().save_pretrained(tmp_path / "llm")
-    tokenizer.save_pretrained(tmp_path / "llm")
-    write_captions(tmp_path / "data")
-    return tmp_path
 
 
 def train_args(parts, *extra):

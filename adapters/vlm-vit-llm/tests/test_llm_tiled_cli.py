@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_llm, tiny_tower
+from conftest import tiny_tower
 from test_conversation_data import gpt, human, write_records
 from test_llm_shards import shard_items
 from test_llm_train import write_captions
@@ -112,16 +112,6 @@ def test_a_tiled_model_trains_on_llava_shards(tmp_path, tiled_model, capsys):
 # --anyres llava-next on the tiny tower's 32-pixel input: LLaVA-NeXT's canvases in tiles.
 LLAVA_NEXT_32 = Tiling(pinpoints=[(32, 64), (64, 32), (64, 64), (96, 32), (32, 96)],
                        tile_size=32)
-
-
-@pytest.fixture
-def parts(tmp_path, tokenizer):
-    """An untiled encoder checkpoint, an LLM folder with its tokenizer, captioned images."""
-    tiny_tower().encoder.save_pretrained(tmp_path / "encoder")
-    tiny_llm().save_pretrained(tmp_path / "llm")
-    tokenizer.save_pretrained(tmp_path / "llm")
-    write_captions(tmp_path / "data")
-    return tmp_path
 
 
 def new_model_args(parts, tower, out, *extra):
