@@ -7,7 +7,6 @@ import torch
 from vlm_vit import EncoderConfig, ImageProcessor, VisionEncoder
 from vlm_vit.eval import (
     BIAS_CONSTANT,
-    EvalSettings,
     evaluate_features,
     extract_features,
     few_shot_accuracy,

@@ -1,5 +1,5 @@
-"""Safe, loud file helpers: atomic writes and directories, bounded JSON, image folders; every
-error names the file.
+"""Safe, loud file helpers: atomic writes and directories, bounded JSON; every error names
+the file. (Image folders are listed by `vlm_vit.data.listing`.)
 
 Nothing here unpickles: the weight readers (`vlm_vit.tensor_files`, re-exported here) read
 safetensors and `.npz` arrays by their headers, checked against the file's size before
@@ -38,10 +38,6 @@ MAX_JSON_BYTES = 64_000_000
 # Deeper nesting is refused: no config nests past a handful of levels, and Python's parser
 # raises RecursionError near 1000.
 MAX_JSON_DEPTH = 200
-
-# File suffixes read as images when a folder is searched.
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp",
-                            ".ppm", ".pgm", ".pbm"})
 
 
 def _umask() -> int:
@@ -364,53 +360,3 @@ def write_safetensors(
     data = save(tensors, metadata={"format": "pt", **(metadata or {})})
     with atomic_write(path, "wb") as handle:
         handle.write(data)
-
-
-def image_files(folder: str | Path) -> list[Path]:
-    """Every image file under `folder`, recursively, sorted; hidden entries (`.x`, such as
-    macOS's `._photo.jpg`) are skipped. Empty when there is none."""
-    folder = Path(folder)
-    return sorted(
-        p for p in folder.rglob("*")
-        if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()
-        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-    )
-
-
-def class_folders(root: str | Path) -> tuple[list[Path], list[int], list[str]]:
-    """The images of a folder with one sub-folder per class (searched recursively).
-
-    Hidden entries are skipped; files directly in `root` are ignored (a warning says so).
-
-    Returns:
-        The image files (by class, then path), their class indices, and the sorted class
-        names.
-
-    Raises:
-        FileNotFoundError, NotADirectoryError: for a missing `root` or a file.
-        ValueError: for fewer than 2 class folders, or a class folder without images.
-    """
-    root = Path(root)
-    if not root.exists():
-        raise FileNotFoundError(f"data folder {root} does not exist")
-    if not root.is_dir():
-        raise NotADirectoryError(f"data folder {root} is not a folder")
-    entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
-    loose = [p for p in entries if p.is_file()]
-    if loose:
-        logger.warning("ignoring %d files directly in %s: images must sit in one folder per "
-                       "class", len(loose), root)
-    classes = [p.name for p in entries if p.is_dir()]
-    if len(classes) < 2:
-        raise ValueError(f"data folder {root} needs one sub-folder per class and at least 2 "
-                         f"classes; found {len(classes)} ({', '.join(classes) or 'none'})")
-    files: list[Path] = []
-    labels: list[int] = []
-    for index, name in enumerate(classes):
-        found = image_files(root / name)
-        if not found:
-            raise ValueError(f"class folder {root / name} holds no image files "
-                             f"({', '.join(sorted(IMAGE_SUFFIXES))})")
-        files.extend(found)
-        labels.extend([index] * len(found))
-    return files, labels, classes

@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 
 from vlm_vit.cli import main
+from vlm_vit.data.listing import class_folders
 from vlm_vit.eval import evaluate_folder, evaluate_shards
-from vlm_vit.files import class_folders
 from vlm_vit.loading import load_with_processor
 from vlm_vit.model import VisionEncoder
 

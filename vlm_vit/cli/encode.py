@@ -83,7 +83,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def find_images(inputs: list[str]) -> list[Path]:
     """Files as given, and every image file under each folder, sorted; errors name the path."""
-    from vlm_vit.files import IMAGE_SUFFIXES, image_files
+    from vlm_vit.data.listing import IMAGE_SUFFIXES, image_files
 
     found: list[Path] = []
     for item in map(Path, inputs):

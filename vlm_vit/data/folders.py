@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from vlm_vit.data.listing import IMAGE_SUFFIXES, class_folders, image_files
 from vlm_vit.data.samples import UndecodableImage, mixed_seed
-from vlm_vit.files import IMAGE_SUFFIXES, class_folders, image_files
 from vlm_vit.optional import require
 from vlm_vit.processor import ImageProcessor
 
@@ -125,7 +125,7 @@ class ImageFolder(torch.utils.data.Dataset):
     """Unlabelled images for self-supervised pretraining, augmented by `Augmentation`.
 
     Args:
-        root: searched recursively for image files (see `vlm_vit.files.IMAGE_SUFFIXES`).
+        root: searched recursively for image files (see `vlm_vit.data.listing.IMAGE_SUFFIXES`).
         image_size, mean, std, scale, flip: as in `Augmentation`.
         seed: with the epoch and the index, fixes each item's augmentation.
 

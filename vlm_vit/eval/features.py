@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from vlm_vit.files import class_folders
+from vlm_vit.data.listing import class_folders
 from vlm_vit.model import VisionEncoder
 from vlm_vit.presets import POOLINGS as POOLINGS
 from vlm_vit.processor import ImageProcessor
@@ -165,7 +165,7 @@ def _joined(features: list[torch.Tensor], labels: list[torch.Tensor], unlabelled
 
 
 def read_class_folder(root: str | Path) -> tuple[list[Path], np.ndarray, list[str]]:
-    """The images of a class-labelled folder (`vlm_vit.files.class_folders`), with the labels
+    """The images of a class-labelled folder (`vlm_vit.data.listing.class_folders`), with the labels
     as an `[N]` array."""
     files, labels, classes = class_folders(root)
     return files, np.asarray(labels), classes

@@ -45,7 +45,7 @@ def is_shard_spec(data: Any) -> bool:
         return True
     path = Path(text)
     if path.is_dir():
-        from vlm_vit.files import image_files
+        from vlm_vit.data.listing import image_files
 
         return bool(_tars_in(path)) and not image_files(path)
     return False

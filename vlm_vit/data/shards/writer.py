@@ -20,16 +20,11 @@ from typing import IO, Any
 
 import vlm_vit.data.shards.reader as reader
 from vlm_vit.data.folders import read_caption_lines
+from vlm_vit.data.listing import IMAGE_SUFFIXES, class_folders, image_files
 from vlm_vit.data.shards.reader import escape_name
 from vlm_vit.data.shards.spec import DATASET_FORMAT, DATASET_VERSION, WRITER_LEFTOVER
 from vlm_vit.data.shards.spec import DATASET_INDEX as INDEX
-from vlm_vit.files import (
-    IMAGE_SUFFIXES,
-    atomic_write,
-    class_folders,
-    image_files,
-    resolves_inside,
-)
+from vlm_vit.files import atomic_write, resolves_inside
 from vlm_vit.optional import require
 from vlm_vit.processor import ImageLoadError, ImageProcessor, ImageTooLargeError
 
@@ -89,7 +84,7 @@ def write_shards(
         out: the output folder, not `root` nor inside it; it must be missing or empty unless
             `overwrite`.
         per_shard: the most samples in one shard.
-        classes: read `root`'s sub-folders as classes (see `vlm_vit.files.class_folders`).
+        classes: read `root`'s sub-folders as classes (see `vlm_vit.data.listing.class_folders`).
         captions: a JSON Lines file of `{"image": relative path, "caption": text}`.
         llava: a LLaVA JSON file (an array of records, or one record per line).
         shuffle: shuffle the samples with `seed` (else: sorted, or in the file's order).
