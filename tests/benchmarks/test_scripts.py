@@ -47,7 +47,8 @@ def run_script(benchmarks, monkeypatch, tmp_path, name: str, extra: tuple = ()) 
 @pytest.mark.parametrize("name", ["encode vit-b/16", "encode clip-vit-b/16",
                                   "encode clip-vit-l/14-336", "llava features", "load",
                                   "mae step", "lora step", "llava step", "scaling",
-                                  "shards vs folder", "export cpu", "window attention",
+                                  pytest.param("shards vs folder", marks=pytest.mark.slow),
+                                  "export cpu", "window attention",
                                   "encode dinov2-l/14", "anyres",
                                   pytest.param("llava packed step", marks=pytest.mark.slow)])
 def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
@@ -152,6 +153,7 @@ def test_gpu_suite_tiny_runs_the_bf16_logic_on_cpu(benchmarks, tmp_path, capsys)
     assert "MFU" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # 45-70 s: four child processes loading CLIP through transformers
 def test_sharded_load_memory_runs_at_toy_size(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "shards.json"

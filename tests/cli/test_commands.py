@@ -100,7 +100,7 @@ def test_a_mistyped_flag_shows_the_subcommand_s_usage(command, capsys):
     """Issue 27, 9: argparse reports a subcommand's unknown flag from the top level, with
     the top-level usage; ours names the subcommand and shows its own usage."""
     argv = {"encode": ["encode", "m", "x", "-o", "o"], "probe": ["probe", "m", "--data", "d"],
-            "llm train": ["llm", "train", "--data", "d", "--out", "o"]}[command]
+            "llm train": ["llm", "train", "m", "--data", "d", "--out", "o"]}[command]
     with pytest.raises(SystemExit) as exit_:
         main([*argv, "--bogus", "1"])
     assert exit_.value.code == 2
