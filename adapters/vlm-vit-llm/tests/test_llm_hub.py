@@ -4,7 +4,7 @@ carry a model card."""
 
 import torch
 from conftest import photos
-from test_llm_cli import parts, train_args  # noqa: F401  (the fixture)
+from test_llm_cli import train_args
 
 from vlm_vit.cli import main
 from vlm_vit.testing import offline_hub_cache, put_in_hub_cache
