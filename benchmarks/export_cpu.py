@@ -23,7 +23,7 @@ from anchors import build_anchor
 from timing import alternate, config_from_args, write_json
 
 from vlm_vit import VisionEncoder
-from vlm_vit.export import (
+from vlm_vit.deploy.export import (
     export_onnx,
     onnx_session,
     quantize_int8,

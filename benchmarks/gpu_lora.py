@@ -18,11 +18,11 @@ import torch
 from timing import write_json
 
 from vlm_vit import EncoderConfig, VisionEncoder
-from vlm_vit.finetune import ImageClassifier
+from vlm_vit.adapt.finetune import ImageClassifier
 
 
 def run(mode: str, args: argparse.Namespace) -> dict:
-    from vlm_vit.lora import apply_lora, describe_trainable, merge_lora
+    from vlm_vit.adapt.lora import apply_lora, describe_trainable, merge_lora
 
     torch.manual_seed(0)
     model = ImageClassifier(VisionEncoder(EncoderConfig.from_name(args.variant)), 1000)

@@ -26,14 +26,14 @@ from timing import (
 )
 
 from vlm_vit import VisionEncoder
-from vlm_vit.finetune import ImageClassifier
+from vlm_vit.adapt.finetune import ImageClassifier
 
 
 def build(mode: str, args: argparse.Namespace) -> torch.nn.Module:
     torch.manual_seed(0)
     model = ImageClassifier(VisionEncoder(config_from_args(args)), 100)
     if mode == "lora":
-        from vlm_vit.lora import apply_lora
+        from vlm_vit.adapt.lora import apply_lora
 
         model = apply_lora(model, r=16, alpha=32, targets=args.targets, train_modules=("head",))
     return model.to(args.device)

@@ -68,7 +68,7 @@ def main() -> None:
 
     from vlm_vit import EncoderConfig, VisionEncoder
     from vlm_vit.convert.hf_clip import save_hf_clip
-    from vlm_vit.weights import parse_size
+    from vlm_vit.io.weights import parse_size
 
     config = EncoderConfig.from_name(args.variant, **({"depth": args.depth} if args.depth
                                                        else {}))

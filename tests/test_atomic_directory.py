@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vlm_vit import VisionEncoder, load_encoder
-from vlm_vit.files import MODEL_FILES, _exchange, atomic_directory, recover_directory
+from vlm_vit.io.files import MODEL_FILES, _exchange, atomic_directory, recover_directory
 from vlm_vit.testing import flip_bytes
 
 from .conftest import tiny_config
@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Saves encoder B (seed 1) over DIR, SIGKILLing itself at the moment KILL_AT names.
 KILLED_SAVE = '''
 import os, signal, sys, torch
-import vlm_vit.files as files
-import vlm_vit.weights as weights
+import vlm_vit.io.files as files
+import vlm_vit.io.weights as weights
 from vlm_vit import VisionEncoder, EncoderConfig
 from tests.conftest import tiny_config
 where, directory = sys.argv[1], sys.argv[2]
@@ -40,7 +40,7 @@ def replace(src, dst):
     if where == "between-renames" and str(dst).endswith(".old"):
         os.kill(os.getpid(), signal.SIGKILL)  # the old folder moved aside, the new not in
 weights.write_weights = write_weights
-import vlm_vit.native as native
+import vlm_vit.io.native as native
 native.write_weights = write_weights
 os.replace = replace
 if where == "between-renames":
@@ -140,8 +140,8 @@ def test_the_swap_is_one_step_where_the_system_allows(tmp_path):
 
 def test_a_tower_and_a_classifier_hash_their_own_weights_too(tmp_path):
     from vlm_vit import VisionTower, build_pooler
-    from vlm_vit.finetune import ImageClassifier
-    from vlm_vit.integrity import IntegrityError, read_manifest
+    from vlm_vit.adapt.finetune import ImageClassifier
+    from vlm_vit.io.integrity import IntegrityError, read_manifest
 
     tower = VisionTower(encoder(0), build_pooler("mlp2x_gelu", in_dim=32, out_dim=16))
     tower.save_pretrained(tmp_path / "tower")

@@ -18,8 +18,8 @@ from vlm_vit.config import LIMITS, ConfigError, EncoderConfig
 from vlm_vit.convert.hf_clip import save_hf_clip
 from vlm_vit.convert.hf_vit import KEY_MAP as HF_VIT_KEY_MAP
 from vlm_vit.convert.keymap import invert, rename, split_qkv
-from vlm_vit.files import write_safetensors
-from vlm_vit.loading import convert_checkpoint
+from vlm_vit.io.files import write_safetensors
+from vlm_vit.io.loading import convert_checkpoint
 
 from .conftest import TINY, tiny_config
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from vlm_vit import VisionEncoder, VisionTower, build_pooler
-from vlm_vit.finetune import ImageClassifier
-from vlm_vit.loading import load_encoder, load_tower, load_with_processor
+from vlm_vit.adapt.finetune import ImageClassifier
+from vlm_vit.io.loading import load_encoder, load_tower, load_with_processor
 from vlm_vit.presets import parse_dtype
 
 from .conftest import tiny_config

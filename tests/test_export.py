@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vlm_vit import VisionEncoder
-from vlm_vit.export import (
+from vlm_vit.deploy.export import (
     ExportError,
     check_sizes,
     export_model,
@@ -230,7 +230,7 @@ def test_bfloat16_and_int8_accuracy_on_photos(photos):
 @onnx_runtime
 @pytest.mark.slow
 def test_onnx_int8_accuracy_on_photos(tmp_path, photos):
-    from vlm_vit.export import export_onnx, onnx_session, quantize_onnx_int8
+    from vlm_vit.deploy.export import export_onnx, onnx_session, quantize_onnx_int8
 
     model = photo_encoder()
     export_onnx(model, tmp_path / "f.onnx", image_size=(64, 96), dynamic=True)

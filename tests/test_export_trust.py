@@ -10,7 +10,7 @@ import torch
 
 from vlm_vit import VisionEncoder
 from vlm_vit.cli import main
-from vlm_vit.export import export_model, export_onnx
+from vlm_vit.deploy.export import export_model, export_onnx
 
 from .conftest import tiny_config
 
@@ -81,9 +81,9 @@ def test_onnx_with_external_data_is_written_whole_and_names_its_data(tmp_path, m
     import onnx
     from torch.onnx import ONNXProgram
 
-    import vlm_vit.export
+    import vlm_vit.deploy.export
 
-    monkeypatch.setattr(vlm_vit.export, "PROTOBUF_LIMIT", 0)  # the weights go beside the file
+    monkeypatch.setattr(vlm_vit.deploy.export, "PROTOBUF_LIMIT", 0)  # weights beside the file
     out = tmp_path / "enc.onnx"
     earlier = {"enc.onnx": b"an earlier model", "enc.onnx.data": b"its weights"}
     for name, content in earlier.items():
@@ -141,7 +141,7 @@ def test_the_smallest_max_side_exports(tmp_path):
 def test_dynamic_onnx_refuses_an_image_off_the_patch_grid(tmp_path):
     import onnxruntime
 
-    from vlm_vit.export import onnx_session
+    from vlm_vit.deploy.export import onnx_session
 
     model = encoder()
     path = export_onnx(model, tmp_path / "e.onnx", dynamic=True)
@@ -159,7 +159,7 @@ def test_dynamic_onnx_refuses_an_image_off_the_patch_grid(tmp_path):
 
 def test_a_saved_program_refuses_an_image_off_the_patch_grid(tmp_path):
     model = encoder()
-    from vlm_vit.export import load_program
+    from vlm_vit.deploy.export import load_program
 
     export_model(model, tmp_path / "e.pt2", format="torch-export")
     run = load_program(tmp_path / "e.pt2")

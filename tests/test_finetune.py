@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 
 from vlm_vit import EncoderConfig, VisionEncoder, VisionTower, build_pooler
-from vlm_vit.finetune import ImageClassifier
+from vlm_vit.adapt.finetune import ImageClassifier
 from vlm_vit.packing import PackedImages
 
 SIZES = dict(image_size=32, patch_size=8, width=32, depth=2, heads=4, mlp_width=64)

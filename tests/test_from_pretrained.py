@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from vlm_vit import ImageProcessor, VisionEncoder, VisionTower, build_pooler
-from vlm_vit.finetune import ImageClassifier
-from vlm_vit.integrity import IntegrityError
+from vlm_vit.adapt.finetune import ImageClassifier
+from vlm_vit.io.integrity import IntegrityError
 from vlm_vit.testing import flip_bytes, offline_hub_cache, put_in_hub_cache
 
 from .conftest import tiny_config

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from vlm_vit import VisionEncoder, load_encoder
-from vlm_vit.files import read_json, read_npz, read_safetensors, write_safetensors
-from vlm_vit.integrity import MANIFEST_NAME, VERIFY_ENV
-from vlm_vit.loading import read_tensors
+from vlm_vit.io.files import read_json, read_npz, read_safetensors, write_safetensors
+from vlm_vit.io.integrity import MANIFEST_NAME, VERIFY_ENV
+from vlm_vit.io.loading import read_tensors
+from vlm_vit.io.weights import SHARD_INDEX, read_sharded
 from vlm_vit.testing import flip_bytes, put_in_hub_cache
-from vlm_vit.weights import SHARD_INDEX, read_sharded
 
 from .conftest import tiny_config
 

@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlm_vit import hub, load_encoder, load_processor, load_tower
-from vlm_vit.card import CARD_NAME
+from vlm_vit import load_encoder, load_processor, load_tower
 from vlm_vit.cli import main
 from vlm_vit.config import EncoderConfig
-from vlm_vit.files import write_safetensors
+from vlm_vit.io import hub
+from vlm_vit.io.card import CARD_NAME
+from vlm_vit.io.files import write_safetensors
+from vlm_vit.io.weights import SHARD_INDEX, parse_size, read_sharded
 from vlm_vit.model import VisionEncoder
 from vlm_vit.testing import offline_hub_cache, perturbed, put_in_hub_cache
-from vlm_vit.weights import SHARD_INDEX, parse_size, read_sharded
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
 transformers = pytest.importorskip("transformers")

@@ -13,8 +13,8 @@ import torch
 
 from vlm_vit import load_encoder, load_processor, load_tower
 from vlm_vit.convert import detect_format
-from vlm_vit.files import write_safetensors
-from vlm_vit.loading import read_checkpoint
+from vlm_vit.io.files import write_safetensors
+from vlm_vit.io.loading import read_checkpoint
 from vlm_vit.testing import perturbed
 
 from .test_hub import cache, put_in_cache  # noqa: F401  (cache is a fixture)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vlm_vit import EncoderConfig, VisionEncoder
-from vlm_vit.finetune import ImageClassifier
+from vlm_vit.adapt.finetune import ImageClassifier
 from vlm_vit.recipes.label_efficiency import (
     FinetuneRecipe,
     ShiftedImages,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from vlm_vit import VisionEncoder, load_encoder, load_tower
-from vlm_vit.files import write_safetensors
-from vlm_vit.loading import read_tensors, unpickling_refusal
+from vlm_vit.io.files import write_safetensors
+from vlm_vit.io.loading import read_tensors, unpickling_refusal
 from vlm_vit.registry import UnknownNameError
 
 from .conftest import tiny_config

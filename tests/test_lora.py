@@ -1,4 +1,4 @@
-"""LoRA and QLoRA through peft (`vlm_vit.lora`)."""
+"""LoRA and QLoRA through peft (`vlm_vit.adapt.lora`)."""
 
 import copy
 import subprocess
@@ -11,7 +11,7 @@ from torch import nn
 from vlm_vit import EncoderConfig, VisionEncoder, VisionTower, build_pooler, load_encoder
 
 peft = pytest.importorskip("peft")
-from vlm_vit import lora  # noqa: E402
+from vlm_vit.adapt import lora  # noqa: E402
 
 BLOCK_LINEARS = {
     "attn": ["attn.qkv", "attn.proj"],
@@ -136,7 +136,7 @@ def test_describe_trainable():
 
 
 def test_import_vlm_vit_does_not_import_peft():
-    code = "import sys, vlm_vit, vlm_vit.lora; assert 'peft' not in sys.modules, 'peft'; " \
+    code = "import sys, vlm_vit, vlm_vit.adapt.lora; assert 'peft' not in sys.modules, 'peft'; " \
            "assert 'bitsandbytes' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -119,7 +119,7 @@ def test_save_and_load(tmp_path, name):
 
 @pytest.mark.parametrize("name", ["all_but_hybrid", "hybrid", "rope", "qwen2_vl"])
 def test_export_with_a_dynamic_size(name):
-    from vlm_vit.export import export_program
+    from vlm_vit.deploy.export import export_program
 
     encoder = encoder_for(name)
     program = export_program(encoder, image_size=(32, 32), dynamic=True).module()
@@ -131,7 +131,7 @@ def test_export_with_a_dynamic_size(name):
 
 def test_lora_presets_find_swiglus_projections():
     pytest.importorskip("peft")
-    from vlm_vit.lora import apply_lora
+    from vlm_vit.adapt.lora import apply_lora
 
     encoder = encoder_for("swiglu")
     names = {"mlp": {"mlp.fc1_g", "mlp.fc1_x", "mlp.fc2"},

@@ -177,7 +177,7 @@ def test_loading_errors_name_the_file(tmp_path, tiny_encoder):
 
 
 def test_mismatched_weights_are_all_listed(tmp_path, tiny_encoder):
-    from vlm_vit.files import write_safetensors
+    from vlm_vit.io.files import write_safetensors
 
     tiny_encoder.save_pretrained(tmp_path)
     state = dict(tiny_encoder.state_dict())

@@ -24,7 +24,7 @@ def test_missing_extra_names_the_extra():
 
 
 def test_atomic_directory_replaces_the_folder_whole_or_not_at_all(tmp_path):
-    from vlm_vit.files import atomic_directory
+    from vlm_vit.io.files import atomic_directory
 
     target = tmp_path / "model"
     target.mkdir()
@@ -41,7 +41,7 @@ def test_atomic_directory_replaces_the_folder_whole_or_not_at_all(tmp_path):
 
 
 def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
-    from vlm_vit.files import atomic_write
+    from vlm_vit.io.files import atomic_write
 
     target = tmp_path / "config.json"
     target.write_text("old")

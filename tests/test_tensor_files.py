@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlm_vit.files import atomic_write
-from vlm_vit.tensor_files import SafetensorsStream
+from vlm_vit.io.files import atomic_write
+from vlm_vit.io.tensor_files import SafetensorsStream
 
 
 def test_a_streamed_file_is_what_safetensors_reads(tmp_path):

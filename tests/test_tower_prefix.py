@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vlm_vit import VisionEncoder, VisionTower, available_poolers, build_pooler
-from vlm_vit.loading import load_tower
+from vlm_vit.io.loading import load_tower
 from vlm_vit.poolers import POOLERS
 
 from .conftest import tiny_config

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vlm_vit.config import EncoderConfig, available_variants
-    from vlm_vit.loading import load_encoder, load_processor, load_tower
+    from vlm_vit.io.loading import load_encoder, load_processor, load_tower
     from vlm_vit.model import EncoderOutput, VisionEncoder
     from vlm_vit.poolers import Pooler, available_poolers, build_pooler, register_pooler
     from vlm_vit.processor import ImageProcessor
@@ -24,9 +24,9 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "EncoderConfig": "vlm_vit.config",
     "available_variants": "vlm_vit.config",
-    "load_encoder": "vlm_vit.loading",
-    "load_processor": "vlm_vit.loading",
-    "load_tower": "vlm_vit.loading",
+    "load_encoder": "vlm_vit.io.loading",
+    "load_processor": "vlm_vit.io.loading",
+    "load_tower": "vlm_vit.io.loading",
     "EncoderOutput": "vlm_vit.model",
     "VisionEncoder": "vlm_vit.model",
     "Pooler": "vlm_vit.poolers",
@@ -57,7 +57,7 @@ assert sorted(__all__) == sorted(_PUBLIC)  # one list, checked at import
 
 def __getattr__(name: str) -> Any:
     module = _PUBLIC.get(name)
-    if module is None:  # a sub-module, as `vlm_vit.files` was reachable before
+    if module is None:  # a sub-module, as `vlm_vit.io.files` was reachable before
         try:
             return importlib.import_module(f"vlm_vit.{name}")
         except ModuleNotFoundError as error:

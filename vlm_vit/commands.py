@@ -67,7 +67,7 @@ def image_size(values: list[int] | None) -> tuple[int, int] | None:
 def is_variant(model: str) -> bool:
     """Whether a command that takes variants and checkpoints reads `model` as a variant: an
     existing path wins, then a known variant name (`vit-b/16`); anything else, and any
-    `hf-hub:` name, is a checkpoint or a model name (`vlm_vit.hub`)."""
+    `hf-hub:` name, is a checkpoint or a model name (`vlm_vit.io.hub`)."""
     return model in available_variants() and not Path(model).exists()
 
 
@@ -78,7 +78,7 @@ def variant_or_checkpoint(model: str, size: tuple[int, int] | int | None) -> Vis
         from vlm_vit.model import VisionEncoder
 
         return VisionEncoder(EncoderConfig.from_name(model, **overrides))
-    from vlm_vit.loading import load_encoder
+    from vlm_vit.io.loading import load_encoder
 
     with reading_checkpoint(model):
         return load_encoder(model, **overrides)
@@ -88,7 +88,7 @@ def variant_or_checkpoint(model: str, size: tuple[int, int] | int | None) -> Vis
 def not_a_variant_either(model: str) -> Iterator[None]:
     """Adds the variant names to the error of a name that is no path, variant or cached
     model, since a mistyped variant (`vit-b/17`) ends there too."""
-    from vlm_vit.hub import NotCachedError
+    from vlm_vit.io.hub import NotCachedError
 
     try:
         yield
@@ -118,7 +118,7 @@ def reading_checkpoint(model: str | Path) -> Iterator[None]:
         ValueError: `MODEL is not a readable checkpoint` for a file none of the readers can
             read, `MODEL is a pickle that needs arbitrary code` for one that would run code.
     """
-    from vlm_vit.loading import unpickling_refusal
+    from vlm_vit.io.loading import unpickling_refusal
 
     try:
         with not_a_variant_either(str(model)):
@@ -143,7 +143,7 @@ def refusing_pickles(directory: str | Path, what: str) -> Iterator[None]:
     Raises:
         ValueError: for a weight file that needs code to load or is no pickle at all.
     """
-    from vlm_vit.loading import unpickling_refusal
+    from vlm_vit.io.loading import unpickling_refusal
 
     try:
         yield

@@ -21,15 +21,15 @@ from torch.utils.checkpoint import checkpoint
 
 import vlm_vit.layers as layers
 from vlm_vit.config import EncoderConfig
+from vlm_vit.io.native import CONFIG_NAME as CONFIG_NAME  # re-exported: importers use these names
+from vlm_vit.io.native import MODEL_TYPE as MODEL_TYPE
+from vlm_vit.io.native import WEIGHTS_NAME as WEIGHTS_NAME
+from vlm_vit.io.native import NativeFormat
+from vlm_vit.io.native import check_state_dict as check_state_dict
 from vlm_vit.layers import Attention, Segments, resample_pos_embed
 from vlm_vit.layers.patch_masking import keep_patches, mask_patches
 from vlm_vit.layers.pos_embed import resample_pos_embed_cached
 from vlm_vit.layers.residual import add_residual
-from vlm_vit.native import CONFIG_NAME as CONFIG_NAME  # re-exported: importers use these names
-from vlm_vit.native import MODEL_TYPE as MODEL_TYPE
-from vlm_vit.native import WEIGHTS_NAME as WEIGHTS_NAME
-from vlm_vit.native import NativeFormat
-from vlm_vit.native import check_state_dict as check_state_dict
 from vlm_vit.outputs import BlocksOutput, BlocksRecorder, EncoderOutput, PackedOutput
 from vlm_vit.packing import encode_packed
 
@@ -69,7 +69,7 @@ class VisionEncoder(NativeFormat, nn.Module):
     `norm_pre`, `blocks.N.{norm1,attn.qkv,attn.proj,ls1.gamma,norm2,mlp.fc1,mlp.fc2,ls2.gamma}`,
     SwiGLU's `mlp.{fc1_g,fc1_x,fc2}`, the hybrid's `patch_embed.backbone.*`, `norm`).
     `save_pretrained`, `from_pretrained` and `from_state_dict` come from `NativeFormat`
-    (`vlm_vit.native`).
+    (`vlm_vit.io.native`).
 
     Args:
         config: the architecture.

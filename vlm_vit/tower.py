@@ -11,12 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
-import vlm_vit.hub as hub
+import vlm_vit.io.hub as hub
 from vlm_vit.config import check_bool, is_int
-from vlm_vit.files import atomic_directory, read_json, write_safetensors
-from vlm_vit.integrity import verify_files, write_manifest
+from vlm_vit.io.files import atomic_directory, read_json, write_safetensors
+from vlm_vit.io.integrity import verify_files, write_manifest
+from vlm_vit.io.native import CONFIG_NAME, check_state_dict
+from vlm_vit.io.tensor_files import read_safetensors
 from vlm_vit.model import VisionEncoder
-from vlm_vit.native import CONFIG_NAME, check_state_dict
 from vlm_vit.poolers import build_pooler, pool_packed
 from vlm_vit.poolers.base import TokenWise
 from vlm_vit.presets import parse_dtype
@@ -31,7 +32,6 @@ from vlm_vit.processor.anyres import (
 )
 from vlm_vit.processor.anyres import num_image_tokens as tiled_tokens
 from vlm_vit.registry import UnknownNameError
-from vlm_vit.tensor_files import read_safetensors
 
 POOLER_WEIGHTS_NAME = "pooler.safetensors"
 TILING_WEIGHTS_NAME = "tiling.safetensors"  # the tiling's `image_newline`, when it has one

@@ -106,7 +106,7 @@ def test_encode_dtype_int8(tmp_path, checkpoint):
 def test_exporting_a_classifier_says_it_exports_the_encoder_s_tokens(tmp_path, checkpoint,
                                                                       capsys):
     """Issue 47, 5: a classifier directory exports its encoder's tokens; now said."""
-    from vlm_vit.finetune import ImageClassifier
+    from vlm_vit.adapt.finetune import ImageClassifier
 
     torch.manual_seed(0)
     ImageClassifier(VisionEncoder(tiny_config()), 3).save_pretrained(tmp_path / "clf")

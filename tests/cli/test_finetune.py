@@ -52,7 +52,7 @@ def test_lora_finetune_then_merge(setup, capsys):
     assert torch.equal(qkv[width:2 * width], base.blocks[0].attn.qkv.weight[width:2 * width])
     assert (setup / "merged" / "classifier_head.safetensors").is_file()
     # a loadable classifier, with its class names, that gives the run's predictions
-    from vlm_vit.finetune import ImageClassifier
+    from vlm_vit.adapt.finetune import ImageClassifier
 
     classifier = ImageClassifier.from_pretrained(setup / "merged")
     assert classifier.classes == sorted(p.name for p in (setup / "digits").iterdir()
@@ -111,8 +111,8 @@ def test_a_full_finetune_leaves_a_classifier_that_predict_reads(setup, capsys):
     """Issue 27: a fine-tune without --lora leaves RUN_DIR/classifier; `predict` on it gives
     the trained model's own predictions, and `predict` or `merge` given the run directory
     name that folder."""
-    from vlm_vit.finetune import ImageClassifier
-    from vlm_vit.loading import load_with_processor
+    from vlm_vit.adapt.finetune import ImageClassifier
+    from vlm_vit.io.loading import load_with_processor
     from vlm_vit.processor import ImageProcessor
 
     run = setup / "run"

@@ -38,7 +38,7 @@ def test_info_user_errors_are_one_line(capsys, argv, message):
 
 
 def test_info_of_another_family_reads_its_config(tmp_path, capsys):
-    from vlm_vit.files import write_safetensors
+    from vlm_vit.io.files import write_safetensors
 
     encoder = VisionEncoder(tiny_config(width=64, heads=1, mlp_width=128))
     write_safetensors(encoder.state_dict(), tmp_path / "timm.safetensors")  # a timm state dict

@@ -12,7 +12,7 @@ from PIL import Image
 from vlm_vit.cli import main
 from vlm_vit.data.listing import class_folders
 from vlm_vit.eval import evaluate_folder, evaluate_shards
-from vlm_vit.loading import load_with_processor
+from vlm_vit.io.loading import load_with_processor
 from vlm_vit.model import VisionEncoder
 
 from ..conftest import tiny_config

@@ -17,8 +17,8 @@ from vlm_vit import (
 from vlm_vit.convert import FORMATS
 from vlm_vit.convert.hf_clip import processor_from_hf, save_hf_clip
 from vlm_vit.convert.timm import build_timm_model
-from vlm_vit.files import read_safetensors, write_safetensors
-from vlm_vit.loading import read_checkpoint
+from vlm_vit.io.files import read_safetensors, write_safetensors
+from vlm_vit.io.loading import read_checkpoint
 
 from ..conftest import tiny_config
 

@@ -7,7 +7,7 @@ import torch
 
 from vlm_vit import load_encoder, load_tower
 from vlm_vit.convert import detect_format
-from vlm_vit.loading import read_checkpoint
+from vlm_vit.io.loading import read_checkpoint
 from vlm_vit.testing import perturbed
 
 transformers = pytest.importorskip("transformers")

@@ -11,8 +11,8 @@ import torch
 from vlm_vit import load_encoder, load_tower
 from vlm_vit.config import ConfigError
 from vlm_vit.convert import detect_format
+from vlm_vit.io.loading import read_checkpoint
 from vlm_vit.layers.window_segments import window_partition
-from vlm_vit.loading import read_checkpoint
 from vlm_vit.testing import perturbed
 
 from .test_hf_qwen2_vl import MERGE, P, T, flattened

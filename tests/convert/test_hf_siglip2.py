@@ -11,7 +11,7 @@ import torch
 
 from vlm_vit import load_encoder, load_processor, load_tower
 from vlm_vit.convert import detect_format
-from vlm_vit.loading import read_checkpoint
+from vlm_vit.io.loading import read_checkpoint
 from vlm_vit.processor.geometry import naflex_size
 from vlm_vit.testing import perturbed
 

@@ -13,8 +13,8 @@ import torch
 
 from vlm_vit import load_encoder
 from vlm_vit.cli import main
-from vlm_vit.files import write_safetensors
-from vlm_vit.tensor_files import read_safetensors
+from vlm_vit.io.files import write_safetensors
+from vlm_vit.io.tensor_files import read_safetensors
 from vlm_vit.testing import perturbed
 
 transformers = pytest.importorskip("transformers")

@@ -9,7 +9,7 @@ import torch
 
 from vlm_vit import ImageProcessor, load_encoder, load_processor, load_tower
 from vlm_vit.convert import FORMATS, detect_format
-from vlm_vit.loading import read_checkpoint
+from vlm_vit.io.loading import read_checkpoint
 
 vision_transformer = pytest.importorskip("timm.models.vision_transformer")
 

@@ -76,7 +76,7 @@ def timm_dinov2_registers(folder):
 
     from timm.models.vision_transformer import VisionTransformer
 
-    from vlm_vit.files import write_safetensors
+    from vlm_vit.io.files import write_safetensors
 
     args = dict(img_size=32, patch_size=8, embed_dim=128, depth=2, num_heads=2,
                 init_values=1e-5, reg_tokens=4, no_embed_class=True, num_classes=0)
@@ -248,7 +248,7 @@ def built(tmp_path_factory):
 
 def test_the_matrix_covers_every_readable_and_writable_format(built):
     from vlm_vit.convert import FORMATS, detect_format
-    from vlm_vit.loading import read_checkpoint  # importing loading registers every format
+    from vlm_vit.io.loading import read_checkpoint  # importing loading registers every format
 
     assert set(TARGETS) == set(writable_formats())
     read = {detect_format(read_checkpoint(built(name))).name for name in SOURCES}

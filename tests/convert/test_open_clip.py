@@ -8,8 +8,8 @@ import torch
 
 from vlm_vit import EncoderConfig, ImageProcessor, VisionEncoder, load_encoder, load_tower
 from vlm_vit.convert import FORMATS, detect_format
-from vlm_vit.files import read_safetensors, write_safetensors
-from vlm_vit.loading import convert_checkpoint, read_checkpoint
+from vlm_vit.io.files import read_safetensors, write_safetensors
+from vlm_vit.io.loading import convert_checkpoint, read_checkpoint
 from vlm_vit.poolers import build_pooler
 from vlm_vit.processor import NORMALIZATION
 from vlm_vit.tower import VisionTower

@@ -7,7 +7,7 @@ import torch
 
 from vlm_vit import load_encoder, load_tower
 from vlm_vit.convert.timm import TimmFormat
-from vlm_vit.files import write_safetensors
+from vlm_vit.io.files import write_safetensors
 
 vision_transformer = pytest.importorskip("timm.models.vision_transformer")
 

@@ -14,7 +14,7 @@ import torch
 
 from vlm_vit import load_encoder
 from vlm_vit.convert import FORMATS, detect_format
-from vlm_vit.loading import read_checkpoint
+from vlm_vit.io.loading import read_checkpoint
 from vlm_vit.testing import perturbed
 
 timm = pytest.importorskip("timm")

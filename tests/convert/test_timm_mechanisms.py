@@ -10,7 +10,7 @@ import torch
 
 from vlm_vit import EncoderConfig, VisionEncoder, load_encoder
 from vlm_vit.convert.timm import build_timm_model, to_timm_state_dict
-from vlm_vit.files import write_safetensors
+from vlm_vit.io.files import write_safetensors
 from vlm_vit.testing import perturbed
 
 vision_transformer = pytest.importorskip("timm.models.vision_transformer")

@@ -15,7 +15,7 @@ import torch
 
 from tests.train.test_trainer import assert_same_weights, weights
 from tests.train.toy import Interrupted, config, image_folder, toy_objective, write_noise_images
-from vlm_vit.integrity import VERIFY_ENV, IntegrityError, sidecar_path
+from vlm_vit.io.integrity import VERIFY_ENV, IntegrityError, sidecar_path
 from vlm_vit.testing import flip_bytes
 from vlm_vit.train import Trainer
 from vlm_vit.train.checkpoint import (

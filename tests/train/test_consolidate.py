@@ -22,12 +22,12 @@ import torch
 import vlm_vit
 from tests.train.test_distributed import free_port
 from tests.train.toy import config, image_folder, toy_objective, write_noise_images
-from vlm_vit.integrity import IntegrityError
+from vlm_vit.io.integrity import IntegrityError
+from vlm_vit.io.weights import SHARD_INDEX
 from vlm_vit.train import Trainer, sharded_checkpoint
 from vlm_vit.train import checkpoint as ckpt
 from vlm_vit.train import consolidate as consolidation
 from vlm_vit.train.consolidate import consolidate
-from vlm_vit.weights import SHARD_INDEX
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "train" / "strategy_worker.py"
@@ -112,7 +112,7 @@ def test_an_fsdp_run_consolidates_to_its_live_encoder_bit_exactly(fsdp_run, tmp_
     # file per block and an index: 13 files for a 22 MB ViT-Ti).
     assert sorted(path.name for path in out.glob("*.safetensors")) == ["model.safetensors"]
     assert not (out / SHARD_INDEX).exists() and (out / "manifest.json").is_file()
-    recorded = vlm_vit.files.read_json(out / "config.json")["consolidated_from"]
+    recorded = vlm_vit.io.files.read_json(out / "config.json")["consolidated_from"]
     assert recorded == {"checkpoint": "checkpoints/step_00000004", "step": 4}
 
 
@@ -179,7 +179,7 @@ def test_a_damaged_newest_checkpoint_falls_back_with_a_warning(fsdp_run, tmp_pat
     with caplog.at_level(logging.WARNING, logger="vlm_vit.train.consolidate"):
         out = consolidate(run, tmp_path / "encoder")
     assert "step_00000004 is unusable" in caplog.text and "__0_0.distcp" in caplog.text
-    assert vlm_vit.files.read_json(out / "config.json")["consolidated_from"]["step"] == 2
+    assert vlm_vit.io.files.read_json(out / "config.json")["consolidated_from"]["step"] == 2
     damage(ckpt.sharded_checkpoint_path(run, 2) / ".metadata")
     with pytest.raises(ValueError, match=r"none of the 2 checkpoints .* is usable "
                                          r"\(step_00000004: .*; step_00000002: .*\.metadata"):
@@ -261,7 +261,7 @@ def test_what_is_there_instead_of_a_checkpoint_is_named(fsdp_run, tmp_path):
 
 @pytest.mark.slow  # peft, and a real LoRA run
 def test_a_lora_run_is_refused_by_name(fsdp_run, tmp_path):
-    from vlm_vit.lora import apply_lora
+    from vlm_vit.adapt.lora import apply_lora
 
     objective = apply_lora(toy_objective(), r=2, train_modules=["head"])
     Trainer(objective, image_folder(fsdp_run.parent / "data"),

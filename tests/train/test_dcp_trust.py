@@ -22,7 +22,7 @@ import torch
 from tests.train.test_consolidate import assert_bit_equal, encoder_state, live_encoder, train
 from tests.train.toy import toy_objective
 from vlm_vit.cli import main
-from vlm_vit.integrity import IntegrityError, verify_sidecar, write_sidecar
+from vlm_vit.io.integrity import IntegrityError, verify_sidecar, write_sidecar
 from vlm_vit.train import checkpoint as ckpt
 from vlm_vit.train import sharded_checkpoint
 from vlm_vit.train.consolidate import consolidate

@@ -248,7 +248,7 @@ def test_collate_packed_keeps_sizes_and_labels():
 
 def test_the_trainer_fine_tunes_on_packed_batches_and_accumulates_exactly(tmp_path):
     from vlm_vit import EncoderConfig, VisionEncoder
-    from vlm_vit.finetune import ImageClassifier
+    from vlm_vit.adapt.finetune import ImageClassifier
     from vlm_vit.train import TrainConfig, Trainer, load_checkpoint
     from vlm_vit.train.checkpoint import checkpoint_path
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vlm_vit.files import atomic_write
+from vlm_vit.io.files import atomic_write
 from vlm_vit.optional import require
 
 DPI = 100

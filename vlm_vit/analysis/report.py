@@ -30,7 +30,7 @@ from vlm_vit.analysis.attention import IDENTITY_WEIGHT, patch_distances
 from vlm_vit.analysis.collect import ImageAttention, iter_image_attention
 from vlm_vit.analysis.filters import embedding_filters
 from vlm_vit.analysis.position import patch_position_embeddings, position_similarity
-from vlm_vit.files import atomic_write
+from vlm_vit.io.files import atomic_write
 from vlm_vit.model import VisionEncoder
 from vlm_vit.processor import ImageProcessor
 

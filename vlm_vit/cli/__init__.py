@@ -120,7 +120,7 @@ def describe_error(error: Exception, args: argparse.Namespace, argv: list[str]) 
     if (broken := broken_import(error)) is not None:  # an installed package fails to import
         return broken
     if isinstance(error, pickle.UnpicklingError):  # another library's torch.load refused it
-        from vlm_vit.loading import unpickling_refusal
+        from vlm_vit.io.loading import unpickling_refusal
 
         needs_code, reason = unpickling_refusal(error)
         return (f"a weight file {'needs arbitrary code to load' if needs_code else 'is corrupt'}"

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from vlm_vit import analysis
     from vlm_vit.analysis.report import JSON_NAME
     from vlm_vit.cli.encode import find_images
-    from vlm_vit.loading import load_with_processor
+    from vlm_vit.io.loading import load_with_processor
 
     if args.filters < 1:
         raise ValueError(f"--filters must be at least 1, got {args.filters}")

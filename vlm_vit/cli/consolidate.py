@@ -35,10 +35,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vlm_vit.files import read_json
-    from vlm_vit.native import CONFIG_NAME
+    from vlm_vit.io.files import read_json
+    from vlm_vit.io.native import CONFIG_NAME
+    from vlm_vit.io.weights import parse_size
     from vlm_vit.train.consolidate import SOURCE_KEY, consolidate
-    from vlm_vit.weights import parse_size
 
     try:
         limit = parse_size(args.max_shard_size)

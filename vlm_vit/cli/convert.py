@@ -56,10 +56,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vlm_vit.convert import FORMATS
-    from vlm_vit.files import atomic_directory
-    from vlm_vit.loading import build_native_pooler, convert_checkpoint
+    from vlm_vit.io.files import atomic_directory
+    from vlm_vit.io.loading import build_native_pooler, convert_checkpoint
+    from vlm_vit.io.weights import parse_size
     from vlm_vit.model import VisionEncoder
-    from vlm_vit.weights import parse_size
 
     target = args.to.replace("-", "_")
     if target not in writable_formats():
@@ -109,8 +109,8 @@ def previous_model_files(destination: Path) -> tuple[str, ...]:
     """
     import glob
 
-    from vlm_vit.files import MODEL_FILES
-    from vlm_vit.integrity import MANIFEST_NAME, read_manifest
+    from vlm_vit.io.files import MODEL_FILES
+    from vlm_vit.io.integrity import MANIFEST_NAME, read_manifest
     from vlm_vit.model import CONFIG_NAME
 
     if not destination.is_dir() or not any(destination.iterdir()):

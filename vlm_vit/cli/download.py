@@ -20,9 +20,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vlm_vit import hub
     from vlm_vit.convert import detect_format
-    from vlm_vit.loading import read_checkpoint
+    from vlm_vit.io import hub
+    from vlm_vit.io.loading import read_checkpoint
 
     if Path(args.name).exists():
         raise ValueError(f"{args.name} is a local path; download takes a model name")

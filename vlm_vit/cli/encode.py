@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from vlm_vit.cli.encode_model import encode_batch, prepare_encoder
-    from vlm_vit.files import write_safetensors
+    from vlm_vit.io.files import write_safetensors
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -252,7 +252,7 @@ def _run_native(args: argparse.Namespace, files: list[Path], encoder: VisionEnco
     from tqdm import tqdm
 
     from vlm_vit.cli.encode_model import DTYPES
-    from vlm_vit.files import write_safetensors
+    from vlm_vit.io.files import write_safetensors
     from vlm_vit.train.token_budget import first_fit_decreasing, tokens_for_size
 
     processor = _native_processor(processor, encoder, args.max_tokens)

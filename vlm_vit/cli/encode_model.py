@@ -8,7 +8,7 @@ import argparse
 import torch
 
 from vlm_vit.cli.common import image_size, is_variant, reading_checkpoint, variant_or_checkpoint
-from vlm_vit.loading import load_with_processor
+from vlm_vit.io.loading import load_with_processor
 from vlm_vit.model import VisionEncoder
 from vlm_vit.presets import ENCODE_DTYPES
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
@@ -48,7 +48,7 @@ def prepare_encoder(args: argparse.Namespace
     if args.dtype == "int8":
         if args.device != "cpu":
             raise ValueError(f"--dtype int8 runs on the CPU only, not --device {args.device}")
-        from vlm_vit.export import quantize_int8
+        from vlm_vit.deploy.export import quantize_int8
 
         return quantize_int8(encoder.float().eval()), processor, *_layers(encoder, args)
     encoder = encoder.to(device=args.device, dtype=DTYPES[args.dtype]).eval()

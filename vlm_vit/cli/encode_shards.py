@@ -56,8 +56,8 @@ from vlm_vit.data.shards import (
     read_shard,
 )
 from vlm_vit.data.shards.spec import DATASET_INDEX, SHARD_SUFFIXES, URL_PREFIXES
-from vlm_vit.files import write_safetensors
-from vlm_vit.integrity import file_sha256
+from vlm_vit.io.files import write_safetensors
+from vlm_vit.io.integrity import file_sha256
 from vlm_vit.model import VisionEncoder
 from vlm_vit.processor import ImageProcessor
 from vlm_vit.train.run_lock import RunDirectoryInUse, RunLock

@@ -1,5 +1,5 @@
 """`vlm-vit export`: an encoder or a tower to an ONNX file or a `torch.export` program,
-checked against eager right after export (`vlm_vit.export`)."""
+checked against eager right after export (`vlm_vit.deploy.export`)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _load(args: argparse.Namespace):
     """The model to export: an encoder, or a tower (a saved tower, or --pooler)."""
-    from vlm_vit.loading import load_tower
+    from vlm_vit.io.loading import load_tower
     from vlm_vit.poolers import build_pooler
     from vlm_vit.tower import VisionTower
 
@@ -67,7 +67,7 @@ def _load(args: argparse.Namespace):
         pooler = build_pooler(args.pooler, in_dim=encoder.config.width, out_dim=args.out_dim)
         keep_prefix = getattr(pooler, "requires_class_token", False)
         return VisionTower(encoder, pooler, keep_prefix=keep_prefix)
-    from vlm_vit.finetune import CLASSIFIER_CONFIG_NAME, HEAD_WEIGHTS_NAME
+    from vlm_vit.adapt.finetune import CLASSIFIER_CONFIG_NAME, HEAD_WEIGHTS_NAME
 
     if (Path(args.model) / CLASSIFIER_CONFIG_NAME).is_file():
         print(f"{args.model} is a classifier: exporting its encoder's "
@@ -75,7 +75,7 @@ def _load(args: argparse.Namespace):
               f"(the head in {HEAD_WEIGHTS_NAME} is left out)",
               file=sys.stderr if args.json else sys.stdout)
     with reading_checkpoint(args.model):
-        from vlm_vit.files import read_json
+        from vlm_vit.io.files import read_json
         from vlm_vit.model import CONFIG_NAME
 
         config = Path(args.model) / CONFIG_NAME
@@ -86,7 +86,7 @@ def _load(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from vlm_vit.export import check_max_side, check_output, check_size, export_model
+    from vlm_vit.deploy.export import check_max_side, check_output, check_size, export_model
 
     check_output(args.out)
     size = image_size(args.image_size)

@@ -77,8 +77,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def build_model(settings: dict, say: bool = False):
     """The classifier (LoRA-wrapped when the settings say so) and its processor; `say`
     prints which format the encoder was read as, when it is another library's."""
-    from vlm_vit.finetune import ImageClassifier
-    from vlm_vit.loading import convert_checkpoint, from_converted
+    from vlm_vit.adapt.finetune import ImageClassifier
+    from vlm_vit.io.loading import convert_checkpoint, from_converted
 
     overrides = {"image_size": settings["image_size"]} if settings["image_size"] else {}
     converted = convert_checkpoint(settings["encoder"])
@@ -90,7 +90,7 @@ def build_model(settings: dict, say: bool = False):
     encoder, processor = from_converted(converted, settings["encoder"], **overrides)
     model = ImageClassifier(encoder, len(settings["classes"]), pooling=settings["pooling"])
     if settings["lora"] is not None:
-        from vlm_vit.lora import apply_lora
+        from vlm_vit.adapt.lora import apply_lora
 
         model = apply_lora(model, train_modules=("head",), quantize=settings["qlora"],
                            **settings["lora"])
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from vlm_vit.data.samples import collate_labelled
-    from vlm_vit.files import atomic_write
+    from vlm_vit.io.files import atomic_write
     from vlm_vit.processor import ImageProcessor
     from vlm_vit.train import TrainConfig, Trainer
     from vlm_vit.train.checkpoint import sharded_checkpoint_path
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     with reading_checkpoint(args.model):
         model, processor = build_model(settings, say=launched_rank() == 0)
-    from vlm_vit.lora import describe_trainable
+    from vlm_vit.adapt.lora import describe_trainable
 
     if launched_rank() == 0:
         print(describe_trainable(model))
@@ -194,7 +194,7 @@ def _evaluate_held_out(model, held_out, classes: list[str], out: Path) -> None:
     """The held-out accuracy of the trained `model`, printed and written to eval.json."""
     import torch
 
-    from vlm_vit.files import atomic_write
+    from vlm_vit.io.files import atomic_write
 
     model.eval()
     device = next(model.parameters()).device
@@ -215,7 +215,7 @@ def _evaluate_held_out(model, held_out, classes: list[str], out: Path) -> None:
 def run_dir_hint(path: Path) -> str | None:
     """What to give `predict` instead of a `vlm-vit finetune` run directory (None for any
     other path): the run's classifier directory, or how a LoRA run gets one."""
-    from vlm_vit.files import read_json
+    from vlm_vit.io.files import read_json
 
     settings_path = path / FINETUNE_NAME
     if not settings_path.is_file():
@@ -238,7 +238,7 @@ def _recorded_settings(out: Path, settings: dict) -> dict | None:
         ValueError: when they differ from this run's, naming each difference (`merge` folds
             the adapter into the recorded encoder, so a resume must train that one).
     """
-    from vlm_vit.files import read_json
+    from vlm_vit.io.files import read_json
 
     path = out / FINETUNE_NAME
     if not path.is_file():
@@ -284,8 +284,8 @@ def _folder_parts(args: argparse.Namespace, processor, classes: list[str]):
 
 def _shard_classes(args: argparse.Namespace) -> list[str]:
     """The class names of shards: `vlm-vit shards`' dataset.json, else --num-classes."""
+    from vlm_vit.adapt.finetune import MAX_CLASSES
     from vlm_vit.data.shards import expand_shards, read_dataset_index
-    from vlm_vit.finetune import MAX_CLASSES
 
     index = read_dataset_index(expand_shards(args.data))
     if index is not None and index.get("classes"):
@@ -321,9 +321,9 @@ _PARTS = {"folder": _folder_parts, "shards": _shard_parts}
 
 
 def run_merge(args: argparse.Namespace) -> int:
-    from vlm_vit.files import read_json
-    from vlm_vit.finetune import CLASSIFIER_CONFIG_NAME
-    from vlm_vit.lora import load_adapter, merge_lora, set_adapter
+    from vlm_vit.adapt.finetune import CLASSIFIER_CONFIG_NAME
+    from vlm_vit.adapt.lora import load_adapter, merge_lora, set_adapter
+    from vlm_vit.io.files import read_json
 
     if not (args.run_dir / FINETUNE_NAME).is_file() \
             and (args.run_dir / CLASSIFIER_CONFIG_NAME).is_file():

@@ -33,7 +33,7 @@ def resolve_config(model: str) -> EncoderConfig:
     the error names them."""
     if is_variant(model):
         return EncoderConfig.from_name(model)
-    from vlm_vit.loading import convert_checkpoint
+    from vlm_vit.io.loading import convert_checkpoint
 
     try:
         with reading_checkpoint(model):

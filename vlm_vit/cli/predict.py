@@ -24,10 +24,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from vlm_vit.adapt.finetune import CLASSIFIER_CONFIG_NAME, ImageClassifier
     from vlm_vit.cli.common import reading_checkpoint
     from vlm_vit.cli.encode import find_images
     from vlm_vit.cli.finetune import run_dir_hint
-    from vlm_vit.finetune import CLASSIFIER_CONFIG_NAME, ImageClassifier
     from vlm_vit.processor import ImageProcessor
 
     if not (args.classifier / CLASSIFIER_CONFIG_NAME).is_file():

@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
     from vlm_vit.data.shards import expand_shards
     from vlm_vit.data.source import storage
     from vlm_vit.eval import evaluate_folder, evaluate_shards
-    from vlm_vit.files import atomic_write
-    from vlm_vit.loading import load_with_processor
+    from vlm_vit.io.files import atomic_write
+    from vlm_vit.io.loading import load_with_processor
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")

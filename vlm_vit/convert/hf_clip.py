@@ -50,11 +50,11 @@ from vlm_vit.convert.hf_common import (
     processor_from_hf,
 )
 from vlm_vit.convert.keymap import fuse_qkv, invert, origins, rename, split_qkv
-from vlm_vit.files import atomic_directory, atomic_write
+from vlm_vit.io.files import atomic_directory, atomic_write
+from vlm_vit.io.native import CONFIG_NAME
+from vlm_vit.io.weights import DEFAULT_MAX_SHARD_SIZE, write_weights
 from vlm_vit.model import VisionEncoder
-from vlm_vit.native import CONFIG_NAME
 from vlm_vit.processor import ImageProcessor
-from vlm_vit.weights import DEFAULT_MAX_SHARD_SIZE, write_weights
 
 VISION_PREFIX = "vision_model."  # composite models, and vision-only files before transformers 5
 POOLER_PREFIX = "pooler."  # where renaming parks the pooling head's weights, apart from the encoder

@@ -57,8 +57,8 @@ from vlm_vit.convert.hf_writing import (
     write_hf_directory,
 )
 from vlm_vit.convert.keymap import fuse_qkv, origins, rename, split_qkv
+from vlm_vit.io.weights import DEFAULT_MAX_SHARD_SIZE
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
-from vlm_vit.weights import DEFAULT_MAX_SHARD_SIZE
 
 logger = logging.getLogger(__name__)
 

@@ -48,8 +48,8 @@ from vlm_vit.convert.hf_writing import (
     write_hf_directory,
 )
 from vlm_vit.convert.keymap import fuse_qkv, invert, origins, rename, split_qkv
+from vlm_vit.io.weights import DEFAULT_MAX_SHARD_SIZE
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
-from vlm_vit.weights import DEFAULT_MAX_SHARD_SIZE
 
 MODEL_TYPES = ("pixtral",)
 PREFIXES = ("vision_tower.", "model.vision_tower.")  # inside a LLaVA-style model

@@ -56,8 +56,8 @@ from vlm_vit.convert.hf_qwen2_vl import (
 )
 from vlm_vit.convert.hf_writing import HF_ACTIVATIONS, detached, refuse, write_hf_directory
 from vlm_vit.convert.keymap import invert, rename
+from vlm_vit.io.weights import DEFAULT_MAX_SHARD_SIZE
 from vlm_vit.processor import ImageProcessor
-from vlm_vit.weights import DEFAULT_MAX_SHARD_SIZE
 
 MODEL_TYPES = ("qwen2_5_vl_vision",)
 CONFIG_FILE = "config.json"

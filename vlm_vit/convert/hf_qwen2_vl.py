@@ -53,9 +53,9 @@ from vlm_vit.convert.hf_writing import (
     write_hf_directory,
 )
 from vlm_vit.convert.keymap import invert, rename
+from vlm_vit.io.weights import DEFAULT_MAX_SHARD_SIZE
 from vlm_vit.poolers.patch_merger import MAX_MERGE
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
-from vlm_vit.weights import DEFAULT_MAX_SHARD_SIZE
 
 MODEL_TYPES = ("qwen2_vl_vision",)
 PREFIXES = ("visual.", "model.visual.")  # inside Qwen2VLForConditionalGeneration

@@ -32,7 +32,7 @@ from vlm_vit.config import EncoderConfig, is_int
 from vlm_vit.convert.base import Checkpoint, register_format
 from vlm_vit.convert.hf_clip import SIGLIP_ARCHITECTURE, SIGLIP_DEFAULTS, HFSiglipFormat
 from vlm_vit.convert.hf_common import PIL_RESAMPLE, PREPROCESSOR_NAME
-from vlm_vit.native import CONFIG_NAME
+from vlm_vit.io.native import CONFIG_NAME
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
 
 # transformers' position resize (`Siglip2VisionEmbeddings.resize_positional_embeddings`).

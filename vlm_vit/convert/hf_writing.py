@@ -17,9 +17,9 @@ from torch import nn
 from vlm_vit.config import EncoderConfig
 from vlm_vit.convert.hf_clip import write_json
 from vlm_vit.convert.hf_common import PIL_RESAMPLE, PREPROCESSOR_NAME
-from vlm_vit.files import atomic_directory
-from vlm_vit.native import CONFIG_NAME
-from vlm_vit.weights import DEFAULT_MAX_SHARD_SIZE, write_weights
+from vlm_vit.io.files import atomic_directory
+from vlm_vit.io.native import CONFIG_NAME
+from vlm_vit.io.weights import DEFAULT_MAX_SHARD_SIZE, write_weights
 
 # Ours -> the transformers name written back (ACT2FN knows each).
 HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu",

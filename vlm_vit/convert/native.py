@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vlm_vit.config import EncoderConfig
 from vlm_vit.convert.base import Checkpoint, Converted, register_format
-from vlm_vit.native import CONFIG_NAME, MODEL_TYPE
+from vlm_vit.io.native import CONFIG_NAME, MODEL_TYPE
 from vlm_vit.processor import PROCESSOR_CONFIG_NAME, ImageProcessor
 
 

@@ -56,7 +56,7 @@ from vlm_vit.convert.base import (
     register_format,
 )
 from vlm_vit.convert.keymap import count_blocks, expand, invert, rename
-from vlm_vit.files import atomic_directory, write_safetensors
+from vlm_vit.io.files import atomic_directory, write_safetensors
 from vlm_vit.model import VisionEncoder
 from vlm_vit.optional import require
 from vlm_vit.poolers.simple import ClassToken, ClassTokenLinear

@@ -46,8 +46,8 @@ from vlm_vit.convert.base import (
     register_format,
 )
 from vlm_vit.convert.keymap import count_blocks, held_stages
-from vlm_vit.files import atomic_directory, atomic_write, write_safetensors
-from vlm_vit.native import MODEL_TYPE
+from vlm_vit.io.files import atomic_directory, atomic_write, write_safetensors
+from vlm_vit.io.native import MODEL_TYPE
 from vlm_vit.optional import require
 from vlm_vit.processor import ImageProcessor
 

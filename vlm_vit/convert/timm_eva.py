@@ -66,7 +66,7 @@ from vlm_vit.convert.timm import (
     to_timm_state_dict,
     write_timm_directory,
 )
-from vlm_vit.native import MODEL_TYPE
+from vlm_vit.io.native import MODEL_TYPE
 from vlm_vit.processor import ImageProcessor
 
 CONFIG_FILE = "config.json"

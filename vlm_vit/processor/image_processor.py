@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from vlm_vit.files import atomic_write, read_json
-from vlm_vit.hub import resolve
+from vlm_vit.io.files import atomic_write, read_json
+from vlm_vit.io.hub import resolve
 from vlm_vit.presets import NORMALIZATION as NORMALIZATION  # (mean, std) per family
 from vlm_vit.processor.anyres import Tiling, as_tiling, tile_views
 from vlm_vit.processor.decode import (
@@ -279,14 +279,14 @@ class ImageProcessor:
         Args:
             name: The directory holding ``processor_config.json``, or a Hub name of one
                 (``org/name[@revision]``, ``hf-hub:org/name``), as
-                ``VisionEncoder.from_pretrained`` takes (``vlm_vit.hub.resolve``).
+                ``VisionEncoder.from_pretrained`` takes (``vlm_vit.io.hub.resolve``).
 
         Returns:
             The processor.
 
         Raises:
             FileNotFoundError: If ``processor_config.json`` does not exist there
-                (``vlm_vit.hub.NotCachedError`` for a name neither cached nor reachable).
+                (``vlm_vit.io.hub.NotCachedError`` for a name neither cached nor reachable).
             ValueError: If the file is not valid JSON or holds invalid settings.
         """
         path = resolve(name) / PROCESSOR_CONFIG_NAME

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from vlm_vit.config import EncoderConfig
-from vlm_vit.files import atomic_write
+from vlm_vit.io.files import atomic_write
 from vlm_vit.optional import require
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
 from vlm_vit.recipes import demo_state

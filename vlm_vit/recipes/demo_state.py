@@ -46,7 +46,7 @@ def open_run(out: Path, chosen: dict[str, Any], command: str, *, resume: bool,
         ValueError: `out` holds a demo run and neither `resume` nor `overwrite` says what to
             do with it, or `resume` with settings other than the run's (naming them).
     """
-    from vlm_vit.files import read_json
+    from vlm_vit.io.files import read_json
 
     if resume and overwrite:
         raise ValueError("--resume continues a demo and --overwrite starts afresh: pass one")
@@ -87,7 +87,7 @@ def open_run(out: Path, chosen: dict[str, Any], command: str, *, resume: bool,
 
 def record(out: Path, key: str, accuracy: float) -> None:
     """Adds one finished fine-tuning run's accuracy to `demo.json`."""
-    from vlm_vit.files import read_json
+    from vlm_vit.io.files import read_json
 
     state = read_json(out / STATE_NAME)
     state.setdefault("finetune_accuracy", {})[key] = accuracy
@@ -99,7 +99,7 @@ def job_key(labels: str, arm: str, seed: int) -> str:
 
 
 def _write(out: Path, state: dict) -> None:
-    from vlm_vit.files import atomic_write
+    from vlm_vit.io.files import atomic_write
 
     out.mkdir(parents=True, exist_ok=True)
     with atomic_write(out / STATE_NAME, "w") as handle:

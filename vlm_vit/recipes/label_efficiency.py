@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from vlm_vit.adapt.finetune import ImageClassifier
 from vlm_vit.data.samples import mixed_seed
-from vlm_vit.finetune import ImageClassifier
 from vlm_vit.model import VisionEncoder
 
 

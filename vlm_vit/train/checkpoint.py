@@ -5,7 +5,7 @@ floats, strings), so `torch.load(weights_only=True)` reads it. Files are written
 temporary name in the same directory and renamed, so a kill at any moment leaves every
 `step_*.pt` whole. Its sha256, taken as it is written, is written beside it (`sha256sum`'s
 format, atomically too) before that rename, so the hash exists whenever the checkpoint does,
-and loading checks it (`vlm_vit.integrity`; `verify=False` or `VLM_VIT_VERIFY=0` skips that).
+and loading checks it (`vlm_vit.io.integrity`; `verify=False` or `VLM_VIT_VERIFY=0` skips that).
 A checkpoint without its sidecar is not one this module wrote whole: refused when verifying.
 
     run_dir/checkpoints/step_00000004.pt
@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlm_vit.files import atomic_write
-from vlm_vit.integrity import (
+from vlm_vit.io.files import atomic_write
+from vlm_vit.io.integrity import (
     SIDECAR_SUFFIX,
     VERIFY_ENV,
     IntegrityError,
@@ -217,7 +217,7 @@ def load_checkpoint(path: str | Path, verify: bool | None = None) -> dict[str, A
 
     Raises:
         FileNotFoundError: when `path` is missing.
-        ValueError: naming the file when it is corrupt (`vlm_vit.integrity.IntegrityError`
+        ValueError: naming the file when it is corrupt (`vlm_vit.io.integrity.IntegrityError`
             when it fails its hash or has none), holds code to unpickle, or has another
             format version.
     """

@@ -7,7 +7,7 @@ A distributed checkpoint (the "fsdp" strategy, `vlm_vit.train.sharded_checkpoint
 weight in pieces across the ranks' files. Its metadata gives every tensor's whole shape, so
 the encoder's tensors are grouped (each `blocks.<i>.`, then the rest: embeddings, final
 norm), and each group is read whole by this process alone, appended to the weight file
-being written (`vlm_vit.tensor_files.SafetensorsStream`) and freed before the next is read.
+being written (`vlm_vit.io.tensor_files.SafetensorsStream`) and freed before the next is read.
 Memory holds the larger of one block and the rest, never the model. The files are those
 `save_pretrained` writes: one `model.safetensors` for an encoder under 5 GB, else shards
 (`model-0000k-of-0000n.safetensors`, whole groups each) and their index. A "ddp"
@@ -16,7 +16,7 @@ checkpoint (one `step_N.pt` of whole tensors) is read whole and written the same
 Every file of the checkpoint is checked against its sha256 first (`load_checkpoint`); without
 a step, a newer checkpoint that fails is reported and the previous one used. The encoder's
 architecture is the one the run recorded in `run_config.json`; the checkpoint's tensors must
-fit it exactly. The directory appears at once (`vlm_vit.files.atomic_directory`), with the
+fit it exactly. The directory appears at once (`vlm_vit.io.files.atomic_directory`), with the
 usual `config.json` (plus the checkpoint it came from, under `consolidated_from`), manifest
 and model card.
 """
@@ -35,18 +35,18 @@ import torch
 import vlm_vit.train.checkpoint as ckpt
 import vlm_vit.train.sharded_checkpoint as sharded_checkpoint
 from vlm_vit.config import EncoderConfig
-from vlm_vit.files import atomic_directory, atomic_write, read_json
-from vlm_vit.integrity import write_manifest
-from vlm_vit.native import CONFIG_NAME, check_state_dict, write_config
-from vlm_vit.tensor_files import SafetensorsStream
-from vlm_vit.train.run_dir import ENCODER_DIR, RUN_CONFIG_NAME
-from vlm_vit.weights import (
+from vlm_vit.io.files import atomic_directory, atomic_write, read_json
+from vlm_vit.io.integrity import write_manifest
+from vlm_vit.io.native import CONFIG_NAME, check_state_dict, write_config
+from vlm_vit.io.tensor_files import SafetensorsStream
+from vlm_vit.io.weights import (
     DEFAULT_MAX_SHARD_SIZE,
     WEIGHTS_NAME,
     parse_size,
     shard_file_name,
     write_index,
 )
+from vlm_vit.train.run_dir import ENCODER_DIR, RUN_CONFIG_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def write_encoder(out: Path, config: EncoderConfig, groups: list[list[str]], sha
     Returns:
         `out`.
     """
-    from vlm_vit.card import write_model_card
+    from vlm_vit.io.card import write_model_card
 
     files = _pack(groups, shapes, parse_size(max_shard_size))
     weight_map: dict[str, str] = {}
@@ -281,7 +281,7 @@ def _encoder_shapes(shapes: Shapes, path: Path, objective: str, config: EncoderC
         raise ValueError(f"checkpoint {path} is of a LoRA (peft) objective ({objective}): "
                          "consolidate writes plain encoders and does not merge adapters; fold "
                          "the run's adapter into its encoder with `vlm-vit merge` (a finetune "
-                         "--lora run) or vlm_vit.lora.merge_lora")
+                         "--lora run) or vlm_vit.adapt.lora.merge_lora")
     encoder = {name: shape for name, shape in shapes.items() if name.startswith(ENCODER_PREFIX)}
     if not encoder:
         raise ValueError(f"checkpoint {path} holds no `{ENCODER_PREFIX}` weights: its "

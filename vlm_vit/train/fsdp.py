@@ -25,7 +25,7 @@ import logging
 import torch
 from torch import nn
 
-from vlm_vit.lora import FROZEN_ROWS
+from vlm_vit.adapt.lora import FROZEN_ROWS
 from vlm_vit.model import Block
 
 logger = logging.getLogger(__name__)

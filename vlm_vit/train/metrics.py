@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from vlm_vit.data.shards.reader import escape_name, unescape_name
-from vlm_vit.files import atomic_write
+from vlm_vit.io.files import atomic_write
 
 METRICS_NAME = "metrics.csv"
 TENSORBOARD_DIR = "tensorboard"
@@ -150,7 +150,7 @@ class SampleLog:
     """
 
     def __init__(self, run_dir: Path, rank: int, resumed_step: int | None) -> None:
-        from vlm_vit.files import atomic_write
+        from vlm_vit.io.files import atomic_write
 
         folder = Path(run_dir) / SAMPLES_DIR
         folder.mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,8 @@ from torch import nn
 
 import vlm_vit.train.checkpoint as ckpt
 import vlm_vit.train.distributed as distributed
-from vlm_vit.files import atomic_write, read_json
-from vlm_vit.native import save_native
+from vlm_vit.io.files import atomic_write, read_json
+from vlm_vit.io.native import save_native
 from vlm_vit.train.distributed import DistributedContext
 from vlm_vit.train.metrics import METRICS_NAME, SAMPLES_DIR, TENSORBOARD_DIR
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlm_vit.integrity import SIDECAR_SUFFIX, plain_file, write_sidecar
+from vlm_vit.io.integrity import SIDECAR_SUFFIX, plain_file, write_sidecar
 from vlm_vit.train.checkpoint import DCP_METADATA as METADATA
 from vlm_vit.train.checkpoint import TRAINER_STATE, save_checkpoint
 

@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_llm, tiny_tower
 from safetensors.torch import load_file
 
-from vlm_vit.integrity import IntegrityError
+from vlm_vit.io.integrity import IntegrityError
 from vlm_vit.testing import flip_bytes
 from vlm_vit_llm import MultimodalLM, export_llava
 from vlm_vit_llm.chat import adopt_chat_template

@@ -19,7 +19,7 @@ import torch
 from vlm_vit import ImageProcessor
 from vlm_vit.data.folders import read_caption_lines
 from vlm_vit.data.samples import ImageBatch, UndecodableImage
-from vlm_vit.files import resolves_inside
+from vlm_vit.io.files import resolves_inside
 from vlm_vit_llm.batch_types import IGNORE_INDEX, TiledImage
 from vlm_vit_llm.conversation_batch import (
     ImageTokens,

@@ -167,7 +167,7 @@ def _existing(path: Path, what: str) -> Path:
 def _flagged(error: FileNotFoundError, what: str) -> FileNotFoundError:
     """`error` again, its message led by the flag `what` (a `NotCachedError` keeps its
     problem and its advice apart)."""
-    from vlm_vit import hub
+    from vlm_vit.io import hub
 
     if isinstance(error, hub.NotCachedError):
         return hub.NotCachedError(f"{what}: {error.problem}", error.fetch)
@@ -176,9 +176,9 @@ def _flagged(error: FileNotFoundError, what: str) -> FileNotFoundError:
 
 def _model(value: str | Path, what: str) -> Path:
     """A local path, or a model name (`org/name[@revision]`, `hf-hub:org/name`) from the
-    Hugging Face cache, fetched if allowed (`vlm_vit.hub`): a multimodal model, an LLM and
+    Hugging Face cache, fetched if allowed (`vlm_vit.io.hub`): a multimodal model, an LLM and
     its tokenizer, or a tower."""
-    from vlm_vit import hub
+    from vlm_vit.io import hub
 
     if Path(value).exists():
         return Path(value)
@@ -221,7 +221,7 @@ def build_model(args: argparse.Namespace, anyres: AnyRes | None = None):
         llm = AutoModelForCausalLM.from_pretrained(llm_dir)
     tokenizer = AutoTokenizer.from_pretrained(llm_dir)
     width = llm.get_input_embeddings().embedding_dim
-    from vlm_vit import hub
+    from vlm_vit.io import hub
 
     try:  # open_clip's MODEL/TAG as well: the Location keeps which weights to read
         tower_at = hub.locate(str(args.tower))
@@ -304,7 +304,7 @@ def _train(args: argparse.Namespace) -> int:
 def _refuse_adapters(model: Path) -> None:
     """Stage 2 puts new LoRA on a plain model; one that holds LoRA is refused, naming the
     command that merges it."""
-    from vlm_vit.files import read_json
+    from vlm_vit.io.files import read_json
     from vlm_vit_llm.model import CONFIG_NAME
 
     if not (model / CONFIG_NAME).is_file():
@@ -352,7 +352,7 @@ def _records(args: argparse.Namespace):
         if args.group_by_length:
             raise ValueError("--group-by-length needs --data-format llava")
         return None
-    from vlm_vit.files import read_json
+    from vlm_vit.io.files import read_json
     from vlm_vit_llm.model import CONFIG_NAME
     from vlm_vit_llm.records import ConversationRecords
 
@@ -458,7 +458,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_merge(args: argparse.Namespace) -> int:
     from vlm_vit.cli.common import check_output_apart
-    from vlm_vit.files import read_json
+    from vlm_vit.io.files import read_json
     from vlm_vit_llm.merge import merge_adapters
     from vlm_vit_llm.model import CONFIG_NAME
 

@@ -28,7 +28,7 @@ from vlm_vit.convert.hf_clip import (
     hf_clip_tensors,
     preprocessor_config,
 )
-from vlm_vit.files import MODEL_FILES, atomic_directory
+from vlm_vit.io.files import MODEL_FILES, atomic_directory
 from vlm_vit_llm.chat import adds_bos, chat_template, structured_chat_template
 from vlm_vit_llm.peft_helpers import merged_state, split_peft
 

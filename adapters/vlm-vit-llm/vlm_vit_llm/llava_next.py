@@ -21,7 +21,7 @@ import torch
 
 from vlm_vit.config import is_int
 from vlm_vit.convert.hf_common import PIL_RESAMPLE
-from vlm_vit.files import read_json
+from vlm_vit.io.files import read_json
 from vlm_vit.processor import ImageProcessor, Tiling
 from vlm_vit.processor.anyres import MAX_PINPOINTS
 from vlm_vit.tower import VisionTower

@@ -361,18 +361,18 @@ class MultimodalLM(nn.Module):
                  llm_targets: Sequence[str] = DEFAULT_LLM_LORA_TARGETS,
                  encoder_targets: str | Sequence[str] | None = None) -> MultimodalLM:
         """LLaVA stage 2 (with LoRA): LoRA on the LLM (and optionally the encoder, through
-        `vlm_vit.lora.apply_lora`); the projector trains fully, everything else is frozen.
+        `vlm_vit.adapt.lora.apply_lora`); the projector trains fully, everything else is frozen.
 
         Args:
             r, alpha, dropout: the LoRA settings, for both.
             llm_targets: module names (or name endings) in the LLM, peft's `target_modules`.
-            encoder_targets: None to keep the encoder frozen, or a `vlm_vit.lora` preset
+            encoder_targets: None to keep the encoder frozen, or a `vlm_vit.adapt.lora` preset
                 (`"attn"`, `"attn_qv"`, `"mlp"`, `"all"`) or full module names.
 
         Raises:
             ValueError: when LoRA is already on, or a target matches nothing.
         """
-        from vlm_vit.lora import apply_lora, import_peft
+        from vlm_vit.adapt.lora import apply_lora, import_peft
 
         peft = import_peft("LoRA on the LLM")  # bitsandbytes' kernel warnings held back
         if isinstance(self.llm, peft.PeftModel) or isinstance(self.tower.encoder, peft.PeftModel):
@@ -405,7 +405,7 @@ class MultimodalLM(nn.Module):
             tower/                   the VisionTower (base weights) and the processor
             llm/                     the LLM's base weights and config, and the tokenizer
             llm_adapter/             peft's LoRA adapter on the LLM, when there is one
-            vision_adapter/          the encoder's LoRA adapter (`vlm_vit.lora`), likewise
+            vision_adapter/          the encoder's LoRA adapter (`vlm_vit.adapt.lora`), likewise
 
         Each folder holds a `manifest.json` of its files' sha256, checked by `from_pretrained`.
         A save over an earlier one replaces all of the above (a sub-folder the new save lacks
@@ -426,18 +426,18 @@ class MultimodalLM(nn.Module):
         folder (`vlm_vit_llm.llava_next.read_llava`).
 
         Args:
-            directory: the model folder, or its Hub name (`vlm_vit.hub`).
+            directory: the model folder, or its Hub name (`vlm_vit.io.hub`).
             trainable: load the adapters for further training (else for inference).
             dtype: the LLM's dtype (default: as saved).
             verify: check every folder's files against its `manifest.json` before anything
-                is read (default: on, unless `VLM_VIT_VERIFY=0`; `vlm_vit.integrity`).
+                is read (default: on, unless `VLM_VIT_VERIFY=0`; `vlm_vit.io.integrity`).
 
         Raises:
             FileNotFoundError, ValueError: naming the missing or malformed file.
-            vlm_vit.integrity.IntegrityError: naming a file changed since it was saved, or
+            vlm_vit.io.integrity.IntegrityError: naming a file changed since it was saved, or
                 one its folder's manifest does not list.
         """
-        from vlm_vit import hub
+        from vlm_vit.io import hub
 
         directory = hub.locate(directory, patterns=hub.LLM_PATTERNS).directory  # or a name
         parts = read_llava(directory, dtype=dtype) if is_llava_folder(directory) else \

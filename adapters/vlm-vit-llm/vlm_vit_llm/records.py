@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vlm_vit.files import resolves_inside
+from vlm_vit.io.files import resolves_inside
 from vlm_vit_llm.batch_types import Video
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@
     tower/                   the VisionTower (base weights) and the processor
     llm/                     the LLM's base weights and config, and the tokenizer
     llm_adapter/             peft's LoRA adapter on the LLM, when there is one
-    vision_adapter/          the encoder's LoRA adapter (`vlm_vit.lora`), likewise
+    vision_adapter/          the encoder's LoRA adapter (`vlm_vit.adapt.lora`), likewise
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from vlm_vit import ImageProcessor, VisionEncoder, VisionTower
-from vlm_vit.card import PLACEHOLDER, model_card, write_card
-from vlm_vit.files import MODEL_FILES, atomic_directory, atomic_write, read_json
-from vlm_vit.integrity import MANIFEST_NAME, read_manifest, verify_files, write_manifest
+from vlm_vit.io.card import PLACEHOLDER, model_card, write_card
+from vlm_vit.io.files import MODEL_FILES, atomic_directory, atomic_write, read_json
+from vlm_vit.io.integrity import MANIFEST_NAME, read_manifest, verify_files, write_manifest
 from vlm_vit_llm.peft_helpers import base_state, quiet_peft, split_peft
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class ModelParts:
 
 def write_folder(parts: ModelParts, directory: str | Path) -> Path:
     """`MultimodalLM.save_pretrained`: the parts written to `directory` (see there)."""
-    from vlm_vit.lora import save_adapter
+    from vlm_vit.adapt.lora import save_adapter
 
     directory = Path(directory)
     llm_base, llm_adapter = split_peft(parts.llm)
@@ -148,7 +148,7 @@ def read_folder(directory: Path, *, trainable: bool, dtype: torch.dtype | None,
             llm = PeftModel.from_pretrained(llm, str(directory / LLM_ADAPTER_DIR),
                                             is_trainable=trainable)
     if config.get("vision_adapter"):
-        from vlm_vit.lora import load_adapter
+        from vlm_vit.adapt.lora import load_adapter
 
         tower.encoder = load_adapter(tower.encoder, directory / VISION_ADAPTER_DIR,
                                      trainable=trainable)

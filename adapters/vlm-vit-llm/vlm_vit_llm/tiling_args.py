@@ -138,8 +138,8 @@ def saved_tiling(directory: Path):
     Raises:
         ValueError: naming the file, for a malformed tiling.
     """
-    from vlm_vit.files import read_json
-    from vlm_vit.native import CONFIG_NAME
+    from vlm_vit.io.files import read_json
+    from vlm_vit.io.native import CONFIG_NAME
     from vlm_vit.processor.anyres import as_tiling
 
     path = Path(directory) / CONFIG_NAME

@@ -155,7 +155,7 @@ def read_dataset_index(shards: Sequence[str]) -> dict[str, Any] | None:
     _warn_if_unfinished(folder, path)
     if not path.is_file():
         return None
-    from vlm_vit.files import read_json
+    from vlm_vit.io.files import read_json
 
     index = read_json(path)
     if index.get("format") != DATASET_FORMAT:

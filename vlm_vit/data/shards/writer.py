@@ -24,7 +24,7 @@ from vlm_vit.data.listing import IMAGE_SUFFIXES, class_folders, image_files
 from vlm_vit.data.shards.reader import escape_name
 from vlm_vit.data.shards.spec import DATASET_FORMAT, DATASET_VERSION, WRITER_LEFTOVER
 from vlm_vit.data.shards.spec import DATASET_INDEX as INDEX
-from vlm_vit.files import atomic_write, resolves_inside
+from vlm_vit.io.files import atomic_write, resolves_inside
 from vlm_vit.optional import require
 from vlm_vit.processor import ImageLoadError, ImageProcessor, ImageTooLargeError
 

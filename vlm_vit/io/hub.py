@@ -134,7 +134,7 @@ def locate(name: str | Path | Location, revision: str | None = None, *,
     if isinstance(name, Location):
         return name
     if not Path(name).exists():  # a save killed mid-swap leaves it missing: put it back
-        from vlm_vit.files import recover_directory
+        from vlm_vit.io.files import recover_directory
 
         recover_directory(name)
     if isinstance(name, Path) or Path(name).exists():
@@ -219,8 +219,8 @@ def check_snapshot(snapshot: Path) -> None:
     Raises:
         ValueError: naming the file and where it leads.
     """
-    from vlm_vit.files import resolves_inside
-    from vlm_vit.weights import allowed_roots
+    from vlm_vit.io.files import resolves_inside
+    from vlm_vit.io.weights import allowed_roots
 
     roots = allowed_roots(snapshot)
     for path in snapshot.rglob("*"):
@@ -245,11 +245,11 @@ def push_to_hub(directory: str | Path, repo_id: str, *, private: bool | None = N
                for name in ("config.json", "multimodal_config.json")):
         raise FileNotFoundError(f"{directory} is not a saved vlm-vit model (no config.json); "
                                 f"save_pretrained it first")
-    from vlm_vit.card import CARD_NAME, PLACEHOLDER
+    from vlm_vit.io.card import CARD_NAME, PLACEHOLDER
 
     card = directory / CARD_NAME
     if card.is_file() and PLACEHOLDER in (text := card.read_text()):  # our card: name the repo
-        from vlm_vit.files import atomic_write
+        from vlm_vit.io.files import atomic_write
 
         with atomic_write(card, "w") as handle:
             handle.write(text.replace(PLACEHOLDER, repo_id))

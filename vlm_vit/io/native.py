@@ -1,6 +1,6 @@
 """The native encoder directory: `config.json` (`model_type` "vlm_vit.encoder", the
 `EncoderConfig`, any extra sections such as a tower's), `model.safetensors` (or shards with an
-index, `vlm_vit.weights`), `manifest.json` (sha256 of the weights, `vlm_vit.integrity`) and a
+index, `vlm_vit.io.weights`), `manifest.json` (sha256 of the weights, `vlm_vit.io.integrity`) and a
 model card, read by path or Hub name; and `check_state_dict`, the strict fit check every
 loader runs before it assigns weights to a module.
 
@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from vlm_vit.config import EncoderConfig
-from vlm_vit.files import atomic_directory, atomic_write, read_json
-from vlm_vit.hub import resolve
-from vlm_vit.integrity import write_manifest
+from vlm_vit.io.files import atomic_directory, atomic_write, read_json
+from vlm_vit.io.hub import resolve
+from vlm_vit.io.integrity import write_manifest
+from vlm_vit.io.weights import WEIGHTS_NAME as WEIGHTS_NAME
+from vlm_vit.io.weights import read_weights, write_weights
 from vlm_vit.presets import parse_dtype
-from vlm_vit.weights import WEIGHTS_NAME as WEIGHTS_NAME
-from vlm_vit.weights import read_weights, write_weights
 
 CONFIG_NAME = "config.json"
 MODEL_TYPE = "vlm_vit.encoder"  # marks a native checkpoint in config.json
@@ -51,7 +51,7 @@ def save_native(directory: str | Path, config: EncoderConfig, state: dict[str, t
         write_config(temp, config, extra_config)
         write_manifest(temp, write_weights(state, temp, max_shard_size))
         if model_card:
-            from vlm_vit.card import write_model_card
+            from vlm_vit.io.card import write_model_card
 
             write_model_card(temp, config, extra_config)
     return directory
@@ -60,7 +60,7 @@ def save_native(directory: str | Path, config: EncoderConfig, state: dict[str, t
 def read_native(name: str | Path, verify: bool | None = None
                 ) -> tuple[EncoderConfig, dict[str, torch.Tensor], Path]:
     """The config, weights and local directory of what `save_native` wrote, found by path or
-    Hub name (`vlm_vit.hub.resolve`; see `VisionEncoder.from_pretrained`)."""
+    Hub name (`vlm_vit.io.hub.resolve`; see `VisionEncoder.from_pretrained`)."""
     directory = resolve(name)
     config_path = directory / CONFIG_NAME
     raw = read_json(config_path)
@@ -89,15 +89,15 @@ class NativeFormat:
     def save_pretrained(self, directory: str | Path, *, extra_config: dict | None = None,
                         max_shard_size: int | str = "5GB", model_card: bool = True) -> Path:
         """Writes `config.json`, `model.safetensors` and `manifest.json` (the weights' sha256,
-        checked on load: `vlm_vit.integrity`) into `directory`, each atomically
-        (`vlm_vit.native.save_native`).
+        checked on load: `vlm_vit.io.integrity`) into `directory`, each atomically
+        (`vlm_vit.io.native.save_native`).
 
         Args:
             directory: created if needed.
             extra_config: further top-level sections for `config.json` (a tower's, say);
                 loading the encoder ignores them.
             max_shard_size: larger weights are written as shards with an index
-                (`vlm_vit.weights`), as transformers does; "5GB", "500MB", or bytes.
+                (`vlm_vit.io.weights`), as transformers does; "5GB", "500MB", or bytes.
             model_card: write a `README.md` model card for the Hub, unless one exists.
 
         Returns:
@@ -125,8 +125,8 @@ class NativeFormat:
 
         Raises:
             FileNotFoundError, ValueError: naming the file that is missing or malformed
-                (`vlm_vit.hub.NotCachedError` for a name neither cached nor reachable);
-                `vlm_vit.integrity.IntegrityError` (a ValueError) for weights that do not
+                (`vlm_vit.io.hub.NotCachedError` for a name neither cached nor reachable);
+                `vlm_vit.io.integrity.IntegrityError` (a ValueError) for weights that do not
                 match their manifest hash.
         """
         dtype = parse_dtype(dtype)  # a bad spelling fails before the weights are read

@@ -1,4 +1,4 @@
-"""What surrounds an exported graph (`vlm_vit.export`): its files written atomically, the
+"""What surrounds an exported graph (`vlm_vit.deploy.export`): its files written atomically, the
 patch-grid check inside the graph and before it is run, the ONNX dims' names, and the
 runners of an ONNX file and a `.pt2` program.
 """

@@ -5,7 +5,7 @@ for PyTorch files, `.npz` arrays by their `.npy` headers (`files.read_npz`, chec
 the archive before anything is allocated). The format is told from the content (see
 `vlm_vit.convert`), never from the file name. A directory with a `manifest.json` (what
 vlm-vit writes) has its weight files checked against the recorded sha256 first; `verify=False`
-or `VLM_VIT_VERIFY=0` skips that (`vlm_vit.integrity`).
+or `VLM_VIT_VERIFY=0` skips that (`vlm_vit.io.integrity`).
 """
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-import vlm_vit.hub as hub
+import vlm_vit.io.hub as hub
 from vlm_vit.convert import FORMATS, Checkpoint, Converted, NativePooler, detect_format
 from vlm_vit.convert.base import non_finite_weight
-from vlm_vit.files import read_json
-from vlm_vit.integrity import MANIFEST_NAME, verify_files
+from vlm_vit.io.files import read_json
+from vlm_vit.io.integrity import MANIFEST_NAME, verify_files
+from vlm_vit.io.native import CONFIG_NAME, check_state_dict
+from vlm_vit.io.tensor_files import read_npz, read_safetensors
+from vlm_vit.io.weights import SHARD_INDEX, read_sharded
 from vlm_vit.model import VisionEncoder
-from vlm_vit.native import CONFIG_NAME, check_state_dict
 from vlm_vit.presets import parse_dtype
 from vlm_vit.processor import ImageProcessor
-from vlm_vit.tensor_files import read_npz, read_safetensors
-from vlm_vit.weights import SHARD_INDEX, read_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 def read_checkpoint(path: str | Path, verify: bool | None = None) -> Checkpoint:
     """A file, directory or model name as a `Checkpoint`: tensors, config and the JSON files
     beside them. Names (`org/name`, `hf-hub:org/name`, open_clip's `MODEL/TAG`) come from
-    the Hugging Face cache, fetched if needed and allowed (`vlm_vit.hub`).
+    the Hugging Face cache, fetched if needed and allowed (`vlm_vit.io.hub`).
 
     Args:
         path: a file, directory or name.
@@ -196,7 +196,7 @@ def load_encoder(
         path: a file or directory: native, Hugging Face CLIP / SigLIP / ViT, open_clip or
             OpenAI CLIP, timm, or a Google `.npz` (see `vlm_vit.convert`); or a model name,
             `org/name[@revision]`, `hf-hub:org/name` or open_clip's `MODEL/TAG`, read from
-            the Hugging Face cache (see `vlm_vit.hub`).
+            the Hugging Face cache (see `vlm_vit.io.hub`).
         format: skip detection and read the checkpoint as this format.
         dtype: cast the weights to this dtype: a `torch.dtype` or its usual string
             (`vlm_vit.presets.parse_dtype`; default: as stored).
@@ -210,7 +210,7 @@ def load_encoder(
         FileNotFoundError: when `path` does not exist.
         ValueError: for an unknown or ambiguous format, or weights that do not fit, with
             every missing, unexpected and mis-shaped key listed; nothing is loaded half-way.
-            `vlm_vit.integrity.IntegrityError` (a ValueError) for a weight file that does
+            `vlm_vit.io.integrity.IntegrityError` (a ValueError) for a weight file that does
             not match its manifest hash (corrupt or changed since it was written).
     """
     dtype = parse_dtype(dtype)  # a bad spelling fails before the weights are read

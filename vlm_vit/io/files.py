@@ -1,7 +1,7 @@
 """Safe, loud file helpers: atomic writes and directories, bounded JSON; every error names
 the file. (Image folders are listed by `vlm_vit.data.listing`.)
 
-Nothing here unpickles: the weight readers (`vlm_vit.tensor_files`, re-exported here) read
+Nothing here unpickles: the weight readers (`vlm_vit.io.tensor_files`, re-exported here) read
 safetensors and `.npz` arrays by their headers, checked against the file's size before
 anything is allocated, and JSON is bounded in size and nesting (`MAX_JSON_BYTES`,
 `MAX_JSON_DEPTH`).
@@ -22,13 +22,13 @@ from typing import IO, Any
 
 import torch
 
-# The weight-file readers live in vlm_vit.tensor_files; their names stay readable here.
-from vlm_vit.tensor_files import MAX_NPZ_INFLATION as MAX_NPZ_INFLATION
-from vlm_vit.tensor_files import MAX_SAFETENSORS_HEADER_BYTES as MAX_SAFETENSORS_HEADER_BYTES
-from vlm_vit.tensor_files import SAFETENSORS_DTYPE_BITS as SAFETENSORS_DTYPE_BITS
-from vlm_vit.tensor_files import check_safetensors_header as check_safetensors_header
-from vlm_vit.tensor_files import read_npz as read_npz
-from vlm_vit.tensor_files import read_safetensors as read_safetensors
+# The weight-file readers live in vlm_vit.io.tensor_files; their names stay readable here.
+from vlm_vit.io.tensor_files import MAX_NPZ_INFLATION as MAX_NPZ_INFLATION
+from vlm_vit.io.tensor_files import MAX_SAFETENSORS_HEADER_BYTES as MAX_SAFETENSORS_HEADER_BYTES
+from vlm_vit.io.tensor_files import SAFETENSORS_DTYPE_BITS as SAFETENSORS_DTYPE_BITS
+from vlm_vit.io.tensor_files import check_safetensors_header as check_safetensors_header
+from vlm_vit.io.tensor_files import read_npz as read_npz
+from vlm_vit.io.tensor_files import read_safetensors as read_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO]:
 # write (the user's own files and folders) is carried over; what it wrote always wins.
 MODEL_FILES = ("*.safetensors", "*.json")
 # Entries where the folder's copy wins over the new save's: the model card, as a user's own
-# card is never replaced (`vlm_vit.card.write_card`).
+# card is never replaced (`vlm_vit.io.card.write_card`).
 KEPT_FILES = ("README.md",)
 # Any of these at the top of a folder marks it as a model's (ours, a converted one, the LLM
 # bridge's, another library's): a save may replace it. A non-empty folder holding none of

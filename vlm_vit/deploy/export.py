@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vlm_vit.export_runtime import (
+from vlm_vit.deploy.export_runtime import (
     PATCH_SIZE_KEY,
     ExportError,
     add_patch_grid_check,

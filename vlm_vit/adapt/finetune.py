@@ -1,5 +1,5 @@
 """Fine-tuning tasks on the trainer: image classification with a new head (paper section 3.2),
-on an encoder or a tower, fully, with LoRA (`vlm_vit.lora`), or with the encoder frozen
+on an encoder or a tower, fully, with LoRA (`vlm_vit.adapt.lora`), or with the encoder frozen
 (projector-only training of a tower's pooler)."""
 
 from __future__ import annotations
@@ -12,21 +12,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import vlm_vit.hub as hub
-from vlm_vit.files import (
+import vlm_vit.io.hub as hub
+from vlm_vit.io.files import (
     atomic_directory,
     atomic_write,
     read_json,
     write_safetensors,
 )
-from vlm_vit.integrity import verify_files, write_manifest
+from vlm_vit.io.integrity import verify_files, write_manifest
+from vlm_vit.io.native import check_state_dict
+from vlm_vit.io.tensor_files import read_safetensors
 from vlm_vit.model import VisionEncoder
-from vlm_vit.native import check_state_dict
 from vlm_vit.presets import POOLINGS as POOLINGS
 from vlm_vit.presets import parse_dtype
 from vlm_vit.pretrain.base import ObjectiveOutput
 from vlm_vit.processor import ImageProcessor
-from vlm_vit.tensor_files import read_safetensors
 from vlm_vit.tower import VisionTower, no_graph_if_frozen
 
 CLASSIFIER_CONFIG_NAME = "classifier.json"
@@ -122,7 +122,7 @@ class ImageClassifier(nn.Module):
 
         Raises:
             FileNotFoundError, ValueError: naming the missing or malformed file;
-                `vlm_vit.integrity.IntegrityError` for weights that do not match their hash.
+                `vlm_vit.io.integrity.IntegrityError` for weights that do not match their hash.
         """
         dtype = parse_dtype(dtype)
         directory = hub.resolve(name)

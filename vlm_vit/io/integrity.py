@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from vlm_vit.files import atomic_write, read_json
+from vlm_vit.io.files import atomic_write, read_json
 
 logger = logging.getLogger(__name__)
 

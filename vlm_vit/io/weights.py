@@ -6,7 +6,7 @@ shard by shard, keeping each shard's tensors (the model's own, not a copy), so t
 the model plus the shard being parsed. A shard is named by a plain relative path inside the
 checkpoint's directory: an index that names `../x`, `/x`, a link out of the directory or
 anything but a `.safetensors` file is refused, never followed. A directory with a manifest
-(`vlm_vit.integrity`) has its shards checked against it before they are read.
+(`vlm_vit.io.integrity`) has its shards checked against it before they are read.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from vlm_vit.files import (
+from vlm_vit.io.files import (
     atomic_write,
     read_json,
     resolves_inside,
     write_safetensors,
 )
-from vlm_vit.integrity import verify_files
-from vlm_vit.tensor_files import read_safetensors
+from vlm_vit.io.integrity import verify_files
+from vlm_vit.io.tensor_files import read_safetensors
 
 WEIGHTS_NAME = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -120,7 +120,7 @@ def read_sharded(directory: str | Path, verify: bool | None = None) -> dict[str,
     Args:
         directory: holds the index and its shards.
         verify: check the shards against the directory's manifest, when it has one (see
-            `vlm_vit.integrity`; default: on unless `VLM_VIT_VERIFY=0`).
+            `vlm_vit.io.integrity`; default: on unless `VLM_VIT_VERIFY=0`).
 
     Raises:
         ValueError: for a malformed index, a shard outside the directory, a shard that does

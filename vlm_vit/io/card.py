@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from vlm_vit.config import EncoderConfig, available_variants
-from vlm_vit.files import atomic_write
+from vlm_vit.io.files import atomic_write
 
 CARD_NAME = "README.md"
 PLACEHOLDER = "ORG/NAME"  # in the usage line; `push_to_hub` puts the repository there
