@@ -323,7 +323,8 @@ class SimulatedKernelWarning(importlib.abc.MetaPathFinder):
             logging.getLogger(name).warning("Failed to load CPU gemm_4bit_forward")
 
 sys.meta_path.insert(0, SimulatedKernelWarning())
-from vlm_vit import EncoderConfig, VisionEncoder, lora
+from vlm_vit import EncoderConfig, VisionEncoder
+from vlm_vit.adapt import lora
 encoder = VisionEncoder(EncoderConfig(image_size=16, patch_size=8, width=16, depth=1, heads=2,
                                       mlp_width=32))
 lora.apply_lora(encoder, r=2, quantize=sys.argv[1] == "qlora")
