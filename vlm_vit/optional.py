@@ -7,8 +7,10 @@ from __future__ import annotations
 import importlib
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 # torchvision's release for torch 2.N is 0.(N + 15): 2.9 -> 0.24, 2.14 -> 0.29.
 _TORCHVISION_MINOR_OFFSET = 15
@@ -83,3 +85,15 @@ def _installed_package(filename: str) -> str | None:
         if part in ("site-packages", "dist-packages") and index + 1 < len(parts) - 1:
             return parts[index + 1]
     return None
+
+
+def lazy_submodules(package: str, names: tuple[str, ...]) -> Callable[[str], Any]:
+    """A package's module `__getattr__` that imports its sub-module `name` on first use
+    (`vlm_vit.io.files` as an attribute), so the package itself imports nothing."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return importlib.import_module(f"{package}.{name}")
+
+    return __getattr__

@@ -2,18 +2,9 @@
 classifier a fine-tune trains and saves (`finetune`).
 
 Its modules load on first use (`vlm_vit.adapt.lora` as an attribute imports it), as the
-top-level package's names do; nothing is imported here.
+top-level package's names do; no sub-module is imported here.
 """
 
-from __future__ import annotations
+from vlm_vit.optional import lazy_submodules
 
-import importlib
-from typing import Any
-
-_MODULES = ('lora', 'finetune')
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MODULES:
-        raise AttributeError(f"module 'vlm_vit.adapt' has no attribute {name!r}")
-    return importlib.import_module(f"vlm_vit.adapt.{name}")
+__getattr__ = lazy_submodules(__name__, ("lora", "finetune"))

@@ -4,18 +4,10 @@
 any checkpoint (`loading`) and model cards (`card`).
 
 Its modules load on first use (`vlm_vit.io.files` as an attribute imports it), as the
-top-level package's names do; nothing is imported here.
+top-level package's names do; no sub-module is imported here.
 """
 
-from __future__ import annotations
+from vlm_vit.optional import lazy_submodules
 
-import importlib
-from typing import Any
-
-_MODULES = ('files', 'tensor_files', 'integrity', 'weights', 'native', 'hub', 'loading', 'card')
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MODULES:
-        raise AttributeError(f"module 'vlm_vit.io' has no attribute {name!r}")
-    return importlib.import_module(f"vlm_vit.io.{name}")
+__getattr__ = lazy_submodules(__name__, ("files", "tensor_files", "integrity", "weights",
+                                         "native", "hub", "loading", "card"))
