@@ -457,7 +457,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_merge(args: argparse.Namespace) -> int:
-    from vlm_vit.cli.common import check_output_apart
+    from vlm_vit.commands import check_output_apart
     from vlm_vit.io.files import read_json
     from vlm_vit_llm.merge import merge_adapters
     from vlm_vit_llm.model import CONFIG_NAME
