@@ -1,18 +1,15 @@
 """`consolidate`: a run's checkpoint as a native encoder directory, bit-exactly the live
 model's encoder, read one transformer block at a time (issue 29).
 
-The fast tests train the toy objective for 4 steps in one process under the "fsdp" strategy
-(a distributed checkpoint at steps 2 and 4, written by one rank); the slow one trains it on
-2 gloo processes, so each weight is split across two ranks' files.
+The tests here train the toy objective for 4 steps in one process under the "fsdp" strategy
+(a distributed checkpoint at steps 2 and 4, written by one rank); `tests/train/test_fsdp.py`
+consolidates its two-process run, whose every weight is split across two ranks' files.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import subprocess
-import sys
 import weakref
 from pathlib import Path
 
@@ -20,7 +17,6 @@ import pytest
 import torch
 
 import vlm_vit
-from tests.train.test_distributed import free_port
 from tests.train.toy import config, image_folder, toy_objective, write_noise_images
 from vlm_vit.io.integrity import IntegrityError
 from vlm_vit.io.weights import SHARD_INDEX
@@ -29,8 +25,6 @@ from vlm_vit.train import checkpoint as ckpt
 from vlm_vit.train import consolidate as consolidation
 from vlm_vit.train.consolidate import consolidate
 
-REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "tests" / "train" / "strategy_worker.py"
 DEPTH = 2  # the toy encoder's blocks
 
 
@@ -269,25 +263,3 @@ def test_a_lora_run_is_refused_by_name(fsdp_run, tmp_path):
             progress=False).fit()
     with pytest.raises(ValueError, match=r"LoRA \(peft\) objective \(peft.peft_model.PeftModel"):
         consolidate(tmp_path / "lora", tmp_path / "encoder")
-
-
-@pytest.mark.slow  # two processes and a rendezvous
-def test_a_two_rank_fsdp_run_consolidates_bit_exactly_a_block_at_a_time(tmp_path, monkeypatch):
-    write_noise_images(tmp_path / "data", 12)
-    run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(WORKER),
-         str(tmp_path / "data"), str(run), "--strategy", "fsdp", "--steps", "2",
-         "--checkpoint-every", "2"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=170)
-    assert done.returncode == 0, done.stderr[-3000:]
-    step = ckpt.sharded_checkpoint_path(run, 2)
-    assert sorted(path.name for path in step.glob("*.distcp")) == ["__0_0.distcp",
-                                                                   "__1_0.distcp"]
-    held = Held(monkeypatch)
-    out = consolidate(run, tmp_path / "encoder")
-    assert_bit_equal(encoder_state(out), live_encoder(run))
-    assert_bit_equal(encoder_state(out), encoder_state(run / "encoder"))
-    assert len(held.calls) == DEPTH + 1 and held.peak <= block_bytes(live_encoder(run))

@@ -19,12 +19,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.train.test_consolidate import (
+    DEPTH,
+    Held,
+    assert_bit_equal,
+    block_bytes,
+    encoder_state,
+    live_encoder,
+)
 from tests.train.test_distributed import free_port
 from tests.train.toy import config, image_folder, toy_objective, write_noise_images
 from vlm_vit import load_encoder
 from vlm_vit.train import Trainer, fsdp, sharded_checkpoint
 from vlm_vit.train import checkpoint as ckpt
 from vlm_vit.train.config import TrainConfig
+from vlm_vit.train.consolidate import consolidate
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "train" / "strategy_worker.py"
@@ -133,6 +142,22 @@ def test_a_distributed_checkpoint_resumes_at_another_number_of_processes(runs, t
 
 
 @pytest.mark.slow
+def test_the_two_rank_run_consolidates_bit_exactly_a_block_at_a_time(runs, tmp_path,
+                                                                    monkeypatch):
+    """`consolidate` on the fixture's FSDP2 run, every weight split across two ranks' files:
+    its live encoder, bit for bit, reading one block at a time."""
+    run = runs / "fsdp"
+    step = ckpt.sharded_checkpoint_path(run, STEPS)
+    assert sorted(path.name for path in step.glob("*.distcp")) == ["__0_0.distcp",
+                                                                   "__1_0.distcp"]
+    held = Held(monkeypatch)
+    out = consolidate(run, tmp_path / "encoder")
+    assert_bit_equal(encoder_state(out), live_encoder(run))
+    assert_bit_equal(encoder_state(out), encoder_state(run / "encoder"))
+    assert len(held.calls) == DEPTH + 1 and held.peak <= block_bytes(live_encoder(run))
+
+
+@pytest.mark.slow
 def test_a_kill_during_a_distributed_save_leaves_the_previous_checkpoint_usable(runs, tmp_path):
     run = tmp_path / "killed"
     done = launch(2, runs / "data", run, "--strategy", "fsdp", "--checkpoint-every", "2",
@@ -209,6 +234,32 @@ def test_a_distributed_checkpoint_resumes_under_ddp_too(tmp_path):
             progress=False).fit(resume=True)
     for name, value in whole.state_dict().items():
         assert torch.equal(resumed.state_dict()[name], value), name
+
+
+def test_a_whole_model_reads_a_distributed_checkpoint_alone_inside_a_process_group(
+        tmp_path, monkeypatch):
+    """Rank 0's whole copy after an FSDP2 run (`finetune`) reads the final checkpoint with
+    no collective: where the caller's process group outlives the run, the other ranks never
+    join one, and a collective read waited for them for ever."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    write_noise_images(tmp_path / "data", 8)
+    whole = toy_objective()
+    Trainer(whole, image_folder(tmp_path / "data"), fsdp_config(steps=2), tmp_path / "run",
+            progress=False).fit()
+    calls, load = [], dcp.load
+    monkeypatch.setattr(dcp, "load", lambda *a, **k: calls.append(k["no_dist"]) or load(*a, **k))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        copy = toy_objective(seed=3)
+        sharded_checkpoint.load_weights(ckpt.latest_checkpoint(tmp_path / "run"), copy)
+    finally:
+        dist.destroy_process_group()
+    assert calls == [True]
+    for name, value in whole.state_dict().items():
+        assert torch.equal(copy.state_dict()[name], value), name
 
 
 def test_a_damaged_shard_file_is_skipped_for_the_previous_checkpoint(tmp_path, caplog):

@@ -4,6 +4,7 @@ hold gradients or optimiser state."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -48,19 +49,28 @@ COMMANDS = {
 }
 
 
-def train(setup: Path, objective: str, strategy: str) -> Path:
-    out = setup / f"{objective}-{strategy}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m",
-               "vlm_vit.cli", *COMMANDS[objective], str(setup / "encoder"), "--data",
-               str(setup / "digits"), "--out", str(out), "--steps", "5", "--num-workers", "0",
-               "--strategy", strategy, "--quiet", "--device", "cpu"]
+def command(setup: Path, objective: str, strategy: str) -> list[str]:
+    return [*COMMANDS[objective], str(setup / "encoder"), "--data", str(setup / "digits"),
+            "--out", str(setup / f"{objective}-{strategy}"), "--steps", "5", "--num-workers",
+            "0", "--strategy", strategy, "--quiet", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def runs(setup) -> Path:
+    """Every objective under DDP and FSDP2: six CLI runs in one two-process launch
+    (`cli_worker.py`), as each launch's start costs more than a 5-step run."""
+    spec = setup / "commands.json"
+    spec.write_text(json.dumps([command(setup, objective, strategy) for objective in COMMANDS
+                                for strategy in ("ddp", "fsdp")]))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=180)
+    done = subprocess.run([*launcher, str(REPO / "tests" / "train" / "cli_worker.py"),
+                           str(spec)], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
-    return out
+    return setup
 
 
 def losses(run: Path) -> list[float]:
@@ -71,8 +81,8 @@ def losses(run: Path) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", ["mae", "mpp", "lora"])
-def test_fsdp_trains_what_ddp_trains(setup, objective):
-    ddp, fsdp = (train(setup, objective, strategy) for strategy in ("ddp", "fsdp"))
+def test_fsdp_trains_what_ddp_trains(runs, objective):
+    ddp, fsdp = (runs / f"{objective}-{strategy}" for strategy in ("ddp", "fsdp"))
     torch.testing.assert_close(losses(fsdp), losses(ddp), rtol=0, atol=1e-5)
     assert len(losses(ddp)) == 5
     if objective == "lora":  # gathered whole at the end

@@ -89,7 +89,9 @@ def save(path: str | Path, objective: nn.Module, optimizer: torch.optim.Optimize
 def load_weights(path: str | Path, objective: nn.Module,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
     """Loads a checkpoint directory's weights (and optimiser state) into `objective`,
-    sharded or whole, at this run's number of ranks; every rank calls it.
+    sharded or whole, at this run's number of ranks. Every rank calls it for a sharded
+    objective; a whole one is read by the calling process alone, whatever process group
+    exists.
 
     Raises:
         ValueError: metadata that is not DCP's (`UnsafeMetadataError`), names a file that is
@@ -103,10 +105,20 @@ def load_weights(path: str | Path, objective: nn.Module,
     state: dict[str, Any] = {"model": objective.state_dict()}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(objective, optimizer)
-    _load(path, state, no_dist=not _initialized())
+    # A whole model (DDP's, or rank 0's copy after an FSDP2 run) is read by this process
+    # alone: a collective here would wait for ranks that never call it, where the caller's
+    # process group outlives the run.
+    _load(path, state, no_dist=not (_initialized() and _holds_shards(objective)))
     objective.load_state_dict(state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(objective, optimizer, state["optim"])
+
+
+def _holds_shards(module: nn.Module) -> bool:
+    """Whether any of `module`'s parameters is a DTensor (FSDP2 sharded it)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(parameter, DTensor) for parameter in module.parameters())
 
 
 def tensor_shapes(path: str | Path, prefix: str = "model.") -> dict[str, tuple[torch.Size,

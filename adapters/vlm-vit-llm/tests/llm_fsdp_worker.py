@@ -1,8 +1,8 @@
 """One process of the bridge's multi-process tests: `torchrun ... llm_fsdp_worker.py SPEC.json`.
 
-SPEC names the tokenizer, the conversations file and its image folder, and a list of runs;
-each run trains a tiny bridge (`conftest.tiny_tower`, `tiny_llm`) on the conversations with
-`ConversationObjective` and writes RUN_DIR/model/ (the export) and, from rank 0,
+SPEC names the tokenizer and a list of runs; each run names its conversations file and image
+folder ("data", "images"), trains a tiny bridge (`conftest.tiny_tower`, `tiny_llm`) on them
+with `ConversationObjective` and writes RUN_DIR/model/ (the export) and, from rank 0,
 RUN_DIR/losses.json. A run with "split" trains that many steps first, then resumes from that
 run's distributed checkpoint on a model built afresh, up to "steps". "packing" packs each
 batch's records into rows; "grad_checkpointing" recomputes activations in backward; "tiled"
@@ -66,7 +66,7 @@ def train(spec: dict, run: dict, steps: int, resume: bool) -> list[float]:
                        "projector" if run["stage"] == 1 else "lora", tiled=run.get("tiled",
                                                                                    False))
     mm = objective.mm
-    dataset = ConversationDataset(ConversationRecords(spec["data"], spec["images"]),
+    dataset = ConversationDataset(ConversationRecords(run["data"], run["images"]),
                                   mm.processor, image_tokens=mm.tower.num_image_tokens())
     collate = ConversationCollate(mm, template="vicuna_v1", packing=run.get("packing", False))
     lr = run["lr"]  # constant (min_lr = lr): a split run follows the whole one

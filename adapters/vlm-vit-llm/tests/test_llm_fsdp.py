@@ -214,7 +214,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp_path: Path, spec: dict, timeout: int = 170) -> None:
+def launch(tmp_path: Path, spec: dict, timeout: int = 500) -> None:
     """Runs the worker's runs on two gloo processes; fails with their output's tail."""
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -226,6 +226,52 @@ def launch(tmp_path: Path, spec: dict, timeout: int = 170) -> None:
     done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def rank_1_records(steps: int) -> set[int]:
+    """The records that rank 1 of 2 reads in `steps` global batches of 4."""
+    return {index for batch in GlobalBatchSampler(4 * steps, 4, seed=0, rank=1, world_size=2)
+            for index in batch}
+
+
+TEXT_ONLY_STEPS = 3  # the scenario where rank 1 sees only text
+TILED_STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, chat_tokenizer_dir) -> Path:
+    """Every two-process scenario below, each in its folder with its own records, trained in
+    one launch (each launch's start costs more than a short run): per stage, DDP and FSDP2
+    packed with a third of the records text-only (FSDP2 with activation checkpointing and a
+    resume after 3 of 5 steps) in `packed_<stage>/`, and DDP and FSDP2 where rank 1 sees only
+    text in `text_only_<stage>/`; AnyRes tiles under DDP and FSDP2 in `tiled/`."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    runs = []
+
+    def scenario(name: str, text_only: set[int], count: int, **run) -> None:
+        folder = root / name
+        data = write_conversations(folder, text_only, count)
+        strategies = {"ddp": {}, "fsdp": {}}
+        if name.startswith("packed"):
+            strategies["fsdp"] = {"split": 3, "grad_checkpointing": True}
+        runs.extend({"lr": LR, "data": str(data), "images": str(folder / "images"),
+                     "strategy": strategy, "run_dir": str(folder / strategy), **run, **extra}
+                    for strategy, extra in strategies.items())
+
+    for stage in (1, 2):
+        scenario(f"packed_{stage}", {i for i in range(20) if i % 3 == 2}, 20, stage=stage,
+                 steps=5, packing=True)
+        scenario(f"text_only_{stage}", rank_1_records(TEXT_ONLY_STEPS), 4 * TEXT_ONLY_STEPS,
+                 stage=stage, steps=TEXT_ONLY_STEPS)
+    rank_1 = rank_1_records(TILED_STEPS)
+    scenario("tiled", set(sorted(rank_1)[len(rank_1) // 2:]), 4 * TILED_STEPS, stage=1,
+             steps=TILED_STEPS, packing=True, tiled=True)
+    from test_llm_anyres import image
+
+    for index, size in enumerate([(90, 120), (61, 41), (40, 100), (33, 33)]):
+        image(*size).save(root / "tiled" / "images" / f"{index}.png")
+    launch(root, {"tokenizer": str(chat_tokenizer_dir), "runs": runs})
+    return root
 
 
 def results(run_dir: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -245,75 +291,53 @@ def assert_same_run(ours: Path, reference: Path, reference_losses=None) -> None:
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
-@pytest.mark.slow  # two processes, four runs
+@pytest.mark.slow  # the two-process launch
 @pytest.mark.parametrize("stage", [1, 2])
-def test_fsdp_trains_as_ddp_and_resumes_from_its_sharded_checkpoint(tmp_path,
-                                                                    chat_tokenizer_dir, stage):
+def test_fsdp_trains_as_ddp_and_resumes_from_its_sharded_checkpoint(two_ranks, stage):
     """Five steps at two ranks, a third of the records text-only, packed into rows: FSDP2
     with activation checkpointing (three steps, then a resume from its distributed
     checkpoint onto a model built afresh, whose frozen base the fingerprint checks) gives
     DDP's losses and exported model."""
-    data = write_conversations(tmp_path, {i for i in range(20) if i % 3 == 2}, 20)
-    runs = [{"stage": stage, "strategy": "ddp", "steps": 5, "lr": LR, "packing": True,
-             "run_dir": str(tmp_path / "ddp")},
-            {"stage": stage, "strategy": "fsdp", "steps": 5, "split": 3, "lr": LR,
-             "packing": True, "grad_checkpointing": True, "run_dir": str(tmp_path / "fsdp")}]
-    launch(tmp_path, {"tokenizer": str(chat_tokenizer_dir), "data": str(data),
-                      "images": str(tmp_path / "images"), "runs": runs})
-    assert any((tmp_path / "fsdp" / "checkpoints").glob("step_00000003/__1_0.distcp"))
-    assert_same_run(tmp_path / "fsdp", tmp_path / "ddp")
-    ddp_files = sorted(p.relative_to(tmp_path / "ddp" / MODEL_DIR)
-                       for p in (tmp_path / "ddp" / MODEL_DIR).rglob("*"))
-    assert ddp_files == sorted(p.relative_to(tmp_path / "fsdp" / MODEL_DIR)
-                               for p in (tmp_path / "fsdp" / MODEL_DIR).rglob("*"))
+    runs = two_ranks / f"packed_{stage}"
+    assert any((runs / "fsdp" / "checkpoints").glob("step_00000003/__1_0.distcp"))
+    assert_same_run(runs / "fsdp", runs / "ddp")
+    ddp_files = sorted(p.relative_to(runs / "ddp" / MODEL_DIR)
+                       for p in (runs / "ddp" / MODEL_DIR).rglob("*"))
+    assert ddp_files == sorted(p.relative_to(runs / "fsdp" / MODEL_DIR)
+                               for p in (runs / "fsdp" / MODEL_DIR).rglob("*"))
 
 
-@pytest.mark.slow  # two processes, two runs, and one process
+def one_process(two_ranks: Path, chat_tokenizer_dir: Path, scenario: str) -> list[float]:
+    """The scenario's DDP run again in this process (the union of the two ranks' batches)
+    into `one/`; its losses."""
+    folder = two_ranks / scenario
+    spec = json.loads((two_ranks / "spec.json").read_text())
+    run = next(run for run in spec["runs"] if run["run_dir"] == str(folder / "ddp"))
+    one = {**run, "run_dir": str(folder / "one")}
+    return train_run({"tokenizer": str(chat_tokenizer_dir)}, one, run["steps"], resume=False)
+
+
+@pytest.mark.slow  # the two-process launch, and one process
 @pytest.mark.parametrize("stage", [1, 2])
-def test_a_rank_that_sees_only_text_finishes_and_matches_one_process(tmp_path,
+def test_a_rank_that_sees_only_text_finishes_and_matches_one_process(two_ranks,
                                                                     chat_tokenizer_dir,
                                                                     stage):
     """Rank 1's records are all text-only, rank 0's all have an image: under DDP and FSDP2
     every step completes (the timeout would catch a hang), and the losses and weights are
     those of one process training on the union of the two ranks' batches."""
-    steps = 3
-    rank_1 = {index for batch in GlobalBatchSampler(4 * steps, 4, seed=0, rank=1,
-                                                     world_size=2) for index in batch}
-    data = write_conversations(tmp_path, rank_1, 4 * steps)
-    spec = {"tokenizer": str(chat_tokenizer_dir), "data": str(data),
-            "images": str(tmp_path / "images"),
-            "runs": [{"stage": stage, "strategy": strategy, "steps": steps, "lr": LR,
-                      "run_dir": str(tmp_path / strategy)} for strategy in ("ddp", "fsdp")]}
-    launch(tmp_path, spec)
-    one = {"stage": stage, "strategy": "ddp", "steps": steps, "lr": LR,
-           "run_dir": str(tmp_path / "one")}
-    losses = train_run(spec, one, steps, resume=False)
+    losses = one_process(two_ranks, chat_tokenizer_dir, f"text_only_{stage}")
     for strategy in ("ddp", "fsdp"):
-        assert_same_run(tmp_path / strategy, tmp_path / "one", reference_losses=losses)
+        assert_same_run(two_ranks / f"text_only_{stage}" / strategy,
+                        two_ranks / f"text_only_{stage}" / "one", reference_losses=losses)
 
 
-@pytest.mark.slow  # two processes, two runs, and one process
-def test_a_tiled_tower_trains_under_ddp_and_fsdp_as_one_process(tmp_path, chat_tokenizer_dir):
+@pytest.mark.slow  # the two-process launch, and one process
+def test_a_tiled_tower_trains_under_ddp_and_fsdp_as_one_process(two_ranks, chat_tokenizer_dir):
     """AnyRes at two ranks: photos of four shapes (so the ranks' tiled views differ in
     number), rank 1's records text-only in the second step; DDP and FSDP2, packed, give one
     process's losses and weights on the union of the batches."""
-    from test_llm_anyres import image
-
-    steps = 2
-    rank_1 = {index for batch in GlobalBatchSampler(4 * steps, 4, seed=0, rank=1,
-                                                     world_size=2) for index in batch}
-    text_only = set(sorted(rank_1)[len(rank_1) // 2:])
-    data = write_conversations(tmp_path, text_only, 4 * steps)
-    for index, size in enumerate([(90, 120), (61, 41), (40, 100), (33, 33)]):
-        image(*size).save(tmp_path / "images" / f"{index}.png")
-    spec = {"tokenizer": str(chat_tokenizer_dir), "data": str(data),
-            "images": str(tmp_path / "images"),
-            "runs": [{"stage": 1, "strategy": strategy, "steps": steps, "lr": LR,
-                      "packing": True, "tiled": True, "run_dir": str(tmp_path / strategy)}
-                     for strategy in ("ddp", "fsdp")]}
-    launch(tmp_path, spec)
-    one = {**spec["runs"][0], "run_dir": str(tmp_path / "one")}
-    losses = train_run(spec, one, steps, resume=False)
-    assert MultimodalLM.from_pretrained(tmp_path / "fsdp" / MODEL_DIR).tower.tiling is not None
+    losses = one_process(two_ranks, chat_tokenizer_dir, "tiled")
+    tiled = two_ranks / "tiled"
+    assert MultimodalLM.from_pretrained(tiled / "fsdp" / MODEL_DIR).tower.tiling is not None
     for strategy in ("ddp", "fsdp"):
-        assert_same_run(tmp_path / strategy, tmp_path / "one", reference_losses=losses)
+        assert_same_run(tiled / strategy, tiled / "one", reference_losses=losses)
