@@ -257,3 +257,38 @@ def test_packing_needs_only_what_its_protocol_names():
     imported = {node.module for node in ast.walk(ast.parse(inspect.getsource(packing)))
                 if isinstance(node, ast.ImportFrom)}
     assert "vlm_vit.model" not in imported  # the model imports packing, never the reverse
+
+
+# -- masks (native-resolution masked pretraining, issue 42) ----------------------------------
+
+
+def test_each_image_s_mask_equals_that_image_masked_alone():
+    """Every image masked over its own grid (one unmasked): each packed image's tokens equal
+    that image encoded alone with its mask, so a mask never reaches another image."""
+    encoder = encoder_for("registers")
+    images = photos()
+    generator = torch.Generator().manual_seed(3)
+    masks = [torch.rand(image.shape[1] // 8, image.shape[2] // 8, generator=generator) < 0.4
+             for image in images]
+    masks[2] = None
+    token = torch.randn(encoder.config.width, generator=generator)
+    with torch.no_grad():
+        packed = encoder.forward_packed(images, masks=masks, mask_token=token)
+        for out, image, mask in zip(packed.split(), images, masks, strict=True):
+            options = {} if mask is None else {"mask": mask.reshape(1, -1), "mask_token": token}
+            alone = encoder(image[None], **options).tokens[0]
+            assert_close(out.tokens[0], alone)
+            if mask is not None and mask.any():  # the mask changed this image's tokens
+                assert not torch.allclose(alone, encoder(image[None]).tokens[0], atol=1e-3)
+
+
+@pytest.mark.parametrize(("masks", "message"), [
+    ([None], "1 masks for 2 images"),
+    ([torch.zeros(2, 2, dtype=torch.bool), None], r"mask 0 .* 3x3 grid, got \[2, 2\]"),
+    ([None, torch.zeros(6, dtype=torch.long)], "mask 1 must be a bool tensor"),
+])
+def test_masks_that_do_not_fit_their_images_are_refused_naming_the_image(masks, message):
+    encoder = encoder_for("paper")
+    with pytest.raises(ValueError, match=message):
+        encoder.forward_packed(photos([(24, 24), (16, 24)]), masks=masks,
+                               mask_token=torch.zeros(encoder.config.width))

@@ -260,6 +260,8 @@ class VisionEncoder(NativeFormat, nn.Module):
         backend: str = "auto",
         max_tokens: int | None = None,
         max_grid: tuple[int, int] | None = None,
+        masks: list[torch.Tensor | None] | None = None,
+        mask_token: torch.Tensor | None = None,
     ) -> PackedOutput:
         """Encodes images of different sizes in one packed pass (NaViT; `vlm_vit.packing`):
         each image's tokens equal `self(image[None])`'s, end to end in one `[total, D]`.
@@ -269,7 +271,8 @@ class VisionEncoder(NativeFormat, nn.Module):
                 clips `[frames, C, H, W]` (see `vlm_vit.packing`).
             feature_layers, output_hidden_states, output_attentions: as in `forward`
                 (attention maps come per image, `[heads, L_i, L_i]`).
-            backend, max_tokens, max_grid: as in `vlm_vit.packing.encode_packed`.
+            backend, max_tokens, max_grid, masks, mask_token: as in
+                `vlm_vit.packing.encode_packed` (masks: one per image, over its own grid).
 
         Returns:
             A `PackedOutput` (`.split()` gives one `EncoderOutput` per image).
@@ -280,7 +283,8 @@ class VisionEncoder(NativeFormat, nn.Module):
         return encode_packed(self, images, feature_layers=feature_layers,
                              output_hidden_states=output_hidden_states,
                              output_attentions=output_attentions, backend=backend,
-                             max_tokens=max_tokens, max_grid=max_grid)
+                             max_tokens=max_tokens, max_grid=max_grid, masks=masks,
+                             mask_token=mask_token)
 
     def run_blocks(
         self,

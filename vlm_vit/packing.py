@@ -22,7 +22,9 @@ the Conv3d, and each of its `frames / T` temporal slices is then one segment wit
 image's grid, attention within the slice, as in Qwen2-VL's tower. `out.frames` says how many
 segments each input gave.
 
-Masked pretraining stays on fixed-size batches (`VisionEncoder.forward`'s masks).
+Masked pretraining at native resolution passes one mask per image (`masks=`, each over that
+image's own grid, with the objective's `mask_token`): each image's masked patches are replaced
+in its own z_0, so a mask never reaches another image.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ class PackableEncoder(Protocol):
     @property
     def num_prefix_tokens(self) -> int: ...
 
-    def prepare_tokens(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
-        ...
+    def prepare_tokens(self, pixel_values: torch.Tensor, *, mask: torch.Tensor | None = None,
+                       mask_token: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, tuple[int, int]]: ...
 
     def embed_patches(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor: ...
 
@@ -130,6 +133,36 @@ def check_images(encoder: PackableEncoder, images: list[torch.Tensor] | tuple[to
     return grids
 
 
+def check_masks(masks: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...] | None,
+                grids: list[tuple[int, int]], images: list[torch.Tensor] | tuple[torch.Tensor, ...]
+                ) -> list[torch.Tensor | None]:
+    """Each image's mask flattened to `[rows * cols]` (None where it has none).
+
+    Raises:
+        ValueError: for a count other than one per image, a mask that is not bool, one whose
+            size is not its image's grid, or a mask on a clip, naming the image.
+    """
+    if masks is None:
+        return [None] * len(grids)
+    if len(masks) != len(grids):
+        raise ValueError(f"{len(masks)} masks for {len(grids)} images: give one per image "
+                         "(None for an unmasked one)")
+    flat = []
+    for index, (mask, grid) in enumerate(zip(masks, grids, strict=True)):
+        if mask is None:
+            flat.append(None)
+            continue
+        if images[index].ndim != 3:
+            raise ValueError(f"image {index} is a clip; masks apply to images only")
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool \
+                or mask.numel() != grid[0] * grid[1]:
+            shape = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"mask {index} must be a bool tensor over its image's "
+                             f"{grid[0]}x{grid[1]} grid, got {shape}")
+        flat.append(mask.reshape(-1))
+    return flat
+
+
 def clip_tokens(encoder: PackableEncoder, clip: torch.Tensor) -> list[torch.Tensor]:
     """z_0 of each temporal slice of a clip `[frames, C, H, W]`: `[1, L, D]` each."""
     clip = pad_frames(clip, encoder.config.temporal_patch_size)
@@ -148,6 +181,8 @@ def encode_packed(
     backend: str = "auto",
     max_tokens: int | None = None,
     max_grid: tuple[int, int] | None = None,
+    masks: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...] | None = None,
+    mask_token: torch.Tensor | None = None,
 ) -> PackedOutput:
     """Encodes images of different sizes in one packed pass (see the module docstring).
 
@@ -162,18 +197,25 @@ def encode_packed(
             a CPU).
         max_tokens: refuse a pack of more tokens than this.
         max_grid: refuse an image whose patch grid (rows, cols) exceeds this.
+        masks: one bool mask per image (None: unmasked), `[rows, cols]` or `[rows * cols]`
+            over that image's grid: its masked patches' embeddings become `mask_token`
+            (masked pretraining; see `VisionEncoder.prepare_tokens`).
+        mask_token: `[D]`, needed with `masks`.
 
     Returns:
         A `PackedOutput`.
 
     Raises:
-        ValueError: for a bad list (see `check_images`) or feature layer.
+        ValueError: for a bad list (see `check_images`) or feature layer, or masks that are
+            not one per image, each of its image's grid (naming the image).
     """
     input_grids = check_images(encoder, images, max_tokens=max_tokens, max_grid=max_grid)
+    masks = check_masks(masks, input_grids, images)
     # z_0 per image, exactly as for that image alone: (1, L_i, D) each; a clip's per slice.
     parts, grids, frames = [], [], []
-    for image, grid in zip(images, input_grids, strict=True):
-        tokens = [encoder.prepare_tokens(image[None])[0]] if image.ndim == 3 \
+    for image, grid, mask in zip(images, input_grids, masks, strict=True):
+        masking = {} if mask is None else {"mask": mask[None], "mask_token": mask_token}
+        tokens = [encoder.prepare_tokens(image[None], **masking)[0]] if image.ndim == 3 \
             else clip_tokens(encoder, image)
         parts += tokens
         grids += [grid] * len(tokens)
