@@ -122,36 +122,53 @@ class Augmentation:
 
 
 class ImageFolder(torch.utils.data.Dataset):
-    """Unlabelled images for self-supervised pretraining, augmented by `Augmentation`.
+    """Unlabelled images for self-supervised pretraining, augmented by `Augmentation` or by
+    a ready `augmentation` (e.g. `vlm_vit.data.multicrop.MultiCrop`).
 
     Args:
         root: searched recursively for image files (see `vlm_vit.data.listing.IMAGE_SUFFIXES`).
-        image_size, mean, std, scale, flip: as in `Augmentation`.
+        image_size, mean, std, scale, flip: as in `Augmentation`; not with `augmentation`.
         seed: with the epoch and the index, fixes each item's augmentation.
+        augmentation: called as `augmentation(image, seed)` on what its `decoder.load`
+            returns, in place of an `Augmentation` built from the arguments above.
 
     Raises:
         FileNotFoundError: when `root` holds no image.
-        ValueError: for a negative seed.
+        ValueError: for a negative seed, or for `augmentation` together with any of image_size,
+            mean, std, scale and flip, or neither.
     """
 
     def __init__(
         self,
         root: str | Path,
-        image_size: int | tuple[int, int],
+        image_size: int | tuple[int, int] | None = None,
         *,
-        mean: Sequence[float],
-        std: Sequence[float],
-        scale: tuple[float, float] = (0.2, 1.0),
-        flip: bool = True,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        scale: tuple[float, float] | None = None,
+        flip: bool | None = None,
         seed: int = 0,
+        augmentation: Any = None,
     ) -> None:
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-        self.augmentation = Augmentation(image_size, mean=mean, std=std, scale=scale, flip=flip)
+        settings = {"image_size": image_size, "mean": mean, "std": std, "scale": scale,
+                    "flip": flip}
+        if augmentation is None:
+            if image_size is None or mean is None or std is None:
+                raise ValueError("ImageFolder needs image_size, mean and std, or a ready "
+                                 "augmentation=")
+            augmentation = Augmentation(image_size, mean=mean, std=std,
+                                        scale=(0.2, 1.0) if scale is None else scale,
+                                        flip=True if flip is None else flip)
+        elif given := [name for name, value in settings.items() if value is not None]:
+            raise ValueError(f"ImageFolder takes augmentation= or {', '.join(given)}, not both")
+        self.augmentation = augmentation
         self.root = Path(root)
         self.files = find_images(self.root)
-        self.image_size = self.augmentation.image_size
-        self.transform = self.augmentation.transform
+        # What `describe_dataset` records; a multi-crop has no single image size.
+        self.image_size = getattr(augmentation, "image_size", None)
+        self.transform = getattr(augmentation, "transform", augmentation)
         self.seed = seed
         self.epoch = 0
 
@@ -162,8 +179,9 @@ class ImageFolder(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.files)
 
-    def __getitem__(self, index: int) -> torch.Tensor | UndecodableImage:
-        """The augmented image `[3, H, W]`, or an `UndecodableImage` for a file that fails."""
+    def __getitem__(self, index: int) -> torch.Tensor | Any | UndecodableImage:
+        """The augmented image `[3, H, W]` (or what `augmentation` returns, e.g. `Views`),
+        or an `UndecodableImage` for a file that fails."""
         path = self.files[index]
         try:
             image = self.augmentation.decoder.load(path, str(path))  # as inference decodes

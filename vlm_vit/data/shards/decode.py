@@ -43,10 +43,7 @@ class ImageDecode:
         """The `ImageFolder` of `root` that augments as this does (same settings and seed)."""
         from vlm_vit.data.folders import ImageFolder
 
-        augmentation = self.augmentation
-        return ImageFolder(root, augmentation.image_size, mean=augmentation.decoder.mean,
-                           std=augmentation.decoder.std, scale=augmentation.scale,
-                           flip=augmentation.flip, seed=self.seed)
+        return ImageFolder(root, augmentation=self.augmentation, seed=self.seed)
 
 
 class LabelledDecode:
