@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -166,3 +168,63 @@ def test_quiet_hides_the_progress_bar(setup, quiet, capsys):
     captured = capsys.readouterr()
     assert ("it/s]" in captured.err or "s/it]" in captured.err) != quiet, captured.err
     assert "trained 2 steps" in captured.out
+
+
+# -- ibot (issue 42) -------------------------------------------------------------------------
+
+IBOT = ["--objective", "ibot", "--prototypes", "32", "--head-hidden", "32",
+        "--head-bottleneck", "16", "--local-crops", "2", "--batch-size", "4",
+        "--num-workers", "0", "--checkpoint-every", "2", "--quiet"]
+
+
+@pytest.mark.parametrize(("storage", "native"), [("folder", True), ("shards", False)],
+                         ids=["folder-native", "shards-square"])
+def test_ibot_trains_resumes_bit_exactly_and_exports_the_teacher(setup, tmp_path, storage,
+                                                                 native):
+    """A copy of a four-step run cut back to its step-2 checkpoint resumes to the same
+    weights (the teacher, its schedules and the RNG of the masks and crops all
+    checkpointed); `encoder/` is the teacher."""
+    import shutil
+
+    from tests.train.toy import write_shards
+    from vlm_vit.train import checkpoint as ckpt
+
+    data = setup / "images"
+    if storage == "shards":
+        write_shards(tmp_path / "shards", 2, 6)
+        data = tmp_path / "shards"
+    common = ["pretrain", str(setup / "start"), *IBOT, "--data", str(data),
+              *(["--native"] if native else [])]
+    assert main([*common, "--out", str(tmp_path / "whole"), "--steps", "4"]) == 0
+    shutil.copytree(tmp_path / "whole", tmp_path / "run")
+    for step, path in ckpt.list_checkpoints(tmp_path / "run"):
+        if step > 2:
+            path.unlink() if path.is_file() else shutil.rmtree(path)
+    (tmp_path / "run" / "objective.pt").unlink()
+    shutil.rmtree(tmp_path / "run" / "encoder")
+    assert main([*common, "--out", str(tmp_path / "run"), "--steps", "4", "--resume"]) == 0
+    whole = torch.load(tmp_path / "whole" / "objective.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "run" / "objective.pt", weights_only=True)
+    assert whole.keys() == resumed.keys()
+    for name, value in whole.items():
+        assert torch.equal(resumed[name], value), name
+    exported = load_encoder(tmp_path / "run" / "encoder").state_dict()
+    for name, value in exported.items():
+        assert torch.equal(value, resumed[f"encoder.{name}"]), name  # the teacher
+    assert not torch.equal(resumed["encoder.blocks.0.attn.qkv.weight"],
+                           resumed["student.blocks.0.attn.qkv.weight"])
+    assert int(resumed["steps_done"]) == 4
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--mask-ratio", "0.1", "1.5"], r"--mask-ratio must lie in \[0, 1\) with MIN <= MAX, "
+                                     r"got 0.1 1.5"),
+    (["--mask-ratio", "0.3"], "--mask-ratio takes MIN MAX for ibot, got 0.3"),
+    (["--local-crops", "-1"], "local_crops must be a non-negative int"),
+])
+def test_ibot_bad_options_are_one_line(setup, tmp_path, capsys, options, message):
+    assert main(["pretrain", str(setup / "start"), *IBOT, "--data", str(setup / "images"),
+                 "--out", str(tmp_path / "run"), "--steps", "1", *options]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert re.search(message, err), err

@@ -21,7 +21,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "demo", help="pretrain, evaluate and encode on bundled data (no downloads)",
         description=" ".join(__doc__.split("\n\n")[1].split()))
     parser.add_argument("--out", type=Path, default=Path("vlm-vit-demo"), metavar="DIR")
-    parser.add_argument("--objective", choices=("mpp", "mae"), default=DEFAULTS["objective"],
+    parser.add_argument("--objective", choices=("mpp", "mae", "ibot"),
+                        default=DEFAULTS["objective"],
                         help="pretraining objective (default %(default)s; see the README)")
     parser.add_argument("--quick", action="store_true",
                         help="a 90-second first look: shorter pretraining and fine-tuning, "

@@ -1,5 +1,6 @@
 """`vlm-vit pretrain`: masked-patch self-supervised pretraining on a folder of images or
-tar shards."""
+tar shards: the paper's mpp, mae, or ibot (DINOv2's masked self-distillation on multi-crop
+views, at native resolution with --native)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ from vlm_vit.commands import (
 )
 from vlm_vit.presets import NORMALIZATION
 
-OBJECTIVES = ("mpp", "mae")
+OBJECTIVES = ("mpp", "mae", "ibot")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "pretrain", help="self-supervised pretraining: the paper's mpp, or mae",
+        "pretrain", help="self-supervised pretraining: the paper's mpp, mae, or ibot (DINOv2)",
         description="Pretrain an encoder on a folder of unlabelled images (searched "
         "recursively). Leaves RUN_DIR/encoder (native format) at the end; --resume continues "
         "from the last complete checkpoint in RUN_DIR. Runs data-parallel under torchrun.")
@@ -39,13 +40,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         warmup_help="default: steps / 20", weight_decay=0.05, checkpoint_every=500)
     add_strategy_arguments(parser)
     parser.add_argument("--normalize", choices=sorted(NORMALIZATION), default="inception")
-    parser.add_argument("--mask-ratio", type=float, default=0.75, help="mae only")
+    parser.add_argument("--mask-ratio", type=float, nargs="+", default=None, metavar="RATIO",
+                        help="mae: the masked fraction (default 0.75); ibot: MIN MAX, each "
+                        "masked crop's range (default 0.1 0.5, as DINOv2)")
     parser.add_argument("--decoder-width", type=int, default=None,
                         help="mae only (default: 512 for encoders 768 wide or more, as MAE; "
                         "else the encoder's width)")
     parser.add_argument("--decoder-depth", type=int, default=None,
                         help="mae only (default: 8 for encoders 768 wide or more, as MAE; "
                         "else 4)")
+    ibot = parser.add_argument_group("ibot (DINOv2: DINO + iBOT + KoLeo, an EMA teacher)")
+    ibot.add_argument("--local-crops", type=int, default=8, help="per image (default 8); "
+                      "there are always 2 global crops")
+    ibot.add_argument("--local-size", type=int, default=None,
+                      help="the local crops' side (default: 96/224 of the image size, a "
+                      "multiple of the patch size)")
+    ibot.add_argument("--native", action="store_true",
+                      help="each crop at its own aspect ratio within the tokens of a square "
+                      "crop, every view of a batch in one packed call")
+    ibot.add_argument("--prototypes", type=int, default=65536,
+                      help="the head's output width (default 65536, as DINOv2)")
+    ibot.add_argument("--head-hidden", type=int, default=2048)
+    ibot.add_argument("--head-bottleneck", type=int, default=256)
+    ibot.add_argument("--centering", choices=("sinkhorn_knopp", "softmax"),
+                      default="sinkhorn_knopp")
+    ibot.add_argument("--mask-probability", type=float, default=0.5,
+                      help="the share of images whose global crops are masked (default 0.5)")
     parser.add_argument("--log-samples", action="store_true",
                         help="shards: write every trained sample's key to "
                         "RUN_DIR/samples/rank_R.tsv")
@@ -64,6 +84,41 @@ def describe_objective(name: str, objective) -> str:
             f"{total - encoder:,} in the objective's own decoder and heads)")
 
 
+def check_mask_ratio(args: argparse.Namespace) -> None:
+    """`--mask-ratio`: one value for mae (default 0.75), MIN MAX for ibot (default 0.1 0.5),
+    each in [0, 1); set to a tuple. Raises ValueError naming the flag."""
+    ibot = args.objective == "ibot"
+    given = args.mask_ratio
+    args.mask_ratio = tuple(given) if given else ((0.1, 0.5) if ibot else (0.75,))
+    if len(args.mask_ratio) != (2 if ibot else 1):
+        raise ValueError(f"--mask-ratio takes {'MIN MAX' if ibot else 'one value'} for "
+                         f"{args.objective}, got {' '.join(map(str, given))}")
+    if not all(0.0 <= ratio < 1.0 for ratio in args.mask_ratio) or (
+            ibot and args.mask_ratio[0] > args.mask_ratio[1]):
+        raise ValueError(f"--mask-ratio must lie in [0, 1){' with MIN <= MAX' if ibot else ''}"
+                         f", got {' '.join(map(str, args.mask_ratio))}")
+
+
+def ibot_parts(args: argparse.Namespace, encoder, mean, std):
+    """The ibot objective, its multi-crop augmentation and the views' collate function."""
+    from vlm_vit.data.multicrop import MultiCrop, collate_views
+    from vlm_vit.pretrain.ibot import MaskedSelfDistillation
+
+    patch, side = encoder.config.patch_size, encoder.config.image_size
+    side = side if isinstance(side, int) else side[0]
+    local = args.local_size or max(patch, round(side * 96 / 224 / patch) * patch)
+    sizes = ({"global_tokens": (side // patch) ** 2, "local_tokens": (local // patch) ** 2}
+             if args.native else {"global_size": side, "local_size": local})
+    augmentation = MultiCrop(patch_size=patch, local_crops=args.local_crops, mean=mean,
+                             std=std, **sizes)
+    objective = MaskedSelfDistillation(
+        encoder, prototypes=args.prototypes, head_hidden=args.head_hidden,
+        head_bottleneck=args.head_bottleneck, centering=args.centering,
+        mask_probability=args.mask_probability, mask_ratio=args.mask_ratio,
+        packed=args.native, steps=args.steps)
+    return objective, augmentation, collate_views
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -75,13 +130,19 @@ def run(args: argparse.Namespace) -> int:
     from vlm_vit.train.distributed import launched_rank
 
     storage(args.data, "--data")  # refused before the model is built
+    check_mask_ratio(args)
     torch.manual_seed(args.seed)  # the same initial weights on every process
     encoder = variant_or_checkpoint(args.model, args.image_size)
     mean, std = NORMALIZATION[args.normalize]
-    objective = build_objective(args.objective, encoder, mean=mean, std=std,
-                                mask_ratio=args.mask_ratio, decoder_width=args.decoder_width,
-                                decoder_depth=args.decoder_depth)
-    augmentation = Augmentation(encoder.config.image_size, mean=mean, std=std)
+    collate = None
+    if args.objective == "ibot":
+        objective, augmentation, collate = ibot_parts(args, encoder, mean, std)
+    else:
+        objective = build_objective(args.objective, encoder, mean=mean, std=std,
+                                    mask_ratio=args.mask_ratio[0],
+                                    decoder_width=args.decoder_width,
+                                    decoder_depth=args.decoder_depth)
+        augmentation = Augmentation(encoder.config.image_size, mean=mean, std=std)
     source = open_source(args.data, ImageDecode(augmentation, seed=args.seed), seed=args.seed)
     config = TrainConfig(
         **optimisation_options(args, lr=1.5e-4 * args.batch_size / 256,
@@ -90,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     command = getattr(args, "command_line", None)
     if launched_rank() == 0:
         print(describe_objective(args.objective, objective))
-    result = Trainer(objective, source, config, args.out, command=command,
+    result = Trainer(objective, source, config, args.out, command=command, collate=collate,
                      progress=not args.quiet).fit(
         resume=args.resume, overwrite=args.overwrite)
     if launched_rank() != 0:  # under torchrun, rank 0 reports

@@ -7,6 +7,12 @@ a loss.
 
 The objective owns its randomness (masks), its head or decoder, and the encoder it trains
 (`objective.encoder`); the trainer owns optimisation, data, checkpoints and processes.
+
+An objective may also define `after_optimizer_step(step, steps, optimizer)`: the trainer
+calls it after each optimiser step that changed the weights (`step` counts from 0 up to
+`steps`), for what the objective updates itself, such as an EMA teacher and the schedules
+of the next step (`vlm_vit.pretrain.ibot`). What it keeps in parameters and buffers is
+checkpointed with it.
 """
 
 from __future__ import annotations

@@ -130,7 +130,12 @@ def plot_label_efficiency(report: dict, path: Path) -> bool:
     return True
 
 
-OBJECTIVE_NAMES = {"mpp": "masked patch prediction", "mae": "MAE reconstruction"}
+OBJECTIVE_NAMES = {"mpp": "masked patch prediction", "mae": "MAE reconstruction",
+                   "ibot": "masked self-distillation (DINOv2)"}
+# ibot at the demo's size: a head as wide as the encoder's MLP, 1024 prototypes, and
+# DINOv2's crops scaled to 32-pixel digits (global 32, local 16: 96/224 of 32, rounded to
+# the patch).
+IBOT_SETTINGS = {"prototypes": 1024, "head_bottleneck": 64, "local_crops": 4, "local_size": 16}
 
 
 def demo_splits(labels, seed: int):
@@ -307,10 +312,25 @@ def _pretrain(args: argparse.Namespace, data: DemoData, steps: int, command: str
           f"pretrain on (labels from {len(data.pool)} of them, {len(data.validation)} for "
           f"validation), {len(data.test)} held out; scoring on the {args.eval_on} images")
 
-    objective = build_objective(args.objective, encoder, mean=mean, std=std,
-                                **MAE_SETTINGS if args.objective == "mae" else {})
-    dataset = ImageFolder(out / "pretrain_images", 32, mean=mean, std=std, scale=(0.6, 1.0),
-                          flip=False, seed=args.seed)
+    collate = None
+    if args.objective == "ibot":
+        from vlm_vit.data.multicrop import MultiCrop, collate_views
+        from vlm_vit.pretrain.ibot import MaskedSelfDistillation
+
+        settings = IBOT_SETTINGS
+        objective = MaskedSelfDistillation(
+            encoder, prototypes=settings["prototypes"], head_hidden=4 * args.width,
+            head_bottleneck=settings["head_bottleneck"], steps=steps)
+        crops = MultiCrop(patch_size=args.patch_size, global_size=32,
+                          local_size=settings["local_size"], local_crops=settings["local_crops"],
+                          mean=mean, std=std)
+        dataset = ImageFolder(out / "pretrain_images", augmentation=crops, seed=args.seed)
+        collate = collate_views
+    else:
+        objective = build_objective(args.objective, encoder, mean=mean, std=std,
+                                    **MAE_SETTINGS if args.objective == "mae" else {})
+        dataset = ImageFolder(out / "pretrain_images", 32, mean=mean, std=std,
+                              scale=(0.6, 1.0), flip=False, seed=args.seed)
     train_config = TrainConfig(steps=steps, batch_size=args.batch_size, lr=2e-3,
                                warmup_steps=max(1, steps // 10), weight_decay=0.05,
                                checkpoint_every=0, seed=args.seed, num_workers=0,
@@ -321,7 +341,7 @@ def _pretrain(args: argparse.Namespace, data: DemoData, steps: int, command: str
     # A resume continues from the newest checkpoint (a stopped run saved one); an earlier
     # run is otherwise refused or removed by `demo_state.open_run`.
     result = Trainer(objective, dataset, train_config, out / "run", command=command,
-                     progress=not args.quiet).fit(resume=args.resume)
+                     collate=collate, progress=not args.quiet).fit(resume=args.resume)
     encoder = objective.encoder.eval()
     encoder.save_pretrained(out / "encoder")
     processor.save_pretrained(out / "encoder")

@@ -183,6 +183,11 @@ def _update(run: TrainingRun, loss: float, progress: Progress) -> tuple[float, b
     if updated:
         scaler.step(optimization.optimizer)
         progress.bad_streak = 0
+        # What the objective updates itself once its weights moved (an EMA teacher, the
+        # schedules of the next step): `after_optimizer_step(step, steps, optimizer)`.
+        after = getattr(objective, "after_optimizer_step", None)
+        if after is not None:
+            after(progress.step, config.steps, optimization.optimizer)
     else:
         _record_bad_step(loss, grad_norm, config, progress, run.log)
     scaler.update()
