@@ -107,8 +107,17 @@ def test_help_shows_the_checkpoint_default(capsys):
     assert "steps between checkpoints (default 500" in capsys.readouterr().out
 
 
+KILLED_RUNS = {  # the objective's own flags
+    "mae": ["--objective", "mae", "--decoder-width", "32", "--decoder-depth", "1"],
+    # the EMA teacher, the schedules' position and the crops' and masks' RNG (issue 42)
+    "ibot": ["--objective", "ibot", "--prototypes", "32", "--head-hidden", "32",
+             "--head-bottleneck", "16", "--local-crops", "2", "--native"],
+}
+
+
 @pytest.mark.slow  # tests/train/test_tar_shards.py checks the resume in one process
-def test_pretrain_on_shards_killed_at_a_random_moment_resumes_bit_exactly(tmp_path):
+@pytest.mark.parametrize("objective", sorted(KILLED_RUNS))
+def test_pretrain_on_shards_killed_at_a_random_moment_resumes_bit_exactly(tmp_path, objective):
     """SIGKILL (no chance to save) at a seeded random moment after the first checkpoint;
     `--resume` then ends with the weights and the sample sequence of a run never stopped."""
     import os
@@ -127,11 +136,10 @@ def test_pretrain_on_shards_killed_at_a_random_moment_resumes_bit_exactly(tmp_pa
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
     def command(out):
-        return [sys.executable, "-m", "vlm_vit.cli", "pretrain", "--objective", "mae",
+        return [sys.executable, "-m", "vlm_vit.cli", "pretrain", *KILLED_RUNS[objective],
                 str(tmp_path / "start"), "--data", str(tmp_path / "shards"),
                 "--out", str(out), "--batch-size", "4", "--num-workers", "2", "--steps", "40",
-                "--checkpoint-every", "3", "--decoder-width", "32", "--decoder-depth", "1",
-                "--log-samples"]
+                "--checkpoint-every", "3", "--log-samples"]
 
     subprocess.run(command(tmp_path / "whole"), env=env, check=True, capture_output=True)
     killed = subprocess.Popen(command(tmp_path / "run"), env=env, start_new_session=True,
@@ -153,6 +161,12 @@ def test_pretrain_on_shards_killed_at_a_random_moment_resumes_bit_exactly(tmp_pa
     assert json.loads((tmp_path / "run" / "run_config.json").read_text())["resumed_from"]
     whole = load_encoder(tmp_path / "whole" / "encoder").state_dict()
     resumed = load_encoder(tmp_path / "run" / "encoder").state_dict()
+    for name, value in whole.items():
+        assert torch.equal(resumed[name], value), name
+    # ...and the whole objective: ibot's student, heads and schedules' position too
+    whole, resumed = (torch.load(tmp_path / run / "objective.pt", weights_only=True)
+                      for run in ("whole", "run"))
+    assert whole.keys() == resumed.keys()
     for name, value in whole.items():
         assert torch.equal(resumed[name], value), name
     assert read_sample_log(tmp_path / "run") == read_sample_log(tmp_path / "whole")

@@ -333,7 +333,10 @@ def _pretrain(args: argparse.Namespace, data: DemoData, steps: int, command: str
                               scale=(0.6, 1.0), flip=False, seed=args.seed)
     train_config = TrainConfig(steps=steps, batch_size=args.batch_size, lr=2e-3,
                                warmup_steps=max(1, steps // 10), weight_decay=0.05,
-                               checkpoint_every=0, seed=args.seed, num_workers=0,
+                               checkpoint_every=0, seed=args.seed,
+                               # ibot's six crops per image cost more than its step on one
+                               # thread: one worker process makes them beside the training
+                               num_workers=1 if args.objective == "ibot" else 0,
                                log_every=max(1, steps // 10), device="cpu")
     if args.quiet:
         logging.getLogger("vlm_vit.train").setLevel(logging.WARNING)
