@@ -45,7 +45,7 @@ COMMANDS = {
     # the EMA teacher is sharded like the student; encoder/ is the teacher
     "ibot": ["pretrain", "--objective", "ibot", "--prototypes", "32", "--head-hidden", "32",
              "--head-bottleneck", "16", "--local-crops", "2", "--native", "--batch-size", "4",
-             "--checkpoint-every", "5"],
+             "--checkpoint-every", "2", "--lr", "1e-2", "--warmup-steps", "0"],
     # attn_qv: the key rows of lora_B stay zero under FSDP2 too (`fsdp.zero_frozen_rows`).
     "lora": ["finetune", "--lora", "--lora-r", "4", "--lora-alpha", "8",
              "--lora-targets", "attn_qv", "--batch-size", "4",
@@ -173,3 +173,29 @@ def test_ibot_s_teacher_is_sharded_like_the_student_and_holds_no_gradient_or_sta
         assert (parameter in optimization.optimizer.state) != teacher, name
     moved = {name: p.full_tensor() for name, p in made.encoder.named_parameters()}
     assert any(not torch.equal(moved[name], before[name]) for name in before)  # the EMA ran
+
+
+@pytest.mark.slow  # the two-process launch
+def test_ibot_s_two_rank_checkpoint_loads_into_one_sharded_process(runs, process_group,
+                                                                   tmp_path):
+    """The FSDP2 run's step-4 distributed checkpoint (teacher, student, heads and the
+    schedules' position sharded over two ranks) read into one FSDP2 process, as `--resume`
+    at another world size reads it: the teacher equals `consolidate`'s reading bit for bit.
+    (Training on cannot equal the two-rank run: each rank draws its own masks, and KoLeo
+    spreads each rank's class tokens, as DINOv2's does.)"""
+    from vlm_vit.pretrain.ibot import MaskedSelfDistillation
+    from vlm_vit.train import checkpoint as ckpt
+    from vlm_vit.train import fsdp, sharded_checkpoint
+    from vlm_vit.train.consolidate import consolidate
+
+    made = MaskedSelfDistillation(load_encoder(runs / "encoder"), prototypes=32,
+                                  head_hidden=32, head_bottleneck=16)
+    fsdp.shard(made, torch.device("cpu"))
+    sharded_checkpoint.load_weights(ckpt.sharded_checkpoint_path(runs / "ibot-fsdp", 4), made)
+    expected = load_encoder(consolidate(runs / "ibot-fsdp", tmp_path / "read", step=4))
+    start = load_encoder(runs / "encoder").state_dict()
+    assert int(made.steps_done) == 4
+    for name, value in expected.state_dict().items():
+        assert not torch.equal(value, start[name]) or "norm" in name or "bias" in name
+        assert torch.equal(dict(made.encoder.named_parameters())[name].full_tensor(), value), \
+            name
