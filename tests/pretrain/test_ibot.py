@@ -106,7 +106,7 @@ def test_each_mask_lies_on_its_own_crop_s_grid_and_half_the_images_are_masked():
     made = objective()
     grids = [(2, 3), (4, 1), (3, 3), (1, 5)] * 2
     torch.manual_seed(0)
-    masks = made.draw_masks(grids, 2, torch.device("cpu"))
+    masks = made.draw_masks(grids, torch.device("cpu"))
     assert [tuple(mask.shape) for mask in masks] == grids
     assert sum(bool(mask.any()) for mask in masks) <= len(grids) // 2
 
@@ -140,6 +140,13 @@ def test_the_ema_follows_its_cosine_and_the_teacher_is_the_exported_encoder():
         assert not value.requires_grad and name in head
     assert not any(p.requires_grad for p in made.encoder.parameters())
     assert int(made.steps_done) == 4
+
+
+def test_the_teacher_stays_in_eval_mode_while_the_student_trains():
+    made = objective().train()
+    assert made.student.training and made.head.training
+    assert not made.encoder.training and not made.teacher_head.training
+    assert not any(module.training for module in made.encoder.modules())
 
 
 def test_schedules_follow_dinov2_s_formulas():

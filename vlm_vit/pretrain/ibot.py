@@ -193,7 +193,15 @@ class MaskedSelfDistillation(nn.Module):
         center.update(logits.float())
         return probabilities
 
-    def draw_masks(self, grids: list[tuple[int, int]], views: int,
+    def train(self, mode: bool = True) -> MaskedSelfDistillation:
+        """As `nn.Module.train`, but the teacher always runs in eval mode: no dropout or
+        stochastic depth in the targets (DINOv2 builds its teacher without drop path)."""
+        super().train(mode)
+        self.encoder.eval()
+        self.teacher_head.eval()
+        return self
+
+    def draw_masks(self, grids: list[tuple[int, int]],
                    device: torch.device) -> list[torch.Tensor]:
         """Block masks for the global crops (`grids`, view-major: crop v of image i at
         `v * images + i`), from the process RNG (checkpointed, so a resume draws the same)."""
@@ -215,7 +223,7 @@ class MaskedSelfDistillation(nn.Module):
         flat_local = [image for view in local_views for image in view]
         patch = self.student.config.patch_size
         grids = [(image.shape[-2] // patch, image.shape[-1] // patch) for image in flat_global]
-        masks = self.draw_masks(grids, len(global_views), flat_global[0].device)
+        masks = self.draw_masks(grids, flat_global[0].device)
 
         with torch.no_grad():
             teacher = encode_views(self.encoder, flat_global, packed=self.packed)

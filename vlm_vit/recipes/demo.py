@@ -135,7 +135,7 @@ OBJECTIVE_NAMES = {"mpp": "masked patch prediction", "mae": "MAE reconstruction"
 # ibot at the demo's size: a head as wide as the encoder's MLP, 1024 prototypes, and
 # DINOv2's crops scaled to 32-pixel digits (global 32, local 16: 96/224 of 32, rounded to
 # the patch).
-IBOT_SETTINGS = {"prototypes": 1024, "head_bottleneck": 64, "local_crops": 4, "local_size": 16}
+IBOT_SETTINGS = {"prototypes": 1024, "head_bottleneck": 64, "local_crops": 2, "local_size": 16}
 
 
 def demo_splits(labels, seed: int):
