@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 from anchors import build_anchor
-from timing import alternate, config_from_args, write_json
+from timing import alternate, config_from_args, cpu_name, write_json
 
 from vlm_vit import VisionEncoder
 from vlm_vit.deploy.export import (
@@ -30,14 +30,6 @@ from vlm_vit.deploy.export import (
     quantize_onnx_int8,
     token_cosine,
 )
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as handle:
-        for line in handle:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def photos(size: tuple[int, int]) -> torch.Tensor:

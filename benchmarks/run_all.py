@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import operator
 import platform
 import re
 import subprocess
@@ -23,6 +24,8 @@ import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
+
+from timing import cpu_name
 
 HERE = Path(__file__).resolve().parent
 TABLE_PAGE = HERE.parent / "docs" / "benchmarks.md"  # the table between MARKERS
@@ -104,9 +107,19 @@ BENCHMARKS = {
         # ours stops after the layer LLaVA reads (-2): a larger saving at 4 blocks than at 24
         ("ratio_per_block_run", "speed per block run vs HF LLaVA-NeXT", ""),
         ("memory_ratio_vlm_vit_over_transformers", "peak memory vs HF LLaVA-NeXT", "<= 1.0")]),
+    "ibot step": ("ibot_step_vs_lightly.py", [
+        ("speed_ratio_vlm_vit_over_lightly", "speed vs lightly's DINOv2 step", ">= 1.0"),
+        ("memory_ratio_vlm_vit_over_lightly", "peak memory vs lightly's DINOv2 step",
+         "<= 1.0")]),
+    "ibot native vs square": ("ibot_native_vs_square.py", [
+        ("token_ratio_native_over_padded", "tokens, native vs padded to squares", "< 1.0"),
+        ("speed_ratio_native_over_padded", "speed, native packed vs padded squares",
+         ">= 1.2")]),
 }
 
 _TINY = ["--depth", "1", "--image-size", "32", "--batch-size", "2", "--repeats", "1"]
+_TINY_IBOT = ["--depth", "1", "--batch-size", "2", "--local-crops", "2", "--prototypes", "64",
+              "--head-hidden", "32", "--head-bottleneck", "16", "--repeats", "1"]
 # preset -> name -> arguments; a name missing from a preset is not run by it.
 PRESETS: dict[str, dict[str, list[str]]] = {
     "reference": {
@@ -132,6 +145,8 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "window attention": ["--hf-attention", "sdpa", "eager"],
         "encode dinov2-l/14": [],
         "anyres": [],
+        "ibot step": [],
+        "ibot native vs square": [],
     },
     "quick": {
         "encode vit-b/16": ["--variant", "vit-s/16", "--anchors", "timm", "--repeats", "5"],
@@ -150,6 +165,8 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "window attention": ["--depth", "4", "--repeats", "5"],
         "encode dinov2-l/14": ["--depth", "6", "--batch-size", "1", "--repeats", "3"],
         "anyres": ["--images", "3", "--repeats", "3"],
+        "ibot step": ["--batch-size", "2", "--repeats", "3", "--warmup", "0"],
+        "ibot native vs square": ["--batch-size", "2", "--repeats", "3"],
     },
     "tiny": {
         "encode vit-b/16": ["--variant", "vit-ti/16", "--anchors", "timm", *_TINY,
@@ -185,6 +202,10 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "anyres": ["--width", "64", "--depth", "2", "--heads", "2", "--mlp-width", "128",
                    "--tile-size", "28", "--llm-width", "32", "--images", "4", "--shrink", "8",
                    "--repeats", "1", "--warmup", "0"],
+        "ibot step": ["--variant", "vit-ti/16", *_TINY_IBOT, "--image-size", "32",
+                      "--local-size", "16", "--warmup", "0"],
+        "ibot native vs square": ["--variant", "vit-ti/16", *_TINY_IBOT, "--image-size", "32",
+                                  "--global-tokens", "12", "--local-tokens", "4"],
     },
     "gpu": {  # gpu_suite.py: bf16 under autocast, sized to finish in one call of < 8 minutes
         "encode vit-b/16": ["--variant", "vit-b/16", "--anchors", "timm", "--batch-size", "256",
@@ -259,21 +280,10 @@ def environment() -> dict[str, str]:
     if torch.cuda.is_available():
         machine = torch.cuda.get_device_name()
     else:
-        machine = f"{_cpu_name()}, {torch.get_num_threads()} threads"
+        machine = f"{cpu_name()}, {torch.get_num_threads()} threads"
     return {"machine": machine, "date": datetime.date.today().isoformat(),
             "python": platform.python_version(),
             "versions": ", ".join(f"{k} {v}" for k, v in versions.items())}
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def markdown_table(results: dict, env: dict[str, str], command: str) -> str:
@@ -305,8 +315,9 @@ def shown(value: float, target: str = "") -> str:
 
 
 def _meets(value: float, target: str) -> bool:
-    operator, bound = target.split()
-    return value >= float(bound) if operator == ">=" else value <= float(bound)
+    comparison, bound = target.split()
+    return {">=": operator.ge, ">": operator.gt, "<=": operator.le,
+            "<": operator.lt}[comparison](value, float(bound))
 
 
 def current_block(text: str) -> str:

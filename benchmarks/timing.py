@@ -64,6 +64,20 @@ def _status_kib(field: str) -> int:
     return int(line.split()[1])
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), for a result's `cpu` field."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def synchronized(call: Callable[[], object], device: str) -> Callable[[], object]:
     """`call` that waits for the device to finish, so the time taken is the work's."""
     if device != "cuda":

@@ -7,6 +7,7 @@ checked to be there and finite. The scripts run in this process (their imports a
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import math
 import subprocess
@@ -50,13 +51,18 @@ def run_script(benchmarks, monkeypatch, tmp_path, name: str, extra: tuple = ()) 
                                   pytest.param("shards vs folder", marks=pytest.mark.slow),
                                   "export cpu", "window attention",
                                   "encode dinov2-l/14", "anyres",
-                                  pytest.param("llava packed step", marks=pytest.mark.slow)])
+                                  pytest.param("llava packed step", marks=pytest.mark.slow),
+                                  "ibot step", "ibot native vs square"])
 def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
     if name in ("llava step", "llava packed step"):
         pytest.importorskip("vlm_vit_llm")
     if name == "export cpu":
         pytest.importorskip("onnxruntime")
-    memory_children = ("mae step", "lora step", "llava step", "llava packed step", "anyres")
+    if name.startswith("ibot"):  # photos through MultiCrop; lightly is the anchor
+        for module in ("lightly", "skimage", "torchvision"):
+            pytest.importorskip(module)
+    memory_children = ("mae step", "lora step", "llava step", "llava packed step", "anyres",
+                       "ibot step")
     extra = ("--no-memory",) if name in memory_children else ()  # children: below
     result = run_script(benchmarks, monkeypatch, tmp_path, name, extra)
     rows = benchmarks("run_all").headline_rows({name: result})
@@ -80,6 +86,23 @@ def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
     if name == "anyres":  # the same weights and pixels, packed alike
         assert result["max_abs_difference"] < 1e-4
         assert result["max_abs_pixel_difference"] < 1e-4
+    if name == "ibot step":  # the same step on the same weights, crops and masks
+        assert set(result["step_seconds"]) == set(result["first_step_losses"]) == {
+            "vlm-vit", "lightly"}
+        assert result["loss_relative_difference"] <= result["loss_tolerance"] == 1e-4
+        assert set(result["first_step_losses"]["lightly"]) == {"loss", "dino", "ibot", "koleo"}
+        assert result["cpu"] and result["threads"] >= 1 and result["peak_memory_mib"] == {}
+    if name == "ibot native vs square":
+        views = result["batch_size"] * (2 + result["local_crops"])
+        assert len(result["view_sizes"]) == len(result["padded_sides"]) == views
+        assert all(side == max(size) for size, side in zip(
+            result["view_sizes"], result["padded_sides"], strict=True))
+        tokens = result["tokens_processed"]
+        assert set(tokens) == set(result["step_seconds"]) == {"native", "padded"}
+        assert 0 < tokens["native"] <= tokens["padded"]
+        assert all(math.isfinite(losses["loss"])
+                   for losses in result["first_step_losses"].values())
+        assert result["cpu"] and "notes" in result
 
 
 def test_packed_vs_padded_runs(benchmarks, monkeypatch, tmp_path):
@@ -107,6 +130,12 @@ def test_packed_vs_padded_runs(benchmarks, monkeypatch, tmp_path):
                               "--image-size", "32", "--batch-size", "2"]),
     ("packed_vs_padded.py", ["--child", "padded", "--variant", "vit-ti/16", "--depth", "1",
                              "--images", "4", "--shrink", "4"]),
+    # Ours: the child builds lightly's model too (the weights come from it), then drops it.
+    pytest.param("ibot_step_vs_lightly.py", [
+        "--child", "vlm-vit", "--variant", "vit-ti/16", "--depth", "1", "--image-size", "32",
+        "--local-size", "16", "--local-crops", "2", "--batch-size", "2", "--prototypes", "64",
+        "--head-hidden", "32", "--head-bottleneck", "16"], marks=pytest.mark.skipif(
+            importlib.util.find_spec("lightly") is None, reason="needs lightly")),
 ])
 def test_peak_memory_child_prints_a_number(script, arguments):
     finished = subprocess.run([sys.executable, str(BENCHMARKS / script), *arguments],
@@ -176,6 +205,8 @@ def test_a_verdict_can_be_read_from_the_figure_beside_it(benchmarks):
     assert run_all.shown(0.8504, ">= 0.85") == "0.850"  # rounds onto the bound and meets it
     assert run_all.shown(1.23456, "") == "1.235"
     assert run_all.shown(0.70049, "<= 0.7") == "0.7005"
+    assert run_all.shown(0.99996, "< 1.0") == "0.99996"  # strict: 1.000 would not meet it
+    assert run_all.shown(1.0, "< 1.0") == "1.000" and not run_all._meets(1.0, "< 1.0")
 
 
 def test_table_rows_of_one_benchmark_replace_only_its_own(benchmarks):
