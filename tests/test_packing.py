@@ -98,15 +98,20 @@ def test_features_alone_stop_the_run_after_the_deepest_layer():
     assert_close(packed.split()[2].features[0], alone.features[0])
 
 
-def test_no_token_attends_across_images():
+@pytest.mark.parametrize("sizes", [SIZES, [(24, 24), (16, 48), (24, 24), (48, 16), (24, 24)]],
+                         ids=["distinct-lengths", "repeated-lengths"])
+def test_no_token_attends_across_images(sizes):
+    """Bit for bit, also between images of one length (one batched attention call)."""
     encoder = encoder_for("paper")
-    images = photos()
+    images = photos(sizes)
     changed = [image.clone() for image in images]
     changed[1] = torch.randn_like(changed[1]) * 10
     with torch.no_grad():
         before, after = encoder(images).split(), encoder(changed).split()
-    for index in (0, 2, 3, 4, 5):
+        alone = [encoder(image[None]) for image in images]
+    for index in set(range(len(images))) - {1}:
         assert torch.equal(before[index].tokens, after[index].tokens)
+        assert_close(before[index].tokens, alone[index].tokens)
     assert not torch.allclose(before[1].tokens, after[1].tokens)
 
 
@@ -164,19 +169,28 @@ def test_auto_backend_is_per_image_sdpa_on_a_cpu():
         Segments((2, 3), backend="fast")
 
 
-def test_varlen_attention_is_block_diagonal_attention():
+@pytest.mark.parametrize("lengths", [(4, 2, 3), (3, 2, 3, 3, 1, 2)],
+                         ids=["distinct", "repeated-lengths"])
+def test_varlen_attention_is_block_diagonal_attention(lengths):
+    """Images of one length run as one batched call: still each alone, forward and backward."""
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(9, 2, 4, generator=generator) for _ in range(3))
-    document = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, 2])
+    q, k, v = (torch.randn(sum(lengths), 2, 4, generator=generator, requires_grad=True)
+               for _ in range(3))
+    document = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     allowed = document[:, None] == document[None, :]  # the mask the backends never build
     expected = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
                                               v.transpose(0, 1), attn_mask=allowed)
+    weights = torch.randn(expected.transpose(0, 1).shape, generator=generator)
+    reference = torch.autograd.grad((expected.transpose(0, 1) * weights).sum(), (q, k, v))
     for backend in ("segments", "nested"):
-        out, _ = varlen_attention(q, k, v, Segments((4, 2, 3), backend=backend))
+        out, _ = varlen_attention(q, k, v, Segments(lengths, backend=backend))
         assert_close(out, expected.transpose(0, 1))
-    out, maps = varlen_attention(q, k, v, Segments((4, 2, 3)), need_weights=True)
+        for ours, theirs in zip(torch.autograd.grad((out * weights).sum(), (q, k, v)),
+                                reference, strict=True):
+            assert_close(ours, theirs)
+    out, maps = varlen_attention(q, k, v, Segments(lengths), need_weights=True)
     assert_close(out, expected.transpose(0, 1))
-    assert [tuple(m.shape) for m in maps] == [(2, 4, 4), (2, 2, 2), (2, 3, 3)]
+    assert [tuple(m.shape) for m in maps] == [(2, n, n) for n in lengths]
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

@@ -8,8 +8,8 @@ Backends (`Segments.backend`, "auto" picks the first that applies):
   or bfloat16), which takes the segment boundaries (`cu_seqlens`) directly.
 - "nested": PyTorch `scaled_dot_product_attention` on jagged nested tensors (CUDA; it also
   runs on a CPU, where it is slower than "segments").
-- "segments": one `scaled_dot_product_attention` per image on views of the packed tensor
-  (the CPU default). Only attention is split; every Linear, norm and MLP around it runs
+- "segments": one `scaled_dot_product_attention` per image length, the images of that length
+  as one batch (the CPU default). Only attention is split; every Linear, norm and MLP around it runs
   once on the packed matrix, and those hold most of the FLOPs.
 """
 
@@ -118,9 +118,23 @@ def varlen_attention(
                           .transpose(1, 2)
                           for t in (q, k, v))
             return F.scaled_dot_product_attention(nq, nk, nv).transpose(1, 2).values(), None
-    # "segments": (1, heads, L, head_dim) views of each image, one kernel call each, shaped
-    # as a batch of one so the same kernel runs as for that image alone.
-    q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, T, head_dim)
-    parts = [F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, start:stop],
-                                            v[:, :, start:stop]) for start, stop in bounds]
+    # "segments": the images split apart (one split, whose backward is one concatenation,
+    # where a slice per image would each write a zero gradient the size of the whole
+    # sequence), and the images of one length run as one batch of one kernel call: each
+    # batch element is computed as that image alone would be.
+    q, k, v = (t.transpose(0, 1)[None].split(segments.lengths, dim=2)  # (1, heads, L, hd)
+               for t in (q, k, v))
+    by_length: dict[int, list[int]] = {}
+    for index, length in enumerate(segments.lengths):
+        by_length.setdefault(length, []).append(index)
+    parts: list[torch.Tensor | None] = [None] * len(segments.lengths)
+    for indices in by_length.values():
+        if len(indices) == 1:
+            index = indices[0]
+            parts[index] = F.scaled_dot_product_attention(q[index], k[index], v[index])
+            continue
+        out = F.scaled_dot_product_attention(*(torch.cat([t[i] for i in indices])
+                                               for t in (q, k, v)))
+        for index, part in zip(indices, out.split(1), strict=True):
+            parts[index] = part
     return torch.cat(parts, dim=2)[0].transpose(0, 1), None  # (T, heads, head_dim)
