@@ -252,8 +252,9 @@ def lora_options(args) -> dict:
 
 
 def add_optimisation_arguments(parser, *, steps: int, batch_size: int, lr: float | None,
-                               lr_help: str, warmup_help: str, weight_decay: float,
-                               checkpoint_every: int | None, num_workers: int = 2) -> None:
+                               lr_help: str, warmup_help: str, weight_decay: float | None,
+                               checkpoint_every: int | None, num_workers: int = 2,
+                               weight_decay_help: str | None = None) -> None:
     """The optimisation flags every training command takes, with the command's defaults:
     steps, batch, accumulation, learning rate and warmup, weight decay, seed, checkpoint
     interval, precision, compile, activation checkpointing, loader workers, device."""
@@ -265,7 +266,8 @@ def add_optimisation_arguments(parser, *, steps: int, batch_size: int, lr: float
                        help="micro-batches per step (the batch is split N ways)")
     group.add_argument("--lr", type=float, default=lr, help=lr_help)
     group.add_argument("--warmup-steps", type=int, default=None, help=warmup_help)
-    group.add_argument("--weight-decay", type=float, default=weight_decay)
+    group.add_argument("--weight-decay", type=float, default=weight_decay,
+                       help=weight_decay_help)
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--checkpoint-every", type=int, default=checkpoint_every, metavar="N",
                        help="steps between checkpoints (default "

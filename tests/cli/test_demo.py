@@ -35,7 +35,7 @@ def test_the_report_has_every_number_for_both_arms(tiny_demo):
     assert report["finetune"]["labels"] == ["1", "all"] and report["finetune"]["seeds"] == 2
     assert report["labelled_per_class"] == {"1": 1, "all": 8}
     for arm in ("random_init", "pretrained"):
-        assert set(report[arm]) == {"few_shot_accuracy", "linear_probe_accuracy",
+        assert set(report[arm]) == {"few_shot_accuracy", "knn_accuracy", "linear_probe_accuracy",
                                     "finetune_accuracy", "finetune_start_fingerprint"}
         for key in ("1", "all"):
             result = report[arm]["finetune_accuracy"][key]
@@ -79,9 +79,11 @@ def test_the_terminal_table_carries_the_report(tiny_demo):
     pretraining = report["pretraining"]
     assert f"-> {pretraining['final_loss_mean_of_last_10']:.3f} (mean of the last 10" in printed
     assert "final_loss" not in pretraining and "last_loss" in pretraining
-    row = next(line for line in printed.splitlines() if line.startswith("frozen linear probe"))
-    assert row.split()[4:6] == [f"{report[arm]['linear_probe_accuracy']:.3f}"
-                                for arm in ("random_init", "pretrained")]
+    for start, metric, at in (("frozen linear probe", "linear_probe_accuracy", 4),
+                              ("frozen k-NN", "knn_accuracy", 4)):
+        row = next(line for line in printed.splitlines() if line.startswith(start))
+        assert row.split()[at:at + 2] == [f"{report[arm][metric]:.3f}"
+                                          for arm in ("random_init", "pretrained")]
 
 
 def test_the_validation_split_is_inside_the_training_half():

@@ -228,6 +228,36 @@ def test_ibot_trains_resumes_bit_exactly_and_exports_the_teacher(setup, tmp_path
     assert not torch.equal(resumed["encoder.blocks.0.attn.qkv.weight"],
                            resumed["student.blocks.0.attn.qkv.weight"])
     assert int(resumed["steps_done"]) == 4
+    # the student, written from the final checkpoint (`vlm-vit consolidate --module student`)
+    assert main(["consolidate", str(tmp_path / "run"), "--module", "student",
+                 "--out", str(tmp_path / "student")]) == 0
+    student = load_encoder(tmp_path / "student").state_dict()
+    for name, value in student.items():
+        assert torch.equal(value, resumed[f"student.{name}"]), name
+
+
+def test_a_run_without_a_student_refuses_to_export_one(setup, tmp_path, capsys):
+    assert main(["pretrain", str(setup / "start"), "--objective", "mae", "--data",
+                 str(setup / "images"), "--out", str(tmp_path / "run"), "--steps", "1",
+                 "--batch-size", "4", "--num-workers", "0", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["consolidate", str(tmp_path / "run"), "--module", "student",
+                 "--out", str(tmp_path / "student")]) == 1
+    err = capsys.readouterr().err
+    assert "holds no `student.` weights" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "student").exists()
+
+
+def test_ibot_s_weight_decay_starts_at_dinov2_s(setup, tmp_path):
+    import json
+
+    for objective, extra, expected in (("ibot", IBOT, 0.04), ("mae", [], 0.05)):
+        out = tmp_path / objective
+        assert main(["pretrain", str(setup / "start"), "--objective", objective, *extra,
+                     "--data", str(setup / "images"), "--out", str(out), "--steps", "1",
+                     "--batch-size", "4", "--num-workers", "0", "--quiet"]) == 0
+        assert json.loads((out / "run_config.json").read_text())["train"]["weight_decay"] \
+            == expected
 
 
 @pytest.mark.parametrize(("options", "message"), [

@@ -168,11 +168,26 @@ def test_schedules_follow_dinov2_s_formulas():
     assert optimizer.param_groups[1]["weight_decay"] == 0.0
 
 
+def test_the_prototypes_get_no_gradient_for_the_first_hundredth_of_the_steps():
+    """DINOv2's freeze_last_layer: the head's last layer is fixed for 1 epoch of 100."""
+    made, batch = objective(steps=300), views([(16, 16), (16, 16)], [(8, 8)])
+    last = {name for name, _ in made.named_parameters() if name.startswith("head.last_layer")}
+    for done, frozen in ((0, True), (2, True), (3, False)):
+        made.steps_done.fill_(done)
+        _, gradients = loss_and_gradients(made, batch)
+        assert last <= set(gradients)  # in the graph (DDP), zero while frozen
+        assert all(bool(gradients[name].eq(0).all()) == frozen for name in last), done
+        assert gradients["head.mlp.0.weight"].abs().sum() > 0
+    made.steps_done.fill_(0)
+    assert not objective(steps=300, freeze_prototypes=0.0).prototypes_frozen()
+
+
 @pytest.mark.parametrize(("options", "message"), [
     (dict(mask_ratio=(0.1, 1.5)), r"mask ratio must lie in \[0, 1\)"),
     (dict(mask_ratio=(0.5, 0.1)), "min <= max"),
     (dict(mask_probability=2.0), "mask probability"),
     (dict(centering="median"), "centering must be one of"),
+    (dict(freeze_prototypes=2.0), "freeze_prototypes is a fraction"),
 ])
 def test_bad_settings_are_one_line(options, message):
     with pytest.raises(ValueError, match=message):

@@ -199,3 +199,8 @@ def test_ibot_s_two_rank_checkpoint_loads_into_one_sharded_process(runs, process
         assert not torch.equal(value, start[name]) or "norm" in name or "bias" in name
         assert torch.equal(dict(made.encoder.named_parameters())[name].full_tensor(), value), \
             name
+    # the student too, one block at a time from the same shards (`--module student`)
+    student = load_encoder(consolidate(runs / "ibot-fsdp", tmp_path / "student", step=4,
+                                       module="student")).state_dict()
+    for name, value in made.student.named_parameters():
+        assert torch.equal(value.full_tensor(), student[name]), name

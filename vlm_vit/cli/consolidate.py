@@ -1,5 +1,5 @@
-"""`vlm-vit consolidate RUN_DIR --out DIR [--step N]`: a training run's checkpoint as a
-native encoder directory, read one transformer block at a time
+"""`vlm-vit consolidate RUN_DIR --out DIR [--step N] [--module student]`: a training run's
+checkpoint as a native encoder directory, read one transformer block at a time
 (`vlm_vit.train.consolidate`)."""
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "not a link, a folder of your own files, nor RUN_DIR's checkpoints")
     parser.add_argument("--step", type=int, metavar="N",
                         help="the checkpoint of step N (default: the newest usable one)")
+    parser.add_argument("--module", choices=("encoder", "student"), default="encoder",
+                        help="which of the run's encoders: `encoder` (default; for ibot the "
+                        "EMA teacher, which run_dir/encoder holds, as DINOv2 releases it) "
+                        "or ibot's `student`")
     parser.add_argument("--max-shard-size", metavar="SIZE", default="5GB",
                         help="the largest weight file (default 5GB, as transformers): an "
                         "encoder under it is one model.safetensors, a larger one shards of "
@@ -44,8 +48,10 @@ def run(args: argparse.Namespace) -> int:
         limit = parse_size(args.max_shard_size)
     except ValueError as error:
         raise ValueError(f"--max-shard-size: {error}") from None
-    out = consolidate(args.run_dir, args.out, step=args.step, max_shard_size=limit)
+    out = consolidate(args.run_dir, args.out, step=args.step, max_shard_size=limit,
+                      module=args.module)
     source = read_json(out / CONFIG_NAME).get(SOURCE_KEY, {})
     print(f"wrote {out} from {args.run_dir} ({source.get('checkpoint')}, step "
-          f"{source.get('step')})")
+          f"{source.get('step')}" + (f", the {args.module}" if args.module != "encoder" else "")
+          + ")")
     return 0

@@ -37,7 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_optimisation_arguments(
         parser, steps=1000, batch_size=64, lr=None,
         lr_help="peak learning rate (default: 1.5e-4 x batch / 256, as MAE)",
-        warmup_help="default: steps / 20", weight_decay=0.05, checkpoint_every=500)
+        warmup_help="default: steps / 20", weight_decay=None, checkpoint_every=500,
+        weight_decay_help="default 0.05; ibot: 0.04, its cosine rising to 0.4 (DINOv2)")
     add_strategy_arguments(parser)
     parser.add_argument("--normalize", choices=sorted(NORMALIZATION), default="inception")
     parser.add_argument("--mask-ratio", type=float, nargs="+", default=None, metavar="RATIO",
@@ -131,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
 
     storage(args.data, "--data")  # refused before the model is built
     check_mask_ratio(args)
+    if args.weight_decay is None:
+        args.weight_decay = 0.04 if args.objective == "ibot" else 0.05
     torch.manual_seed(args.seed)  # the same initial weights on every process
     encoder = variant_or_checkpoint(args.model, args.image_size)
     mean, std = NORMALIZATION[args.normalize]

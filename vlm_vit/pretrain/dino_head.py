@@ -27,7 +27,7 @@ class DINOHead(nn.Module):
     g stays trainable, as in DINOv2's `DINOHead` and lightly's `DINOv2ProjectionHead` (DINO v1
     froze it by default, `norm_last_layer=True`); to freeze it, call
     `head.last_layer.parametrizations.weight.original0.requires_grad_(False)`. DINOv2 also keeps
-    the last layer's gradients off for the first epoch; that is the trainer's business.
+    the last layer's gradients off for the first epoch: `forward(x, freeze_prototypes=True)`.
 
     Args:
         in_dim: the encoder's width D.
@@ -58,8 +58,19 @@ class DINOHead(nn.Module):
         with torch.no_grad():
             self.last_layer.parametrizations.weight.original0.fill_(1.0)  # g: (K, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`[..., in_dim]` to the logits `[..., out_dim]`."""
+    def forward(self, x: torch.Tensor, freeze_prototypes: bool = False) -> torch.Tensor:
+        """`[..., in_dim]` to the logits `[..., out_dim]`.
+
+        Args:
+            freeze_prototypes: the last layer gets zero gradients (DINOv2's
+                `freeze_last_layer`, which sets them to None: with AdamW both leave the
+                prototypes' directions where they are; zeros keep every parameter in the
+                graph, as DDP needs).
+        """
         x = self.mlp(x)
         eps = 1e-6 if x.dtype == torch.float16 else 1e-12  # 1e-12 underflows in float16
-        return self.last_layer(F.normalize(x, dim=-1, p=2, eps=eps))
+        x = F.normalize(x, dim=-1, p=2, eps=eps)
+        if not freeze_prototypes:
+            return self.last_layer(x)
+        weight = self.last_layer.weight
+        return F.linear(x, weight.detach() + weight * 0.0)

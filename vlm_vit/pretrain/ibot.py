@@ -119,6 +119,8 @@ class MaskedSelfDistillation(nn.Module):
         teacher_temp_warmup: the fraction of the steps the warm-up takes (30 of 100 epochs).
         momentum: the EMA momentum's cosine (start, end): (0.992, 1.0).
         weight_decay_end: the weight decay's cosine ends here (0.4; None leaves it alone).
+        freeze_prototypes: the fraction of the steps during which the head's last layer gets
+            no gradient (DINOv2's `freeze_last_layer_epochs`: 1 of 100 epochs, 0.01).
         centering: "sinkhorn_knopp" (DINOv2) or "softmax" (DINO's running centre).
         center_momentum: the running centre's momentum (softmax centering).
         dino_weight, ibot_weight, koleo_weight: 1.0, 1.0, 0.1 (DINOv2).
@@ -138,7 +140,8 @@ class MaskedSelfDistillation(nn.Module):
                  student_temp: float = 0.1, teacher_temp: tuple[float, float] = (0.04, 0.07),
                  teacher_temp_warmup: float = 0.3,
                  momentum: tuple[float, float] = (0.992, 1.0),
-                 weight_decay_end: float | None = 0.4, centering: str = "sinkhorn_knopp",
+                 weight_decay_end: float | None = 0.4, freeze_prototypes: float = 0.01,
+                 centering: str = "sinkhorn_knopp",
                  center_momentum: float = 0.9, dino_weight: float = 1.0,
                  ibot_weight: float = 1.0, koleo_weight: float = 0.1,
                  mask_probability: float = 0.5, mask_ratio: tuple[float, float] = (0.1, 0.5),
@@ -150,6 +153,9 @@ class MaskedSelfDistillation(nn.Module):
         if centering not in CENTERINGS:
             raise ValueError(f"centering must be one of {', '.join(CENTERINGS)}, got "
                              f"{centering!r}")
+        if not 0.0 <= freeze_prototypes <= 1.0:
+            raise ValueError(f"freeze_prototypes is a fraction of the steps in [0, 1], got "
+                             f"{freeze_prototypes}")
         if not 0.0 <= mask_probability <= 1.0:
             raise ValueError(f"mask probability must lie in [0, 1], got {mask_probability}")
         if not 0.0 <= mask_ratio[0] <= mask_ratio[1] < 1.0:
@@ -170,7 +176,7 @@ class MaskedSelfDistillation(nn.Module):
             self.ibot_center = Center(prototypes, momentum=center_momentum)
         self.student_temp, self.teacher_temps = student_temp, tuple(teacher_temp)
         self.teacher_temp_warmup, self.momentum = teacher_temp_warmup, tuple(momentum)
-        self.weight_decay_end = weight_decay_end
+        self.weight_decay_end, self.freeze_prototypes = weight_decay_end, freeze_prototypes
         self.weights = {"dino": dino_weight, "ibot": ibot_weight, "koleo": koleo_weight}
         self.mask_probability, self.mask_ratio = mask_probability, tuple(mask_ratio)
         self.packed = packed
@@ -182,6 +188,10 @@ class MaskedSelfDistillation(nn.Module):
         total = int(self.total_steps)
         steps = max(int(round(self.teacher_temp_warmup * total)), 1) if total else 1
         return warmup(*self.teacher_temps, int(self.steps_done), steps)
+
+    def prototypes_frozen(self) -> bool:
+        """Whether this step's head keeps its last layer (the prototypes) fixed."""
+        return int(self.steps_done) < round(self.freeze_prototypes * int(self.total_steps))
 
     def targets(self, logits: torch.Tensor, center: Center | None) -> torch.Tensor:
         """The teacher's centred, sharpened probabilities for `logits` `[n, K]`."""
@@ -238,7 +248,8 @@ class MaskedSelfDistillation(nn.Module):
         student = encode_views(self.student, flat_global + flat_local, packed=self.packed,
                                masks=masks + [None] * len(flat_local),
                                mask_token=self.mask_token)
-        student_cls = self.head(student.cls)
+        frozen = self.prototypes_frozen()
+        student_cls = self.head(student.cls, freeze_prototypes=frozen)
         count = len(global_views) + len(local_views)
         dino = dino_loss(list(student_cls.chunk(count)), list(dino_targets.chunk(len(
             global_views))), student_temp=self.student_temp)
@@ -247,8 +258,9 @@ class MaskedSelfDistillation(nn.Module):
         image_index = torch.cat([torch.full((int(mask.sum()),), index, dtype=torch.long,
                                             device=masked_student.device)
                                  for index, mask in enumerate(masks)])
-        ibot = ibot_patch_loss(self.head(masked_student), ibot_targets, image_index,
-                               len(flat_global), student_temp=self.student_temp)
+        ibot = ibot_patch_loss(self.head(masked_student, freeze_prototypes=frozen),
+                               ibot_targets, image_index, len(flat_global),
+                               student_temp=self.student_temp)
         global_cls = student.cls[:len(flat_global)].float().chunk(len(global_views))
         koleo = sum(koleo_loss(crop) for crop in global_cls) if images > 1 \
             else student_cls.sum() * 0.0

@@ -55,9 +55,15 @@ def write_digits(root: Path, per_class: int | None) -> int:
 
 
 def frozen_accuracy(encoder, images, labels, train, test, shots, seed) -> dict:
-    """Few-shot and linear-probe accuracy of mean-pooled frozen features on held-out images
-    (`images`: every digit's pixels, `[N, 3, 32, 32]`, preprocessed once for all uses)."""
-    from vlm_vit.eval import extract_features, few_shot_accuracy, linear_probe_accuracy
+    """Few-shot, k-NN (DINO's weighted vote, k = 20) and linear-probe accuracy of mean-pooled
+    frozen features on held-out images (`images`: every digit's pixels, `[N, 3, 32, 32]`,
+    preprocessed once for all uses)."""
+    from vlm_vit.eval import (
+        extract_features,
+        few_shot_accuracy,
+        knn_accuracy,
+        linear_probe_accuracy,
+    )
 
     # A generator of preprocessed batches, which extract_features takes as they are.
     features, _ = extract_features(encoder, iter(images.split(128)), pooling="mean",
@@ -66,6 +72,8 @@ def frozen_accuracy(encoder, images, labels, train, test, shots, seed) -> dict:
     return {
         "few_shot_accuracy": few_shot_accuracy(features[train], labels[train], features[test],
                                                labels[test], shots=shots, seed=seed),
+        "knn_accuracy": knn_accuracy(features[train], labels[train], features[test],
+                                     labels[test]),
         "linear_probe_accuracy": linear_probe_accuracy(features[train], labels[train],
                                                        features[test], labels[test]),
     }
@@ -332,7 +340,9 @@ def _pretrain(args: argparse.Namespace, data: DemoData, steps: int, command: str
         dataset = ImageFolder(out / "pretrain_images", 32, mean=mean, std=std,
                               scale=(0.6, 1.0), flip=False, seed=args.seed)
     train_config = TrainConfig(steps=steps, batch_size=args.batch_size, lr=2e-3,
-                               warmup_steps=max(1, steps // 10), weight_decay=0.05,
+                               warmup_steps=max(1, steps // 10),
+                               # DINOv2's start of its weight-decay cosine for ibot
+                               weight_decay=0.04 if args.objective == "ibot" else 0.05,
                                checkpoint_every=0, seed=args.seed,
                                # ibot's six crops per image cost more than its step on one
                                # thread: one worker process makes them beside the training
@@ -443,6 +453,7 @@ def print_report(report: dict, classes: list[str]) -> None:
               f"{b['median'] - a['median']:>+8.3f}   range {a['min']:.3f}-{a['max']:.3f} / "
               f"{b['min']:.3f}-{b['max']:.3f}")
     for metric, label in (("few_shot_accuracy", f"frozen {report['shots']}-shot linear (LS)"),
+                          ("knn_accuracy", "frozen k-NN (20 neighbours)"),
                           ("linear_probe_accuracy", "frozen linear probe (logistic)")):
         a, b = report["random_init"][metric], report["pretrained"][metric]
         print(f"{label:<30}{a:>12.3f}{b:>12.3f}{b - a:>+8.3f}")

@@ -51,14 +51,17 @@ from vlm_vit.train.run_dir import ENCODER_DIR, RUN_CONFIG_NAME
 logger = logging.getLogger(__name__)
 
 ENCODER_PREFIX = "encoder."  # the objective's encoder, `objective.encoder`
+# The encoders an objective may hold: `encoder` (for ibot the EMA teacher, which DINOv2
+# releases) and `student` (ibot's trained network).
+MODULES = ("encoder", "student")
 SOURCE_KEY = "consolidated_from"  # config.json's record of the checkpoint written
-_BLOCK = re.compile(r"^encoder\.blocks\.(\d+)\.")
 Shapes = dict[str, tuple[torch.Size, torch.dtype]]
 
 
 def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, *,
                 verify: bool | None = None,
-                max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+                max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                module: str = "encoder") -> Path:
     """Writes the encoder of a run's checkpoint as a native directory (`load_encoder` reads
     it), holding at most one transformer block's weights at a time for a distributed one.
 
@@ -71,6 +74,8 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, *
             environment sets `VLM_VIT_VERIFY=0`).
         max_shard_size: the largest weight file written (default 5 GB, as transformers):
             an encoder under it is one `model.safetensors`.
+        module: which of the objective's encoders (`MODULES`): `encoder`, or ibot's
+            `student` (its `encoder` is the EMA teacher).
 
     Returns:
         `out`.
@@ -83,28 +88,34 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, *
             bridge), weights that do not fit the recorded encoder, or an `out` that would
             replace the run or its checkpoints.
     """
+    if module not in MODULES:
+        raise ValueError(f"module must be one of {', '.join(MODULES)}, got {module!r}")
+    prefix = f"{module}."
     run_dir, candidates = _candidates(Path(run_dir), step)
     out = Path(out)
     _check_out(out, run_dir)
     config, objective = _recorded_encoder(run_dir)
     path, state = _first_usable(candidates, run_dir, verify)
-    shapes, read = _reader(path, state, objective, config)
+    shapes, read = _reader(path, state, objective, config, prefix)
     source = {"checkpoint": path.relative_to(run_dir).as_posix(), "step": int(state["step"])
               if isinstance(state.get("step"), int) else None}
-    written = write_encoder(out, config, block_groups(shapes), shapes, read,
-                            {SOURCE_KEY: source}, max_shard_size)
+    if module != "encoder":
+        source["module"] = module
+    written = write_encoder(out, config, block_groups(shapes, prefix), shapes, read,
+                            {SOURCE_KEY: source}, max_shard_size, prefix)
     logger.info("wrote %s from %s", written, path)
     return written
 
 
-def block_groups(names: Shapes | list[str]) -> list[list[str]]:
-    """The encoder's tensor names (with `encoder.`) in the groups written, in order:
+def block_groups(names: Shapes | list[str], prefix: str = ENCODER_PREFIX) -> list[list[str]]:
+    """The encoder's tensor names (with `prefix`, `encoder.`) in the groups written, in order:
     everything outside the blocks (patch and position embeddings, final norm), then each
     block's."""
     rest: list[str] = []
     blocks: dict[int, list[str]] = {}
+    block = re.compile(rf"^{re.escape(prefix)}blocks\.(\d+)\.")
     for name in names:
-        match = _BLOCK.match(name)
+        match = block.match(name)
         if match:
             blocks.setdefault(int(match.group(1)), []).append(name)
         else:
@@ -115,7 +126,8 @@ def block_groups(names: Shapes | list[str]) -> list[list[str]]:
 def write_encoder(out: Path, config: EncoderConfig, groups: list[list[str]], shapes: Shapes,
                   read: Callable[[list[str]], dict[str, torch.Tensor]],
                   extra_config: dict[str, Any] | None = None,
-                  max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+                  max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                  prefix: str = ENCODER_PREFIX) -> Path:
     """Writes a native encoder directory group by group: each group's tensors, read by
     `read(names)`, are appended to the weight file being written and freed before the next
     group is read. Consecutive groups share a file while it stays under `max_shard_size`, so
@@ -125,12 +137,13 @@ def write_encoder(out: Path, config: EncoderConfig, groups: list[list[str]], sha
     Args:
         out: the directory; it appears at once, replacing a model's that exists.
         config: the encoder's architecture, for `config.json`.
-        groups: the tensor names (with `encoder.`) of each group, in order.
+        groups: the tensor names (with `prefix`) of each group, in order.
         shapes: each name's whole shape and dtype.
         read: the whole tensors of the names given, keyed by them.
         extra_config: further top-level sections of `config.json`.
         max_shard_size: the largest weight file (bytes, or "5GB"); a group larger than it
             is a file of its own.
+        prefix: the objective's name for the encoder, cut from the names written.
 
     Returns:
         `out`.
@@ -143,14 +156,14 @@ def write_encoder(out: Path, config: EncoderConfig, groups: list[list[str]], sha
     with atomic_directory(out) as temp:
         for number, file_groups in enumerate(files, 1):
             name = WEIGHTS_NAME if len(files) == 1 else shard_file_name(number, len(files))
-            layout = {tensor[len(ENCODER_PREFIX):]: shapes[tensor]
+            layout = {tensor[len(prefix):]: shapes[tensor]
                       for group in file_groups for tensor in group}
             with atomic_write(temp / name) as handle:
                 stream = SafetensorsStream(handle, layout)
                 for group in file_groups:
                     tensors = read(group)
                     for tensor in group:
-                        stream.write(tensor[len(ENCODER_PREFIX):], tensors[tensor])
+                        stream.write(tensor[len(prefix):], tensors[tensor])
                     total += sum(t.numel() * t.element_size() for t in tensors.values())
                     del tensors  # before the next group is read: one group in memory
                 stream.close()
@@ -267,13 +280,13 @@ def _first_usable(candidates: list[Path], run_dir: Path, verify: bool | None
                      f"{run_dir / ckpt.CHECKPOINT_DIR} is usable ({'; '.join(failed)})")
 
 
-def _encoder_shapes(shapes: Shapes, path: Path, objective: str, config: EncoderConfig
-                    ) -> Shapes:
-    """The checkpoint's encoder tensors (named with `encoder.`), checked to be a plain
-    VisionEncoder of `config`.
+def _encoder_shapes(shapes: Shapes, path: Path, objective: str, config: EncoderConfig,
+                    prefix: str = ENCODER_PREFIX) -> Shapes:
+    """The checkpoint's encoder tensors (named with `prefix`, `encoder.`), checked to be a
+    plain VisionEncoder of `config`.
 
     Raises:
-        ValueError: for LoRA weights, no `encoder.` tensors, or tensors that do not fit.
+        ValueError: for LoRA weights, no `prefix` tensors, or tensors that do not fit.
     """
     from vlm_vit.model import VisionEncoder
 
@@ -282,7 +295,10 @@ def _encoder_shapes(shapes: Shapes, path: Path, objective: str, config: EncoderC
                          "consolidate writes plain encoders and does not merge adapters; fold "
                          "the run's adapter into its encoder with `vlm-vit merge` (a finetune "
                          "--lora run) or vlm_vit.adapt.lora.merge_lora")
-    encoder = {name: shape for name, shape in shapes.items() if name.startswith(ENCODER_PREFIX)}
+    encoder = {name: shape for name, shape in shapes.items() if name.startswith(prefix)}
+    if not encoder and prefix != ENCODER_PREFIX:
+        raise ValueError(f"checkpoint {path} holds no `{prefix}` weights: its objective "
+                         f"{objective} has no {prefix[:-1]} (ibot's runs have one)")
     if not encoder:
         raise ValueError(f"checkpoint {path} holds no `{ENCODER_PREFIX}` weights: its "
                          f"objective {objective} keeps its encoder elsewhere (as the LLM "
@@ -290,21 +306,20 @@ def _encoder_shapes(shapes: Shapes, path: Path, objective: str, config: EncoderC
                          "vlm-vit encoder as `encoder`")
     with torch.device("meta"):
         model = VisionEncoder(config)
-    check_state_dict(model, {name[len(ENCODER_PREFIX):]: torch.empty(size, dtype=dtype,
-                                                                     device="meta")
+    check_state_dict(model, {name[len(prefix):]: torch.empty(size, dtype=dtype, device="meta")
                              for name, (size, dtype) in encoder.items()},
                      f"checkpoint {path} (objective {objective})")
     return encoder
 
 
-def _reader(path: Path, state: dict[str, Any], objective: str, config: EncoderConfig
-            ) -> tuple[Shapes, Callable[[list[str]], dict[str, torch.Tensor]]]:
+def _reader(path: Path, state: dict[str, Any], objective: str, config: EncoderConfig,
+            prefix: str) -> tuple[Shapes, Callable[[list[str]], dict[str, torch.Tensor]]]:
     """The encoder's tensors in checkpoint `path` (checked by `_encoder_shapes`), and a
     function that reads the named ones whole: from a distributed checkpoint's files, or from
     the objective weights a file checkpoint's `state` holds."""
     if path.is_dir():
         shapes = _encoder_shapes(sharded_checkpoint.tensor_shapes(path), path, objective,
-                                 config)
+                                 config, prefix)
 
         def read(names: list[str]) -> dict[str, torch.Tensor]:
             return sharded_checkpoint.load_tensors(path, {name: shapes[name] for name in names})
@@ -314,5 +329,5 @@ def _reader(path: Path, state: dict[str, Any], objective: str, config: EncoderCo
         raise ValueError(f"checkpoint {path} holds no objective weights: not a checkpoint of "
                          "vlm-vit's trainer, or damaged")
     shapes = _encoder_shapes({name: (tensor.shape, tensor.dtype) for name, tensor in
-                              whole.items()}, path, objective, config)
+                              whole.items()}, path, objective, config, prefix)
     return shapes, lambda names: {name: whole[name] for name in names}
