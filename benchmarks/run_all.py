@@ -2,6 +2,7 @@
 
     python benchmarks/run_all.py --out benchmarks.json           # the reference sizes, CPU
     python benchmarks/run_all.py --out benchmarks.json --docs  # and rewrite the docs' table
+    python benchmarks/run_all.py --only 'ibot step' --docs README.md docs/benchmarks.md
     python benchmarks/run_all.py --preset quick                  # small sizes, minutes on a CPU
     python benchmarks/run_all.py --preset gpu                    # bf16 on a GPU (gpu_suite.py)
 
@@ -384,10 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the same as --preset quick")
     parser.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), metavar="NAME")
     parser.add_argument("--out", type=Path, help="write every result to this JSON file")
-    parser.add_argument("--docs", nargs="?", type=Path, const=TABLE_PAGE, metavar="PATH",
+    parser.add_argument("--docs", nargs="*", type=Path, metavar="PATH",
                         help="rewrite the table between the benchmark markers of "
-                        "docs/benchmarks.md (or PATH) "
-                        "(with --only, only those benchmarks' rows)")
+                        "docs/benchmarks.md (or of each PATH: the README's pretraining "
+                        "rows, say) (with --only, only those benchmarks' rows)")
     args = parser.parse_args(argv)
     preset = "quick" if args.quick else args.preset
     results, failures = run_benchmarks(preset, args.only)
@@ -397,17 +398,20 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({"environment": env, "preset": preset,
                                         "results": results}, indent=2))
         print(f"\nwrote {args.out}")
-    if args.docs:
-        command = "python benchmarks/run_all.py --docs" + (
-            f" --preset {preset}" if preset != "reference" else "")
-        text = args.docs.read_text()
-        if args.only and "| benchmark |" in current_block(text):  # only their rows change
-            command += " --only " + " ".join(f"'{name}'" for name in args.only)
-            block = merged_block(current_block(text), results, env, command)
-        else:
-            block = markdown_table(results, env, command)
-        args.docs.write_text(replace_block(text, block))
-        print(f"rewrote the benchmark table in {args.docs}")
+    if args.docs is not None:
+        pages = args.docs or [TABLE_PAGE]
+        command = "python benchmarks/run_all.py --docs" + "".join(
+            f" {page}" for page in args.docs) + (
+            f" --preset {preset}" if preset != "reference" else "") + (
+            " --only " + " ".join(f"'{name}'" for name in args.only) if args.only else "")
+        for page in pages:
+            text = page.read_text()
+            if args.only and "| benchmark |" in current_block(text):  # only their rows change
+                block = merged_block(current_block(text), results, env, command)
+            else:
+                block = markdown_table(results, env, command)
+            page.write_text(replace_block(text, block))
+            print(f"rewrote the benchmark table in {page}")
     return 1 if failures else 0
 
 

@@ -144,21 +144,25 @@ def test_peak_memory_child_prints_a_number(script, arguments):
     assert float(finished.stdout.strip().splitlines()[-1]) >= 0
 
 
-def test_run_all_writes_json_and_only_the_table_block(benchmarks, tmp_path):
-    page = tmp_path / "benchmarks.md"
-    page.write_text("# x\n\nkept\n<!-- benchmarks:start -->\nold\n<!-- benchmarks:end -->\n"
-                   "tail\n")
+def test_run_all_writes_json_and_only_the_table_block_of_each_page(benchmarks, tmp_path):
+    pages = [tmp_path / "benchmarks.md", tmp_path / "README.md"]
+    for page in pages:
+        page.write_text("# x\n\nkept\n<!-- benchmarks:start -->\nold\n<!-- benchmarks:end -->"
+                        "\ntail\n")
     out = tmp_path / "results.json"
     status = benchmarks("run_all").main(["--preset", "tiny", "--only", "encode vit-b/16",
-                                         "--out", str(out), "--docs", str(page)])
+                                         "--out", str(out), "--docs", *map(str, pages)])
     assert status == 0
     saved = json.loads(out.read_text())
     assert saved["preset"] == "tiny" and set(saved["results"]) == {"encode vit-b/16"}
     assert set(saved["environment"]) == {"machine", "date", "python", "versions"}
-    text = page.read_text()
-    assert text.startswith("# x\n\nkept\n<!-- benchmarks:start -->\nMeasured by `python ")
-    assert text.endswith("<!-- benchmarks:end -->\ntail\n") and "old" not in text
-    assert "| encode vit-b/16 | speed vs timm |" in text
+    for page in pages:
+        text = page.read_text()
+        assert text.startswith("# x\n\nkept\n<!-- benchmarks:start -->\nMeasured by `python "
+                               f"benchmarks/run_all.py --docs {pages[0]} {pages[1]} --preset "
+                               "tiny --only 'encode vit-b/16'`")
+        assert text.endswith("<!-- benchmarks:end -->\ntail\n") and "old" not in text
+        assert "| encode vit-b/16 | speed vs timm |" in text
 
 
 def test_replace_block_needs_the_markers(benchmarks):
