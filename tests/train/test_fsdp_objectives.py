@@ -45,7 +45,7 @@ COMMANDS = {
     # the EMA teacher is sharded like the student; encoder/ is the teacher
     "ibot": ["pretrain", "--objective", "ibot", "--prototypes", "32", "--head-hidden", "32",
              "--head-bottleneck", "16", "--local-crops", "2", "--native", "--batch-size", "4",
-             "--checkpoint-every", "2", "--lr", "1e-2", "--warmup-steps", "0"],
+             "--checkpoint-every", "2", "--lr", "1e-3", "--warmup-steps", "0"],
     # attn_qv: the key rows of lora_B stay zero under FSDP2 too (`fsdp.zero_frozen_rows`).
     "lora": ["finetune", "--lora", "--lora-r", "4", "--lora-alpha", "8",
              "--lora-targets", "attn_qv", "--batch-size", "4",
@@ -87,17 +87,19 @@ def losses(run: Path) -> list[float]:
 @pytest.mark.parametrize("objective", ["mae", "mpp", "ibot", "lora"])
 def test_fsdp_trains_what_ddp_trains(runs, objective):
     ddp, fsdp = (runs / f"{objective}-{strategy}" for strategy in ("ddp", "fsdp"))
-    torch.testing.assert_close(losses(fsdp), losses(ddp), rtol=0, atol=1e-5)
+    # Bit-equal on an AMD EPYC; on CI's CPU ibot's fifth loss (at lr 1e-2 then, no warm-up:
+    # AdamW turns reduction-order noise in near-zero gradients into whole steps) differed by
+    # 3e-5. The EMA update itself is held to 1e-6 in the one-process test below.
+    loss_atol = 1e-4 if objective == "ibot" else 1e-5
+    torch.testing.assert_close(losses(fsdp), losses(ddp), rtol=0, atol=loss_atol)
     assert len(losses(ddp)) == 5
     if objective == "lora":  # gathered whole at the end
         a, b = (torch.load(run / "objective.pt", weights_only=True) for run in (ddp, fsdp))
     else:  # written from the final checkpoint a block at a time
         a, b = (load_encoder(run / "encoder").state_dict() for run in (ddp, fsdp))
     assert a.keys() == b.keys()
-    # ibot's encoder is the EMA teacher: the EMA under FSDP2 equals DDP's within 1e-6.
-    atol = 1e-6 if objective == "ibot" else 1e-5
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=0, atol=atol, msg=name)
+    for name in a:  # ibot's encoder is the EMA teacher
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-5, msg=name)
     if objective == "lora":
         assert (fsdp / "adapter").is_dir()
         key_rows = b["base_model.model.encoder.blocks.0.attn.qkv.lora_B.default.weight"][32:64]
@@ -165,6 +167,10 @@ def test_ibot_s_teacher_is_sharded_like_the_student_and_holds_no_gradient_or_sta
     optimization = Optimization.build(made, TrainConfig(), "cpu")
     made(views([(16, 16), (16, 16)], [(8, 8)])).loss.backward()
     optimization.optimizer.step()
+    with torch.no_grad():  # far from the teacher, so that a wrong EMA weight shows
+        for parameter in made.student.parameters():
+            parameter.neg_()
+    student = {name: p.full_tensor() for name, p in made.student.named_parameters()}
     made.after_optimizer_step(0, 4, optimization.optimizer)
     for name, parameter in made.named_parameters():
         teacher = name.startswith(("encoder.", "teacher_head."))
@@ -173,6 +179,10 @@ def test_ibot_s_teacher_is_sharded_like_the_student_and_holds_no_gradient_or_sta
         assert (parameter in optimization.optimizer.state) != teacher, name
     moved = {name: p.full_tensor() for name, p in made.encoder.named_parameters()}
     assert any(not torch.equal(moved[name], before[name]) for name in before)  # the EMA ran
+    momentum = made.momentum[0]  # the schedule's value at step 0
+    for name, value in moved.items():  # the sharded EMA is DINOv2's formula within 1e-6
+        expected = momentum * before[name] + (1 - momentum) * student[name]
+        torch.testing.assert_close(value, expected, rtol=0, atol=1e-6, msg=name)
 
 
 @pytest.mark.slow  # the two-process launch
