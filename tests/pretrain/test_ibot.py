@@ -10,7 +10,8 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from vlm_vit import EncoderConfig, VisionEncoder
-from vlm_vit.pretrain.ibot import MaskedSelfDistillation, cosine, warmup
+from vlm_vit.pretrain.ibot import MaskedSelfDistillation
+from vlm_vit.pretrain.schedules import cosine, warmup
 
 pytest.importorskip("torchvision")
 

@@ -31,7 +31,6 @@ teacher); the student's is `objective.student`.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,21 +49,9 @@ from vlm_vit.pretrain.distillation_losses import (
     sinkhorn_knopp,
     softmax_center,
 )
+from vlm_vit.pretrain.schedules import cosine, cosine_weight_decay, warmup
 
 CENTERINGS = ("sinkhorn_knopp", "softmax")
-
-
-def cosine(start: float, end: float, step: int, steps: int) -> float:
-    """DINOv2's cosine schedule from `start` (step 0) to `end` (step `steps`)."""
-    return end + 0.5 * (start - end) * (1 + math.cos(math.pi * min(step, steps) / max(steps, 1)))
-
-
-def warmup(start: float, end: float, step: int, steps: int) -> float:
-    """Linear from `start` to `end` over `steps` steps (DINOv2's teacher temperature; its
-    `linspace` reaches `end` at step `steps - 1`), then `end`."""
-    if step >= steps - 1 or steps <= 1:
-        return end
-    return start + (end - start) * step / (steps - 1)
 
 
 class Encoded:
@@ -287,8 +274,4 @@ class MaskedSelfDistillation(nn.Module):
         self.steps_done.fill_(step + 1)
         self.total_steps.fill_(steps)
         if optimizer is not None and self.weight_decay_end is not None:
-            for group in optimizer.param_groups:
-                start = group.setdefault("initial_weight_decay", group["weight_decay"])
-                if start > 0:
-                    group["weight_decay"] = cosine(start, self.weight_decay_end, step + 1,
-                                                   steps)
+            cosine_weight_decay(optimizer, self.weight_decay_end, step + 1, steps)
