@@ -116,6 +116,14 @@ BENCHMARKS = {
         ("token_ratio_native_over_padded", "tokens, native vs padded to squares", "< 1.0"),
         ("speed_ratio_native_over_padded", "speed, native packed vs padded squares",
          ">= 1.2")]),
+    "ijepa step": ("ijepa_step_vs_lightly.py", [
+        ("speed_ratio_vlm_vit_over_lightly", "speed vs lightly's I-JEPA step", ">= 1.0"),
+        ("memory_ratio_vlm_vit_over_lightly", "peak memory vs lightly's I-JEPA step",
+         "<= 1.0")]),
+    "capi step": ("capi_step_vs_lightly.py", [
+        ("speed_ratio_vlm_vit_over_lightly", "speed vs lightly's CAPI step", ">= 1.0"),
+        ("memory_ratio_vlm_vit_over_lightly", "peak memory vs lightly's CAPI step",
+         "<= 1.0")]),
 }
 
 _TINY = ["--depth", "1", "--image-size", "32", "--batch-size", "2", "--repeats", "1"]
@@ -148,6 +156,8 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "anyres": [],
         "ibot step": [],
         "ibot native vs square": [],
+        "ijepa step": [],
+        "capi step": [],
     },
     "quick": {
         "encode vit-b/16": ["--variant", "vit-s/16", "--anchors", "timm", "--repeats", "5"],
@@ -168,6 +178,9 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "anyres": ["--images", "3", "--repeats", "3"],
         "ibot step": ["--batch-size", "2", "--repeats", "3", "--warmup", "0"],
         "ibot native vs square": ["--batch-size", "2", "--repeats", "3"],
+        "ijepa step": ["--variant", "vit-s/16", "--batch-size", "2", "--repeats", "3",
+                       "--warmup", "0"],
+        "capi step": ["--batch-size", "2", "--repeats", "3", "--warmup", "0"],
     },
     "tiny": {
         "encode vit-b/16": ["--variant", "vit-ti/16", "--anchors", "timm", *_TINY,
@@ -207,6 +220,13 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                       "--local-size", "16", "--warmup", "0"],
         "ibot native vs square": ["--variant", "vit-ti/16", *_TINY_IBOT, "--image-size", "32",
                                   "--global-tokens", "12", "--local-tokens", "4"],
+        # 10 x 10 patches: I-JEPA's target blocks then hold more than its min_keep of 10
+        "ijepa step": ["--variant", "vit-ti/16", "--depth", "1", "--image-size", "160",
+                       "--batch-size", "2", "--predictor-width", "48", "--predictor-depth",
+                       "1", "--repeats", "1", "--warmup", "0"],
+        "capi step": ["--variant", "vit-ti/16", "--depth", "1", "--image-size", "64",
+                      "--batch-size", "2", "--clusters", "16", "--predictor-depth", "1",
+                      "--predictor-heads", "3", "--repeats", "1", "--warmup", "0"],
     },
     "gpu": {  # gpu_suite.py: bf16 under autocast, sized to finish in one call of < 8 minutes
         "encode vit-b/16": ["--variant", "vit-b/16", "--anchors", "timm", "--batch-size", "256",

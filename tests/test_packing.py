@@ -306,3 +306,37 @@ def test_masks_that_do_not_fit_their_images_are_refused_naming_the_image(masks, 
     with pytest.raises(ValueError, match=message):
         encoder.forward_packed(photos([(24, 24), (16, 24)]), masks=masks,
                                mask_token=torch.zeros(encoder.config.width))
+
+
+# -- keeps (I-JEPA's context encoder at native resolution, issue 43) ------------------------
+
+
+def test_each_image_s_kept_patches_equal_that_image_keeping_them_alone():
+    """Each packed image keeps its own patches (one keeps all): its tokens equal that image
+    encoded alone with `keep`, the dropped patches never entering the sequence."""
+    encoder = encoder_for("registers")
+    images = photos()
+    generator = torch.Generator().manual_seed(4)
+    keeps = [torch.randperm(image.shape[1] // 8 * (image.shape[2] // 8),
+                            generator=generator)[:5].sort().values for image in images]
+    keeps[1] = None
+    with torch.no_grad():
+        packed = encoder.forward_packed(images, keeps=keeps)
+        for out, image, keep in zip(packed.split(), images, keeps, strict=True):
+            options = {} if keep is None else {"keep": keep[None]}
+            alone = encoder(image[None], **options).tokens[0]
+            assert_close(out.tokens[0], alone)
+            assert out.patch_tokens.shape[1] == (len(keep) if keep is not None
+                                                 else image.shape[1] * image.shape[2] // 64)
+
+
+@pytest.mark.parametrize(("keeps", "message"), [
+    ([None], "1 keeps for 2 images"),
+    ([torch.tensor([0, 9]), None], r"keep 0 .* in \[0, 9\) \(its 3x3 grid\), got \[2\]"),
+    ([None, torch.tensor([0.0])], "keep 1 must be a non-empty 1-D integer tensor"),
+    ([None, torch.zeros(0, dtype=torch.long)], "keep 1 must be a non-empty"),
+])
+def test_keeps_that_do_not_fit_their_images_are_refused_naming_the_image(keeps, message):
+    encoder = encoder_for("paper")
+    with pytest.raises(ValueError, match=message):
+        encoder.forward_packed(photos([(24, 24), (16, 24)]), keeps=keeps)

@@ -262,6 +262,7 @@ class VisionEncoder(NativeFormat, nn.Module):
         max_grid: tuple[int, int] | None = None,
         masks: list[torch.Tensor | None] | None = None,
         mask_token: torch.Tensor | None = None,
+        keeps: list[torch.Tensor | None] | None = None,
     ) -> PackedOutput:
         """Encodes images of different sizes in one packed pass (NaViT; `vlm_vit.packing`):
         each image's tokens equal `self(image[None])`'s, end to end in one `[total, D]`.
@@ -271,8 +272,9 @@ class VisionEncoder(NativeFormat, nn.Module):
                 clips `[frames, C, H, W]` (see `vlm_vit.packing`).
             feature_layers, output_hidden_states, output_attentions: as in `forward`
                 (attention maps come per image, `[heads, L_i, L_i]`).
-            backend, max_tokens, max_grid, masks, mask_token: as in
-                `vlm_vit.packing.encode_packed` (masks: one per image, over its own grid).
+            backend, max_tokens, max_grid, masks, mask_token, keeps: as in
+                `vlm_vit.packing.encode_packed` (masks and keeps: one per image, over its
+                own grid).
 
         Returns:
             A `PackedOutput` (`.split()` gives one `EncoderOutput` per image).
@@ -284,7 +286,7 @@ class VisionEncoder(NativeFormat, nn.Module):
                              output_hidden_states=output_hidden_states,
                              output_attentions=output_attentions, backend=backend,
                              max_tokens=max_tokens, max_grid=max_grid, masks=masks,
-                             mask_token=mask_token)
+                             mask_token=mask_token, keeps=keeps)
 
     def run_blocks(
         self,

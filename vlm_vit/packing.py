@@ -49,7 +49,8 @@ class PackableEncoder(Protocol):
     def num_prefix_tokens(self) -> int: ...
 
     def prepare_tokens(self, pixel_values: torch.Tensor, *, mask: torch.Tensor | None = None,
-                       mask_token: torch.Tensor | None = None
+                       mask_token: torch.Tensor | None = None,
+                       keep: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, tuple[int, int]]: ...
 
     def embed_patches(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor: ...
@@ -163,6 +164,39 @@ def check_masks(masks: list[torch.Tensor | None] | tuple[torch.Tensor | None, ..
     return flat
 
 
+def check_keeps(keeps: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...] | None,
+                grids: list[tuple[int, int]], images: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                encoder: PackableEncoder) -> list[torch.Tensor | None]:
+    """Each image's kept patch indices (None where it keeps every patch).
+
+    Raises:
+        ValueError: for a count other than one per image, indices that are not a non-empty
+            1-D integer tensor inside the image's grid, a clip, or an encoder with 2D RoPE
+            (whose angles follow the full grid), naming the image.
+    """
+    if keeps is None:
+        return [None] * len(grids)
+    if len(keeps) != len(grids):
+        raise ValueError(f"{len(keeps)} keeps for {len(grids)} images: give one per image "
+                         "(None to keep every patch)")
+    if getattr(encoder, "rope", None) is not None and any(k is not None for k in keeps):
+        raise ValueError("keeps (kept patches) are not supported with 2D RoPE")
+    for index, (keep, grid) in enumerate(zip(keeps, grids, strict=True)):
+        if keep is None:
+            continue
+        if images[index].ndim != 3:
+            raise ValueError(f"image {index} is a clip; keeps apply to images only")
+        patches = grid[0] * grid[1]
+        if not isinstance(keep, torch.Tensor) or keep.ndim != 1 or not len(keep) \
+                or keep.dtype.is_floating_point or keep.dtype == torch.bool \
+                or int(keep.min()) < 0 or int(keep.max()) >= patches:
+            shape = list(keep.shape) if isinstance(keep, torch.Tensor) else type(keep).__name__
+            raise ValueError(f"keep {index} must be a non-empty 1-D integer tensor of patch "
+                             f"indices in [0, {patches}) (its {grid[0]}x{grid[1]} grid), got "
+                             f"{shape}")
+    return list(keeps)
+
+
 def clip_tokens(encoder: PackableEncoder, clip: torch.Tensor) -> list[torch.Tensor]:
     """z_0 of each temporal slice of a clip `[frames, C, H, W]`: `[1, L, D]` each."""
     clip = pad_frames(clip, encoder.config.temporal_patch_size)
@@ -183,6 +217,7 @@ def encode_packed(
     max_grid: tuple[int, int] | None = None,
     masks: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...] | None = None,
     mask_token: torch.Tensor | None = None,
+    keeps: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...] | None = None,
 ) -> PackedOutput:
     """Encodes images of different sizes in one packed pass (see the module docstring).
 
@@ -201,20 +236,26 @@ def encode_packed(
             over that image's grid: its masked patches' embeddings become `mask_token`
             (masked pretraining; see `VisionEncoder.prepare_tokens`).
         mask_token: `[D]`, needed with `masks`.
+        keeps: one `[K_i]` index tensor per image (None: every patch), the patches of its
+            grid that image keeps (MAE's and I-JEPA's context encoder: the others never
+            enter the sequence; see `VisionEncoder.prepare_tokens`).
 
     Returns:
         A `PackedOutput`.
 
     Raises:
-        ValueError: for a bad list (see `check_images`) or feature layer, or masks that are
-            not one per image, each of its image's grid (naming the image).
+        ValueError: for a bad list (see `check_images`) or feature layer, or masks or keeps
+            that are not one per image, each of its image's grid (naming the image).
     """
     input_grids = check_images(encoder, images, max_tokens=max_tokens, max_grid=max_grid)
     masks = check_masks(masks, input_grids, images)
+    keeps = check_keeps(keeps, input_grids, images, encoder)
     # z_0 per image, exactly as for that image alone: (1, L_i, D) each; a clip's per slice.
     parts, grids, frames = [], [], []
-    for image, grid, mask in zip(images, input_grids, masks, strict=True):
+    for image, grid, mask, keep in zip(images, input_grids, masks, keeps, strict=True):
         masking = {} if mask is None else {"mask": mask[None], "mask_token": mask_token}
+        if keep is not None:
+            masking["keep"] = keep[None]
         tokens = [encoder.prepare_tokens(image[None], **masking)[0]] if image.ndim == 3 \
             else clip_tokens(encoder, image)
         parts += tokens

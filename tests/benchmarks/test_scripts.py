@@ -52,17 +52,18 @@ def run_script(benchmarks, monkeypatch, tmp_path, name: str, extra: tuple = ()) 
                                   "export cpu", "window attention",
                                   "encode dinov2-l/14", "anyres",
                                   pytest.param("llava packed step", marks=pytest.mark.slow),
-                                  "ibot step", "ibot native vs square"])
+                                  "ibot step", "ibot native vs square", "ijepa step",
+                                  "capi step"])
 def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
     if name in ("llava step", "llava packed step"):
         pytest.importorskip("vlm_vit_llm")
     if name == "export cpu":
         pytest.importorskip("onnxruntime")
-    if name.startswith("ibot"):  # photos through MultiCrop; lightly is the anchor
+    if name.startswith(("ibot", "ijepa", "capi")):  # scikit-image's photos; lightly is the anchor
         for module in ("lightly", "skimage", "torchvision"):
             pytest.importorskip(module)
     memory_children = ("mae step", "lora step", "llava step", "llava packed step", "anyres",
-                       "ibot step")
+                       "ibot step", "ijepa step", "capi step")
     extra = ("--no-memory",) if name in memory_children else ()  # children: below
     result = run_script(benchmarks, monkeypatch, tmp_path, name, extra)
     rows = benchmarks("run_all").headline_rows({name: result})
@@ -92,6 +93,11 @@ def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
         assert result["loss_relative_difference"] <= result["loss_tolerance"] == 1e-4
         assert set(result["first_step_losses"]["lightly"]) == {"loss", "dino", "ibot", "koleo"}
         assert result["cpu"] and result["threads"] >= 1 and result["peak_memory_mib"] == {}
+    if name in ("ijepa step", "capi step"):  # the same step on the same weights and masks
+        assert set(result["step_seconds"]) == set(result["first_step_losses"]) == {
+            "vlm-vit", "lightly"}
+        assert result["loss_relative_difference"] <= result["loss_tolerance"] == 1e-4
+        assert result["cpu"] and result["peak_memory_mib"] == {}
     if name == "ibot native vs square":
         views = result["batch_size"] * (2 + result["local_crops"])
         assert len(result["view_sizes"]) == len(result["padded_sides"]) == views

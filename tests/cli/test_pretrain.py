@@ -112,6 +112,10 @@ KILLED_RUNS = {  # the objective's own flags
     # the EMA teacher, the schedules' position and the crops' and masks' RNG (issue 42)
     "ibot": ["--objective", "ibot", "--prototypes", "32", "--head-hidden", "32",
              "--head-bottleneck", "16", "--local-crops", "2", "--native"],
+    # the target encoder and the masks' RNG (issue 43)
+    "ijepa": ["--objective", "ijepa", "--predictor-width", "32", "--predictor-depth", "1",
+              "--min-keep", "0", "--native"],
+    "capi": ["--objective", "capi", "--clusters", "16", "--predictor-depth", "1", "--native"],
 }
 
 
@@ -163,7 +167,7 @@ def test_pretrain_on_shards_killed_at_a_random_moment_resumes_bit_exactly(tmp_pa
     resumed = load_encoder(tmp_path / "run" / "encoder").state_dict()
     for name, value in whole.items():
         assert torch.equal(resumed[name], value), name
-    # ...and the whole objective: ibot's student, heads and schedules' position too
+    # ...and the whole objective: ibot's and ijepa's student, heads, predictor too
     whole, resumed = (torch.load(tmp_path / run / "objective.pt", weights_only=True)
                       for run in ("whole", "run"))
     assert whole.keys() == resumed.keys()
@@ -189,15 +193,23 @@ def test_quiet_hides_the_progress_bar(setup, quiet, capsys):
 IBOT = ["--objective", "ibot", "--prototypes", "32", "--head-hidden", "32",
         "--head-bottleneck", "16", "--local-crops", "2", "--batch-size", "4",
         "--num-workers", "0", "--checkpoint-every", "2", "--quiet"]
+IJEPA = ["--objective", "ijepa", "--predictor-width", "32", "--predictor-depth", "1",
+         "--min-keep", "0", "--batch-size", "4", "--num-workers", "0", "--checkpoint-every",
+         "2", "--quiet"]
+CAPI = ["--objective", "capi", "--clusters", "16", "--predictor-depth", "1", "--batch-size",
+        "4", "--num-workers", "0", "--checkpoint-every", "2", "--quiet"]
+EMA_TEACHERS = {"ibot": IBOT, "ijepa": IJEPA, "capi": CAPI}
 
 
+@pytest.mark.parametrize("objective", sorted(EMA_TEACHERS))
 @pytest.mark.parametrize(("storage", "native"), [("folder", True), ("shards", False)],
                          ids=["folder-native", "shards-square"])
-def test_ibot_trains_resumes_bit_exactly_and_exports_the_teacher(setup, tmp_path, storage,
-                                                                 native):
+def test_an_ema_objective_trains_resumes_bit_exactly_and_exports_the_teacher(
+        setup, tmp_path, storage, native, objective):
     """A copy of a four-step run cut back to its step-2 checkpoint resumes to the same
     weights (the teacher, its schedules and the RNG of the masks and crops all
-    checkpointed); `encoder/` is the teacher."""
+    checkpointed); `encoder/` is the teacher (ibot's EMA teacher, ijepa's target
+    encoder)."""
     import shutil
 
     from tests.train.toy import write_shards
@@ -207,7 +219,7 @@ def test_ibot_trains_resumes_bit_exactly_and_exports_the_teacher(setup, tmp_path
     if storage == "shards":
         write_shards(tmp_path / "shards", 2, 6)
         data = tmp_path / "shards"
-    common = ["pretrain", str(setup / "start"), *IBOT, "--data", str(data),
+    common = ["pretrain", str(setup / "start"), *EMA_TEACHERS[objective], "--data", str(data),
               *(["--native"] if native else [])]
     assert main([*common, "--out", str(tmp_path / "whole"), "--steps", "4"]) == 0
     shutil.copytree(tmp_path / "whole", tmp_path / "run")
@@ -227,7 +239,8 @@ def test_ibot_trains_resumes_bit_exactly_and_exports_the_teacher(setup, tmp_path
         assert torch.equal(value, resumed[f"encoder.{name}"]), name  # the teacher
     assert not torch.equal(resumed["encoder.blocks.0.attn.qkv.weight"],
                            resumed["student.blocks.0.attn.qkv.weight"])
-    assert int(resumed["steps_done"]) == 4
+    if objective == "ibot":
+        assert int(resumed["steps_done"]) == 4
     # the student, written from the final checkpoint (`vlm-vit consolidate --module student`)
     assert main(["consolidate", str(tmp_path / "run"), "--module", "student",
                  "--out", str(tmp_path / "student")]) == 0
@@ -248,10 +261,11 @@ def test_a_run_without_a_student_refuses_to_export_one(setup, tmp_path, capsys):
     assert not (tmp_path / "student").exists()
 
 
-def test_ibot_s_weight_decay_starts_at_dinov2_s(setup, tmp_path):
+def test_ibot_s_and_ijepa_s_weight_decay_starts_at_their_papers(setup, tmp_path):
     import json
 
-    for objective, extra, expected in (("ibot", IBOT, 0.04), ("mae", [], 0.05)):
+    for objective, extra, expected in (("ibot", IBOT, 0.04), ("ijepa", IJEPA, 0.04),
+                                       ("capi", CAPI, 0.1), ("mae", [], 0.05)):
         out = tmp_path / objective
         assert main(["pretrain", str(setup / "start"), "--objective", objective, *extra,
                      "--data", str(setup / "images"), "--out", str(out), "--steps", "1",
@@ -268,6 +282,42 @@ def test_ibot_s_weight_decay_starts_at_dinov2_s(setup, tmp_path):
 ])
 def test_ibot_bad_options_are_one_line(setup, tmp_path, capsys, options, message):
     assert main(["pretrain", str(setup / "start"), *IBOT, "--data", str(setup / "images"),
+                 "--out", str(tmp_path / "run"), "--steps", "1", *options]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert re.search(message, err), err
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--mask-ratio", "0.5"], "--mask-ratio is for mae, ibot and capi"),
+    (["--min-keep", "10"], "ijepa's target blocks on the encoder's 4x4 patch grid hold as few "
+                           "as 1 patch, not more than min_keep=10"),
+    (["--predictor-width", "30"], "divisible"),
+])
+def test_ijepa_bad_options_are_one_line(setup, tmp_path, capsys, options, message):
+    assert main(["pretrain", str(setup / "start"), *IJEPA, "--data", str(setup / "images"),
+                 "--out", str(tmp_path / "run"), "--steps", "1", *options]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert re.search(message, err), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_native_is_refused_for_square_only_objectives(setup, tmp_path, capsys):
+    assert main(["pretrain", str(setup / "start"), "--objective", "mae", "--native", "--data",
+                 str(setup / "images"), "--out", str(tmp_path / "run"), "--steps", "1"]) == 1
+    assert "--native is for ibot, ijepa and capi; mae trains on square crops" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--mask-ratio", "1.0"], r"--mask-ratio must lie in \[0, 1\)"),
+    (["--mask-ratio", "0.0"], "the mask ratio must lie in \\(0, 1\\)"),
+    (["--predict-fraction", "0"], "predict_fraction must lie in"),
+    (["--clusters", "1"], "at least 2 clusters"),
+])
+def test_capi_bad_options_are_one_line(setup, tmp_path, capsys, options, message):
+    assert main(["pretrain", str(setup / "start"), *CAPI, "--data", str(setup / "images"),
                  "--out", str(tmp_path / "run"), "--steps", "1", *options]) == 1
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -1,6 +1,7 @@
 """`vlm-vit pretrain`: masked-patch self-supervised pretraining on a folder of images or
-tar shards: the paper's mpp, mae, or ibot (DINOv2's masked self-distillation on multi-crop
-views, at native resolution with --native)."""
+tar shards: the paper's mpp, mae, ibot (DINOv2's masked self-distillation on multi-crop
+views), ijepa (I-JEPA's latent prediction of target blocks) or capi (CAPI's prediction of
+online clusters); ibot, ijepa and capi at native resolution with --native."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from vlm_vit.commands import (
 )
 from vlm_vit.presets import NORMALIZATION
 
-OBJECTIVES = ("mpp", "mae", "ibot")
+OBJECTIVES = ("mpp", "mae", "ibot", "ijepa", "capi")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "pretrain", help="self-supervised pretraining: the paper's mpp, mae, or ibot (DINOv2)",
+        "pretrain", help="self-supervised pretraining: the paper's mpp, mae, ibot (DINOv2), "
+        "ijepa (I-JEPA) or capi (CAPI)",
         description="Pretrain an encoder on a folder of unlabelled images (searched "
         "recursively). Leaves RUN_DIR/encoder (native format) at the end; --resume continues "
         "from the last complete checkpoint in RUN_DIR. Runs data-parallel under torchrun.")
@@ -38,27 +40,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         parser, steps=1000, batch_size=64, lr=None,
         lr_help="peak learning rate (default: 1.5e-4 x batch / 256, as MAE)",
         warmup_help="default: steps / 20", weight_decay=None, checkpoint_every=500,
-        weight_decay_help="default 0.05; ibot: 0.04, its cosine rising to 0.4 (DINOv2)")
+        weight_decay_help="default 0.05; ibot and ijepa: 0.04, its cosine rising to 0.4 "
+        "(DINOv2, I-JEPA); capi: 0.1 (CAPI)")
     add_strategy_arguments(parser)
     parser.add_argument("--normalize", choices=sorted(NORMALIZATION), default="inception")
     parser.add_argument("--mask-ratio", type=float, nargs="+", default=None, metavar="RATIO",
-                        help="mae: the masked fraction (default 0.75); ibot: MIN MAX, each "
-                        "masked crop's range (default 0.1 0.5, as DINOv2)")
+                        help="mae: the masked fraction (default 0.75); capi: its inverse "
+                        "block's (default 0.65); ibot: MIN MAX, each masked crop's range "
+                        "(default 0.1 0.5, as DINOv2)")
     parser.add_argument("--decoder-width", type=int, default=None,
                         help="mae only (default: 512 for encoders 768 wide or more, as MAE; "
                         "else the encoder's width)")
     parser.add_argument("--decoder-depth", type=int, default=None,
                         help="mae only (default: 8 for encoders 768 wide or more, as MAE; "
                         "else 4)")
+    parser.add_argument("--native", action="store_true",
+                        help="ibot, ijepa and capi: each crop at its own aspect ratio within "
+                        "the "
+                        "tokens of a square crop, every view of a batch in one packed call")
     ibot = parser.add_argument_group("ibot (DINOv2: DINO + iBOT + KoLeo, an EMA teacher)")
     ibot.add_argument("--local-crops", type=int, default=8, help="per image (default 8); "
                       "there are always 2 global crops")
     ibot.add_argument("--local-size", type=int, default=None,
                       help="the local crops' side (default: 96/224 of the image size, a "
                       "multiple of the patch size)")
-    ibot.add_argument("--native", action="store_true",
-                      help="each crop at its own aspect ratio within the tokens of a square "
-                      "crop, every view of a batch in one packed call")
     ibot.add_argument("--prototypes", type=int, default=65536,
                       help="the head's output width (default 65536, as DINOv2)")
     ibot.add_argument("--head-hidden", type=int, default=2048)
@@ -67,6 +72,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                       default="sinkhorn_knopp")
     ibot.add_argument("--mask-probability", type=float, default=0.5,
                       help="the share of images whose global crops are masked (default 0.5)")
+    ijepa = parser.add_argument_group("ijepa (I-JEPA: a predictor, an EMA target encoder)")
+    ijepa.add_argument("--predictor-width", type=int, default=384,
+                       help="the predictor's width (default 384, as I-JEPA)")
+    ijepa.add_argument("--predictor-depth", type=int, default=None,
+                       help="the predictor's blocks (default 6, as I-JEPA's code; capi: 12)")
+    ijepa.add_argument("--min-keep", type=int, default=10,
+                       help="a block holds more patches than this (default 10, as I-JEPA at "
+                       "14 x 14 patches; lower it for small grids)")
+    capi = parser.add_argument_group("capi (CAPI: online clusters, a cross-attention "
+                                     "predictor, an EMA teacher)")
+    capi.add_argument("--clusters", type=int, default=16384,
+                      help="the online clusters (default 16384, as CAPI)")
+    capi.add_argument("--predict-fraction", type=float, default=1.0,
+                      help="the share of each image's masked patches scored (default 1, as "
+                      "lightly; the official code 0.05)")
     parser.add_argument("--log-samples", action="store_true",
                         help="shards: write every trained sample's key to "
                         "RUN_DIR/samples/rank_R.tsv")
@@ -78,9 +98,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def describe_objective(name: str, objective) -> str:
-    """One line: the objective's parameters, the encoder's and the rest (decoder, heads)."""
-    total = sum(p.numel() for p in objective.parameters())
-    encoder = sum(p.numel() for p in objective.encoder.parameters())
+    """One line: the objective's trained parameters, the encoder's (the student's, where an
+    EMA teacher is exported) and the rest (decoder, heads, predictor)."""
+    total = sum(p.numel() for p in objective.parameters() if p.requires_grad)
+    trained = getattr(objective, "student", objective.encoder)
+    encoder = sum(p.numel() for p in trained.parameters() if p.requires_grad)
     return (f"{name}: {total:,} parameters to train ({encoder:,} in the encoder, "
             f"{total - encoder:,} in the objective's own decoder and heads)")
 
@@ -90,7 +112,12 @@ def check_mask_ratio(args: argparse.Namespace) -> None:
     each in [0, 1); set to a tuple. Raises ValueError naming the flag."""
     ibot = args.objective == "ibot"
     given = args.mask_ratio
-    args.mask_ratio = tuple(given) if given else ((0.1, 0.5) if ibot else (0.75,))
+    if args.objective == "ijepa" and given:
+        raise ValueError("--mask-ratio is for mae, ibot and capi; ijepa masks blocks of "
+                         "I-JEPA's "
+                         "scales (a context of 0.85-1, four targets of 0.15-0.2)")
+    default = {"ibot": (0.1, 0.5), "capi": (0.65,)}.get(args.objective, (0.75,))
+    args.mask_ratio = tuple(given) if given else default
     if len(args.mask_ratio) != (2 if ibot else 1):
         raise ValueError(f"--mask-ratio takes {'MIN MAX' if ibot else 'one value'} for "
                          f"{args.objective}, got {' '.join(map(str, given))}")
@@ -120,6 +147,45 @@ def ibot_parts(args: argparse.Namespace, encoder, mean, std):
     return objective, augmentation, collate_views
 
 
+def ijepa_parts(args: argparse.Namespace, encoder, mean, std):
+    """The ijepa objective, its crops (I-JEPA's: area 0.3-1, no flip) and their collate."""
+    from vlm_vit.pretrain.ijepa import JointEmbeddingPredictive
+
+    config = encoder.config
+    objective = JointEmbeddingPredictive(encoder, predictor_width=args.predictor_width,
+                                         predictor_depth=args.predictor_depth or 6,
+                                         min_keep=args.min_keep, packed=args.native)
+    return (objective, *single_crops(args, config, mean, std, scale=(0.3, 1.0), flip=False))
+
+
+def capi_parts(args: argparse.Namespace, encoder, mean, std):
+    """The capi objective, its crops (CAPI's: area 0.6-1, flipped) and their collate."""
+    from vlm_vit.pretrain.capi import ClusterPredictiveMasking
+
+    objective = ClusterPredictiveMasking(
+        encoder, clusters=args.clusters, predictor_depth=args.predictor_depth or 12,
+        mask_ratio=args.mask_ratio[0], predict_fraction=args.predict_fraction,
+        packed=args.native)
+    return (objective, *single_crops(args, encoder.config, mean, std, scale=(0.6, 1.0),
+                                     flip=True))
+
+
+def single_crops(args: argparse.Namespace, config, mean, std, *, scale, flip):
+    """One crop per image and its collate: square (`Augmentation`, the default collate) or,
+    with --native, at its own aspect ratio within a square crop's tokens (`NativeCrop`)."""
+    from vlm_vit.data.folders import Augmentation
+    from vlm_vit.data.native_crop import NativeCrop
+    from vlm_vit.data.samples import collate_native
+
+    if not args.native:
+        return Augmentation(config.image_size, mean=mean, std=std, scale=scale,
+                            flip=flip), None
+    side = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
+    tokens = (side // config.patch_size) ** 2
+    return NativeCrop(patch_size=config.patch_size, tokens=tokens, scale=scale, flip=flip,
+                      mean=mean, std=std), collate_native
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -132,14 +198,22 @@ def run(args: argparse.Namespace) -> int:
 
     storage(args.data, "--data")  # refused before the model is built
     check_mask_ratio(args)
+    if args.native and args.objective not in ("ibot", "ijepa", "capi"):
+        raise ValueError(f"--native is for ibot, ijepa and capi; {args.objective} trains on "
+                         "square crops")
     if args.weight_decay is None:
-        args.weight_decay = 0.04 if args.objective == "ibot" else 0.05
+        args.weight_decay = {"ibot": 0.04, "ijepa": 0.04, "capi": 0.1}.get(args.objective,
+                                                                             0.05)
     torch.manual_seed(args.seed)  # the same initial weights on every process
     encoder = variant_or_checkpoint(args.model, args.image_size)
     mean, std = NORMALIZATION[args.normalize]
     collate = None
     if args.objective == "ibot":
         objective, augmentation, collate = ibot_parts(args, encoder, mean, std)
+    elif args.objective == "ijepa":
+        objective, augmentation, collate = ijepa_parts(args, encoder, mean, std)
+    elif args.objective == "capi":
+        objective, augmentation, collate = capi_parts(args, encoder, mean, std)
     else:
         objective = build_objective(args.objective, encoder, mean=mean, std=std,
                                     mask_ratio=args.mask_ratio[0],

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlm_vit.data.samples import ImageBatch, UndecodableImage
+from vlm_vit.data.samples import ImageBatch, UndecodableImage, decoded_items
 from vlm_vit.optional import require
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
 
@@ -298,17 +298,7 @@ def collate_views(items: Sequence[Views | UndecodableImage | None]) -> ImageBatc
         TypeError: for an item of any other type.
         ValueError: when the items do not all have the same number of local views.
     """
-    views, bad = [], []
-    for item in items:
-        if isinstance(item, Views):
-            views.append(item)
-        elif isinstance(item, UndecodableImage):
-            bad.append(item)
-        elif item is None:
-            bad.append(UndecodableImage("<unknown>", "the dataset returned None"))
-        else:
-            raise TypeError(f"collate_views got a {type(item).__name__}; expected Views, an "
-                            "UndecodableImage or None")
+    views, bad = decoded_items(items, Views, "collate_views", "Views")
     counts = sorted({len(item.local_views) for item in views})
     if len(counts) > 1:
         raise ValueError(f"items have different numbers of local views: {counts}")

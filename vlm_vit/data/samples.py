@@ -48,6 +48,28 @@ class ImageBatch:
     labels: torch.Tensor | None = None
 
 
+def decoded_items(items: Sequence[Any], kind: type, collate: str, expected: str
+                  ) -> tuple[list[Any], list[UndecodableImage]]:
+    """The items of type `kind`, in order, and the files that did not decode (None counts as
+    one), for the collate function named `collate`.
+
+    Raises:
+        TypeError: for an item of any other type, naming `expected`.
+    """
+    decoded, bad = [], []
+    for item in items:
+        if isinstance(item, kind):
+            decoded.append(item)
+        elif isinstance(item, UndecodableImage):
+            bad.append(item)
+        elif item is None:
+            bad.append(UndecodableImage("<unknown>", "the dataset returned None"))
+        else:
+            raise TypeError(f"{collate} got a {type(item).__name__}; expected {expected}, an "
+                            "UndecodableImage or None")
+    return decoded, bad
+
+
 def collate_images(items: Sequence[torch.Tensor | UndecodableImage | None]) -> ImageBatch:
     """Stacks the images of a batch, dropping files that did not decode.
 
@@ -60,19 +82,18 @@ def collate_images(items: Sequence[torch.Tensor | UndecodableImage | None]) -> I
     Raises:
         TypeError: for an item of any other type.
     """
-    images, bad = [], []
-    for item in items:
-        if isinstance(item, torch.Tensor):
-            images.append(item)
-        elif isinstance(item, UndecodableImage):
-            bad.append(item)
-        elif item is None:
-            bad.append(UndecodableImage("<unknown>", "the dataset returned None"))
-        else:
-            raise TypeError(f"collate_images got a {type(item).__name__}; expected a [3, H, W] "
-                            "tensor, an UndecodableImage or None")
+    images, bad = decoded_items(items, torch.Tensor, "collate_images", "a [3, H, W] tensor")
     pixel_values = torch.stack(images) if images else torch.empty(0)
     return ImageBatch(pixel_values, bad)
+
+
+def collate_native(items: Sequence[torch.Tensor | UndecodableImage | None]) -> ImageBatch:
+    """As `collate_images`, for images of different sizes (`vlm_vit.data.native_crop`):
+    `pixel_values` is a `vlm_vit.packing.PackedImages` of them, in order."""
+    from vlm_vit.packing import PackedImages
+
+    images, bad = decoded_items(items, torch.Tensor, "collate_native", "a [3, H, W] tensor")
+    return ImageBatch(PackedImages(images), bad)
 
 
 def collate_labelled(items: Sequence[tuple[torch.Tensor, int] | UndecodableImage]

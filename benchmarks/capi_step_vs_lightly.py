@@ -1,0 +1,268 @@
+"""One CAPI training step (`--objective capi`) against lightly's CAPI, on the same images,
+weights and masks.
+
+    python benchmarks/capi_step_vs_lightly.py            # vit-s/16, batch 8, 224 x 224
+    python benchmarks/capi_step_vs_lightly.py --batch-size 4 --repeats 3
+
+A step is what a run of each does per batch: the teacher on the whole images, the clustering
+head and the position-wise Sinkhorn-Knopp; the student on the visible patches, the predictor
+and the student head; both cross-entropies; backward; an AdamW update; the EMA update of the
+teacher's encoder.
+
+- vlm-vit: `ClusterPredictiveMasking(packed=True)` (every image in one packed call per
+  network, the predictor's attention per image).
+- lightly: the step of lightly's CAPI example (`examples/pytorch/capi.py`) on timm's
+  `VisionTransformer` in `MaskedVisionTransformerTIMM`: `CAPIProjectionHead` (the clustering
+  head, with bias; the student head, weight-normalised), `CAPIPredictorTIMM`, `CAPILoss` for
+  both terms and `update_momentum`.
+
+Same weights: the timm ViT is built and loaded into our `VisionEncoder` through our timm
+converter; the heads' and the predictor's weights are ours, carried to lightly's names
+(`capi_predictor.lightly_state_dict`). Same masks: one fixed draw of CAPI's inverse block
+masks on every step. Same images: scikit-image's photos. The first step of each is checked
+before timing (also the warm-up): the losses must agree within `LOSS_TOLERANCE` (relative).
+The candidates then alternate (`timing.alternate`); figures are ratios of medians. Peak
+memory is measured per library in a fresh process (`--child`), after its model is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import tempfile
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from ijepa_step_vs_lightly import photos, side_of  # noqa: E402
+from timing import (  # noqa: E402
+    add_model_arguments,
+    alternate,
+    autocast,
+    config_from_args,
+    cpu_name,
+    flush_denormals,
+    peak_memory_in_child,
+    peak_memory_mib,
+    synchronized,
+    write_json,
+)
+
+from vlm_vit import EncoderConfig, load_encoder  # noqa: E402
+from vlm_vit.pretrain.capi import ClusterPredictiveMasking  # noqa: E402
+from vlm_vit.pretrain.capi_predictor import lightly_state_dict  # noqa: E402
+from vlm_vit.pretrain.inverse_block_masking import (  # noqa: E402
+    InverseBlockMask,
+    batch_inverse_block_masks,
+)
+
+LIBRARIES = ("vlm-vit", "lightly")
+# Relative agreement of the first step's loss: the same weights in two libraries differ only
+# in the order of float32 sums.
+LOSS_TOLERANCE = 1e-4
+LEARNING_RATE, MOMENTUM = 1e-3, 0.996
+
+
+class LightlyCAPI(torch.nn.Module):
+    """The model of lightly's CAPI example, on a timm ViT."""
+
+    def __init__(self, backbone, predictor, student_head, teacher_head) -> None:
+        super().__init__()
+        self.student = backbone
+        self.teacher = copy.deepcopy(backbone).requires_grad_(False).eval()
+        self.predictor, self.student_head = predictor, student_head
+        self.teacher_head = teacher_head
+
+
+def build_pair(config: EncoderConfig, args: argparse.Namespace
+               ) -> tuple[ClusterPredictiveMasking, LightlyCAPI]:
+    from lightly.models.modules import (
+        CAPIPredictorTIMM,
+        CAPIProjectionHead,
+        MaskedVisionTransformerTIMM,
+    )
+
+    from vlm_vit.convert.timm import build_timm_model
+    from vlm_vit.io.files import write_safetensors
+
+    torch.manual_seed(0)
+    vit = build_timm_model(config)
+    backbone = MaskedVisionTransformerTIMM(vit=vit, pos_embed_initialization="skip")
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "timm.safetensors")
+        write_safetensors({k: v.contiguous() for k, v in vit.state_dict().items()}, path)
+        encoder = load_encoder(path, heads=config.heads)
+    ours = ClusterPredictiveMasking(encoder, clusters=args.clusters,
+                                    predictor_depth=args.predictor_depth,
+                                    predictor_heads=args.predictor_heads, packed=True)
+    grid = side_of(config) // config.patch_size
+    predictor = CAPIPredictorTIMM(config.width, grid, depth=args.predictor_depth,
+                                  num_heads=args.predictor_heads)
+    predictor.load_state_dict(lightly_state_dict(ours.predictor))
+    with warnings.catch_warnings():  # lightly's student head uses the old weight_norm
+        warnings.simplefilter("ignore", FutureWarning)
+        student_head = CAPIProjectionHead(config.width, args.clusters, weight_norm=True)
+    student_head.layer.weight_v.data.copy_(ours.prototypes.detach())
+    teacher_head = CAPIProjectionHead(config.width, args.clusters, bias=True)
+    teacher_head.load_state_dict({"layer.weight": ours.clustering.weight.detach(),
+                                  "layer.bias": ours.clustering.bias.detach()})
+    return ours, LightlyCAPI(backbone, predictor, student_head, teacher_head)
+
+
+def ours_step(objective: ClusterPredictiveMasking, images: torch.Tensor,
+              masks: list[InverseBlockMask], args: argparse.Namespace) -> Callable[[], float]:
+    objective.train()
+    optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad],
+                                  lr=LEARNING_RATE)
+    dtype, done = getattr(torch, args.dtype), [0]
+
+    def step() -> float:
+        with autocast(args.device, dtype):
+            out = objective(images, masks=masks)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        optimizer.step()
+        objective.after_optimizer_step(done[0], args.schedule_steps)
+        done[0] += 1
+        return float(out.loss.detach())
+
+    return synchronized(step, args.device)
+
+
+def lightly_step(model: LightlyCAPI, images: torch.Tensor, masks: list[InverseBlockMask],
+                 args: argparse.Namespace) -> Callable[[], float]:
+    """The training step of lightly's CAPI example, on fixed masks (timm's class token kept
+    in the student's input, as index 0, and dropped from every output)."""
+    from lightly.loss import CAPILoss
+    from lightly.models.utils import update_momentum
+    from lightly.utils.scheduler import cosine_schedule
+
+    model.student.train()
+    criterion = CAPILoss()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=LEARNING_RATE)
+    device = images.device
+    visible = torch.stack([m.visible for m in masks]).to(device)
+    masked = torch.stack([m.masked for m in masks]).to(device)
+    keep = torch.cat([visible.new_zeros(len(masks), 1), visible + 1], dim=1)
+    dtype, done = getattr(torch, args.dtype), [0]
+
+    def step() -> float:
+        with autocast(args.device, dtype):
+            with torch.no_grad():
+                features = model.teacher.encode(images)[:, 1:]
+            teacher_logits = model.teacher_head(features)
+            context = model.student.encode(images, idx_keep=keep)[:, 1:]
+            predicted = model.predictor(context, visible, masked)
+            student_logits = model.student_head(predicted)
+            loss = criterion(teacher_logits, student_logits, teacher_index=masked) \
+                + criterion(teacher_logits, teacher_logits)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        momentum = cosine_schedule(done[0], args.schedule_steps, MOMENTUM, 1.0)
+        update_momentum(model.student, model.teacher, m=momentum)
+        done[0] += 1
+        return float(loss.detach())
+
+    return synchronized(step, args.device)
+
+
+def steps_for(libraries: tuple[str, ...], args: argparse.Namespace
+              ) -> dict[str, Callable[[], float]]:
+    config = config_from_args(args)
+    images = photos(args.batch_size, side_of(config)).to(args.device)
+    grid = side_of(config) // config.patch_size
+    masks = batch_inverse_block_masks([(grid, grid)] * args.batch_size,
+                                      torch.Generator().manual_seed(0))
+    ours, theirs = build_pair(config, args)
+    steps: dict[str, Callable[[], float]] = {}
+    if "vlm-vit" in libraries:
+        steps["vlm-vit"] = ours_step(ours.to(args.device), images, masks, args)
+    if "lightly" in libraries:
+        steps["lightly"] = lightly_step(theirs.to(args.device), images, masks, args)
+    return steps
+
+
+def child_arguments(args: argparse.Namespace) -> list[str]:
+    arguments = ["--variant", args.variant, "--image-size", str(args.image_size),
+                 "--depth", str(args.depth or 0), "--device", args.device,
+                 "--dtype", args.dtype]
+    for name in ("batch_size", "clusters", "predictor_depth", "predictor_heads",
+                 "schedule_steps"):
+        arguments += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return arguments
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser, "vit-s/16", image_size=224)
+    parser.add_argument("--batch-size", type=int, default=8, help="images per step")
+    parser.add_argument("--clusters", type=int, default=16384)
+    parser.add_argument("--predictor-depth", type=int, default=2,
+                        help="lightly's example: 2")
+    parser.add_argument("--predictor-heads", type=int, default=6)
+    parser.add_argument("--schedule-steps", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="rounds before timing, besides the checked first step")
+    parser.add_argument("--keep-denormals", action="store_true",
+                        help="do not flush denormal floats to zero (see timing.flush_denormals)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
+    parser.add_argument("--child", choices=LIBRARIES, help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+    args.depth = args.depth or None
+    flush_denormals(args.keep_denormals)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.child:
+        step = steps_for((args.child,), args)[args.child]
+        print(peak_memory_mib(lambda: (step(), step()), args.device))
+        return
+
+    steps = steps_for(LIBRARIES, args)
+    first = {name: step() for name, step in steps.items()}  # the check, and a warm-up
+    difference = abs(first["vlm-vit"] - first["lightly"]) / max(abs(first["lightly"]), 1e-12)
+    if difference > LOSS_TOLERANCE:
+        raise RuntimeError(f"first-step losses differ by {difference:.2e} (relative) > "
+                           f"{LOSS_TOLERANCE}: {first}")
+    medians = alternate(steps, args.repeats, args.warmup)
+    memory = {} if args.no_memory else {
+        name: peak_memory_in_child(__file__, ["--child", name, *child_arguments(args)])
+        for name in LIBRARIES}
+    config = config_from_args(args)
+    result: dict[str, Any] = {
+        "variant": args.variant, "depth": config.depth, "batch_size": args.batch_size,
+        "settings_note": f"{args.image_size} x {args.image_size}, K {args.clusters}, "
+                         f"predictor depth {args.predictor_depth}",
+        "device": args.device, "dtype": args.dtype, "cpu": cpu_name(),
+        "threads": torch.get_num_threads(), "repeats": args.repeats,
+        "first_step_losses": first, "loss_relative_difference": difference,
+        "loss_tolerance": LOSS_TOLERANCE, "step_seconds": medians,
+        "speed_ratio_vlm_vit_over_lightly": medians["lightly"] / medians["vlm-vit"],
+        "peak_memory_mib": memory,
+    }
+    if memory:
+        result["memory_ratio_vlm_vit_over_lightly"] = memory["vlm-vit"] / memory["lightly"]
+    print(f"capi step, {args.variant} (depth {config.depth}), batch {args.batch_size} "
+          f"({result['settings_note']}), {args.device} {args.dtype}, {result['cpu']}, "
+          f"{result['threads']} threads, median of {args.repeats}")
+    print(f"  first step: loss {first['vlm-vit']:.6f} (ours) vs {first['lightly']:.6f} "
+          f"(lightly), relative difference {difference:.1e}")
+    for name in LIBRARIES:
+        extra = f", peak memory {memory[name]:8.0f} MiB" if memory else ""
+        print(f"  {name:<8} {medians[name]:7.3f} s/step{extra}")
+    print(f"  speed ratio vlm-vit / lightly: {result['speed_ratio_vlm_vit_over_lightly']:.3f}"
+          + (f", memory ratio {result['memory_ratio_vlm_vit_over_lightly']:.3f}"
+             if memory else ""))
+    write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""One I-JEPA training step (`--objective ijepa`) against lightly's I-JEPA, on the same
+images, weights and masks.
+
+    python benchmarks/ijepa_step_vs_lightly.py           # vit-b/16, batch 8, 224 x 224
+    python benchmarks/ijepa_step_vs_lightly.py --variant vit-s/16 --batch-size 4 --repeats 3
+
+A step is what a run of each does per batch: the target encoder on the whole images, its
+features layer-normalised and gathered at the four target blocks; the context encoder on the
+context patches; the predictor; smooth L1; backward; an AdamW update; the EMA update of the
+target encoder.
+
+- vlm-vit: `JointEmbeddingPredictive(packed=False)` (the stacked, official layout).
+- lightly: the step of lightly's I-JEPA example (`examples/pytorch/ijepa.py`) on timm's
+  `VisionTransformer` in `MaskedVisionTransformerTIMM` (lightly's own `IJEPABackbone` is a
+  torchvision ViT whose class token shifts every patch index by one, so it cannot take the
+  same masks): `encode(images, idx_keep=...)` for the context, `IJEPAPredictorTIMM`,
+  `apply_masks`, `repeat_interleave_batch`, `SmoothL1Loss` and `update_momentum`.
+
+Same weights: the timm ViT is built, its state dict loaded into our `VisionEncoder` through
+our timm converter; lightly's predictor gets our predictor's weights. Same masks: one fixed
+draw of I-JEPA's multi-block masks (the official collator's, cut to common lengths) on every
+step. Same images: scikit-image's photos, resized. The first step of each is checked before
+timing (also the warm-up): the losses must agree within `LOSS_TOLERANCE` (relative). The
+candidates then alternate (`timing.alternate`); figures are ratios of medians. Peak memory is
+measured per library in a fresh process (`--child`), after its model is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from timing import (  # noqa: E402
+    add_model_arguments,
+    alternate,
+    autocast,
+    config_from_args,
+    cpu_name,
+    flush_denormals,
+    peak_memory_in_child,
+    peak_memory_mib,
+    synchronized,
+    write_json,
+)
+
+from vlm_vit import EncoderConfig, load_encoder  # noqa: E402
+from vlm_vit.pretrain.ijepa import JointEmbeddingPredictive  # noqa: E402
+from vlm_vit.pretrain.jepa_predictor import lightly_state_dict  # noqa: E402
+from vlm_vit.pretrain.multiblock_masking import (  # noqa: E402
+    BlockMasks,
+    batch_masks,
+    common_length,
+)
+
+LIBRARIES = ("vlm-vit", "lightly")
+PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field",
+          "immunohistochemistry", "retina")
+# Relative agreement of the first step's loss: the same weights in two libraries differ only
+# in the order of float32 sums.
+LOSS_TOLERANCE = 1e-4
+WEIGHT_DECAY, LEARNING_RATE, MOMENTUM = 0.04, 1e-3, 0.996
+
+
+def photos(count: int, side: int) -> torch.Tensor:
+    """`count` of scikit-image's photos (image i: `PHOTOS[i % 7]`), `[count, 3, side, side]`,
+    normalised to about zero mean."""
+    from skimage import data
+
+    images = []
+    for index in range(count):
+        pixels = torch.as_tensor(getattr(data, PHOTOS[index % len(PHOTOS)])())
+        pixels = pixels[..., None].expand(-1, -1, 3) if pixels.ndim == 2 else pixels[..., :3]
+        image = pixels.permute(2, 0, 1)[None].float() / 255.0
+        images.append(F.interpolate(image, size=(side, side), mode="bilinear",
+                                    antialias=True)[0])
+    return (torch.stack(images) - 0.5) / 0.25
+
+
+def side_of(config: EncoderConfig) -> int:
+    size = config.image_size
+    return size if isinstance(size, int) else size[0]
+
+
+def fixed_masks(grid: tuple[int, int], images: int) -> list[BlockMasks]:
+    return common_length(batch_masks([grid] * images, torch.Generator().manual_seed(0)))
+
+
+class LightlyIJEPA(torch.nn.Module):
+    """The model of lightly's I-JEPA example, on a timm ViT: context and target encoders (the
+    target frozen) and the predictor."""
+
+    def __init__(self, backbone: torch.nn.Module, predictor: torch.nn.Module) -> None:
+        super().__init__()
+        self.encoder = backbone
+        self.target_encoder = copy.deepcopy(backbone).requires_grad_(False).eval()
+        self.predictor = predictor
+
+
+def build_pair(config: EncoderConfig, args: argparse.Namespace
+               ) -> tuple[JointEmbeddingPredictive, LightlyIJEPA]:
+    from lightly.models.modules import IJEPAPredictorTIMM, MaskedVisionTransformerTIMM
+
+    from vlm_vit.convert.timm import build_timm_model
+    from vlm_vit.io.files import write_safetensors
+
+    torch.manual_seed(0)
+    vit = build_timm_model(config)
+    backbone = MaskedVisionTransformerTIMM(vit=vit, pos_embed_initialization="skip")
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "timm.safetensors")
+        write_safetensors({k: v.contiguous() for k, v in vit.state_dict().items()}, path)
+        encoder = load_encoder(path, heads=config.heads)
+    ours = JointEmbeddingPredictive(encoder, predictor_width=args.predictor_width,
+                                    predictor_depth=args.predictor_depth, packed=False)
+    grid = side_of(config) // config.patch_size
+    predictor = IJEPAPredictorTIMM(num_patches=grid * grid, depth=args.predictor_depth,
+                                   mlp_dim=config.width,
+                                   predictor_embed_dim=args.predictor_width,
+                                   num_heads=config.heads)
+    state = lightly_state_dict(ours.predictor)
+    state["decoder.pos_embed"] = predictor.state_dict()["decoder.pos_embed"]
+    predictor.load_state_dict(state)
+    return ours, LightlyIJEPA(backbone, predictor)
+
+
+def ours_step(objective: JointEmbeddingPredictive, images: torch.Tensor,
+              masks: list[BlockMasks], args: argparse.Namespace) -> Callable[[], float]:
+    objective.train()
+    optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad],
+                                  lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    dtype, done = getattr(torch, args.dtype), [0]
+
+    def step() -> float:
+        with autocast(args.device, dtype):
+            out = objective(images, masks=masks)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        optimizer.step()
+        objective.after_optimizer_step(done[0], args.schedule_steps)
+        done[0] += 1
+        return float(out.loss.detach())
+
+    return synchronized(step, args.device)
+
+
+def lightly_step(model: LightlyIJEPA, images: torch.Tensor, masks: list[BlockMasks],
+                 args: argparse.Namespace) -> Callable[[], float]:
+    """The training step of lightly's I-JEPA example, on fixed masks (the class token of
+    timm's ViT kept in the context, as index 0, and dropped from every output)."""
+    from lightly.models.utils import apply_masks, repeat_interleave_batch, update_momentum
+
+    model.encoder.train()
+    criterion = torch.nn.SmoothL1Loss()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    device = images.device
+    context = torch.stack([m.context for m in masks]).to(device)
+    targets = [torch.stack([m.targets[j] for m in masks]).to(device)
+               for j in range(len(masks[0].targets))]
+    keep = torch.cat([context.new_zeros(len(masks), 1), context + 1], dim=1)
+    dtype, done, batch = getattr(torch, args.dtype), [0], len(images)
+
+    def step() -> float:
+        with autocast(args.device, dtype):
+            with torch.no_grad():
+                h = model.target_encoder.encode(images)[:, 1:]
+                h = F.layer_norm(h, (h.size(-1),))
+                h = repeat_interleave_batch(apply_masks(h, targets), batch, repeat=1)
+            z = model.encoder.encode(images, idx_keep=keep)[:, 1:]
+            z = model.predictor(z, [context], targets)
+            loss = criterion(z.float(), h.float())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        momentum = MOMENTUM + (1.0 - MOMENTUM) * done[0] / args.schedule_steps
+        update_momentum(model.encoder, model.target_encoder, m=momentum)
+        done[0] += 1
+        return float(loss.detach())
+
+    return synchronized(step, args.device)
+
+
+def steps_for(libraries: tuple[str, ...], args: argparse.Namespace
+              ) -> dict[str, Callable[[], float]]:
+    config = config_from_args(args)
+    images = photos(args.batch_size, side_of(config)).to(args.device)
+    grid = side_of(config) // config.patch_size
+    masks = fixed_masks((grid, grid), args.batch_size)
+    ours, theirs = build_pair(config, args)
+    steps: dict[str, Callable[[], float]] = {}
+    if "vlm-vit" in libraries:
+        steps["vlm-vit"] = ours_step(ours.to(args.device), images, masks, args)
+    if "lightly" in libraries:
+        steps["lightly"] = lightly_step(theirs.to(args.device), images, masks, args)
+    return steps
+
+
+def child_arguments(args: argparse.Namespace) -> list[str]:
+    arguments = ["--variant", args.variant, "--image-size", str(args.image_size),
+                 "--depth", str(args.depth or 0), "--device", args.device,
+                 "--dtype", args.dtype]
+    for name in ("batch_size", "predictor_width", "predictor_depth", "schedule_steps"):
+        arguments += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return arguments
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser, "vit-b/16", image_size=224)
+    parser.add_argument("--batch-size", type=int, default=8, help="images per step")
+    parser.add_argument("--predictor-width", type=int, default=384)
+    parser.add_argument("--predictor-depth", type=int, default=6)
+    parser.add_argument("--schedule-steps", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="rounds before timing, besides the checked first step")
+    parser.add_argument("--keep-denormals", action="store_true",
+                        help="do not flush denormal floats to zero (see timing.flush_denormals)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
+    parser.add_argument("--child", choices=LIBRARIES, help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+    args.depth = args.depth or None
+    flush_denormals(args.keep_denormals)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.child:
+        step = steps_for((args.child,), args)[args.child]
+        print(peak_memory_mib(lambda: (step(), step()), args.device))
+        return
+
+    steps = steps_for(LIBRARIES, args)
+    first = {name: step() for name, step in steps.items()}  # the check, and a warm-up
+    difference = abs(first["vlm-vit"] - first["lightly"]) / max(abs(first["lightly"]), 1e-12)
+    if difference > LOSS_TOLERANCE:
+        raise RuntimeError(f"first-step losses differ by {difference:.2e} (relative) > "
+                           f"{LOSS_TOLERANCE}: {first}")
+    medians = alternate(steps, args.repeats, args.warmup)
+    memory = {} if args.no_memory else {
+        name: peak_memory_in_child(__file__, ["--child", name, *child_arguments(args)])
+        for name in LIBRARIES}
+    config = config_from_args(args)
+    result: dict[str, Any] = {
+        "variant": args.variant, "depth": config.depth, "batch_size": args.batch_size,
+        "settings_note": f"{args.image_size} x {args.image_size}, predictor "
+                         f"{args.predictor_width} x {args.predictor_depth}",
+        "device": args.device, "dtype": args.dtype, "cpu": cpu_name(),
+        "threads": torch.get_num_threads(), "repeats": args.repeats,
+        "first_step_losses": first, "loss_relative_difference": difference,
+        "loss_tolerance": LOSS_TOLERANCE, "step_seconds": medians,
+        "speed_ratio_vlm_vit_over_lightly": medians["lightly"] / medians["vlm-vit"],
+        "peak_memory_mib": memory,
+    }
+    if memory:
+        result["memory_ratio_vlm_vit_over_lightly"] = memory["vlm-vit"] / memory["lightly"]
+    print(f"ijepa step, {args.variant} (depth {config.depth}), batch {args.batch_size} "
+          f"({result['settings_note']}), {args.device} {args.dtype}, {result['cpu']}, "
+          f"{result['threads']} threads, median of {args.repeats}")
+    print(f"  first step: loss {first['vlm-vit']:.6f} (ours) vs {first['lightly']:.6f} "
+          f"(lightly), relative difference {difference:.1e}")
+    for name in LIBRARIES:
+        extra = f", peak memory {memory[name]:8.0f} MiB" if memory else ""
+        print(f"  {name:<8} {medians[name]:7.3f} s/step{extra}")
+    print(f"  speed ratio vlm-vit / lightly: {result['speed_ratio_vlm_vit_over_lightly']:.3f}"
+          + (f", memory ratio {result['memory_ratio_vlm_vit_over_lightly']:.3f}"
+             if memory else ""))
+    write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main()
