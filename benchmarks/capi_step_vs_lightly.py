@@ -20,7 +20,8 @@ Same weights: the timm ViT is built and loaded into our `VisionEncoder` through 
 converter; the heads' and the predictor's weights are ours, carried to lightly's names
 (`capi_predictor.lightly_state_dict`). Same masks: one fixed draw of CAPI's inverse block
 masks on every step. Same images: scikit-image's photos. The first step of each is checked
-before timing (also the warm-up): the losses must agree within `LOSS_TOLERANCE` (relative).
+before timing (also the warm-up): the losses must agree within
+`lightly_steps.LOSS_TOLERANCE` (relative).
 The candidates then alternate (`timing.alternate`); figures are ratios of medians. Peak
 memory is measured per library in a fresh process (`--child`), after its model is built.
 """
@@ -33,23 +34,22 @@ import os
 import tempfile
 import warnings
 from collections.abc import Callable
-from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from ijepa_step_vs_lightly import photos, side_of  # noqa: E402
+from lightly_steps import (  # noqa: E402
+    add_comparison_arguments,
+    compare,
+    model_arguments,
+    photos,
+    side_of,
+)
 from timing import (  # noqa: E402
     add_model_arguments,
-    alternate,
     autocast,
     config_from_args,
-    cpu_name,
-    flush_denormals,
-    peak_memory_in_child,
-    peak_memory_mib,
     synchronized,
-    write_json,
 )
 
 from vlm_vit import EncoderConfig, load_encoder  # noqa: E402
@@ -60,10 +60,6 @@ from vlm_vit.pretrain.inverse_block_masking import (  # noqa: E402
     batch_inverse_block_masks,
 )
 
-LIBRARIES = ("vlm-vit", "lightly")
-# Relative agreement of the first step's loss: the same weights in two libraries differ only
-# in the order of float32 sums.
-LOSS_TOLERANCE = 1e-4
 LEARNING_RATE, MOMENTUM = 1e-3, 0.996
 
 
@@ -188,80 +184,20 @@ def steps_for(libraries: tuple[str, ...], args: argparse.Namespace
     return steps
 
 
-def child_arguments(args: argparse.Namespace) -> list[str]:
-    arguments = ["--variant", args.variant, "--image-size", str(args.image_size),
-                 "--depth", str(args.depth or 0), "--device", args.device,
-                 "--dtype", args.dtype]
-    for name in ("batch_size", "clusters", "predictor_depth", "predictor_heads",
-                 "schedule_steps"):
-        arguments += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    return arguments
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, "vit-s/16", image_size=224)
-    parser.add_argument("--batch-size", type=int, default=8, help="images per step")
     parser.add_argument("--clusters", type=int, default=16384)
     parser.add_argument("--predictor-depth", type=int, default=2,
                         help="lightly's example: 2")
     parser.add_argument("--predictor-heads", type=int, default=6)
-    parser.add_argument("--schedule-steps", type=int, default=1000)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="rounds before timing, besides the checked first step")
-    parser.add_argument("--keep-denormals", action="store_true",
-                        help="do not flush denormal floats to zero (see timing.flush_denormals)")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
-    parser.add_argument("--child", choices=LIBRARIES, help=argparse.SUPPRESS)
-    parser.add_argument("--json", help="also write the results to this file")
+    add_comparison_arguments(parser)
     args = parser.parse_args()
-    args.depth = args.depth or None
-    flush_denormals(args.keep_denormals)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.child:
-        step = steps_for((args.child,), args)[args.child]
-        print(peak_memory_mib(lambda: (step(), step()), args.device))
-        return
-
-    steps = steps_for(LIBRARIES, args)
-    first = {name: step() for name, step in steps.items()}  # the check, and a warm-up
-    difference = abs(first["vlm-vit"] - first["lightly"]) / max(abs(first["lightly"]), 1e-12)
-    if difference > LOSS_TOLERANCE:
-        raise RuntimeError(f"first-step losses differ by {difference:.2e} (relative) > "
-                           f"{LOSS_TOLERANCE}: {first}")
-    medians = alternate(steps, args.repeats, args.warmup)
-    memory = {} if args.no_memory else {
-        name: peak_memory_in_child(__file__, ["--child", name, *child_arguments(args)])
-        for name in LIBRARIES}
-    config = config_from_args(args)
-    result: dict[str, Any] = {
-        "variant": args.variant, "depth": config.depth, "batch_size": args.batch_size,
-        "settings_note": f"{args.image_size} x {args.image_size}, K {args.clusters}, "
-                         f"predictor depth {args.predictor_depth}",
-        "device": args.device, "dtype": args.dtype, "cpu": cpu_name(),
-        "threads": torch.get_num_threads(), "repeats": args.repeats,
-        "first_step_losses": first, "loss_relative_difference": difference,
-        "loss_tolerance": LOSS_TOLERANCE, "step_seconds": medians,
-        "speed_ratio_vlm_vit_over_lightly": medians["lightly"] / medians["vlm-vit"],
-        "peak_memory_mib": memory,
-    }
-    if memory:
-        result["memory_ratio_vlm_vit_over_lightly"] = memory["vlm-vit"] / memory["lightly"]
-    print(f"capi step, {args.variant} (depth {config.depth}), batch {args.batch_size} "
-          f"({result['settings_note']}), {args.device} {args.dtype}, {result['cpu']}, "
-          f"{result['threads']} threads, median of {args.repeats}")
-    print(f"  first step: loss {first['vlm-vit']:.6f} (ours) vs {first['lightly']:.6f} "
-          f"(lightly), relative difference {difference:.1e}")
-    for name in LIBRARIES:
-        extra = f", peak memory {memory[name]:8.0f} MiB" if memory else ""
-        print(f"  {name:<8} {medians[name]:7.3f} s/step{extra}")
-    print(f"  speed ratio vlm-vit / lightly: {result['speed_ratio_vlm_vit_over_lightly']:.3f}"
-          + (f", memory ratio {result['memory_ratio_vlm_vit_over_lightly']:.3f}"
-             if memory else ""))
-    write_json(args.json, result)
+    compare(args, __file__, "capi step",
+            f"{args.image_size} x {args.image_size}, K {args.clusters}, predictor depth "
+            f"{args.predictor_depth}",
+            steps_for, model_arguments(args, ("clusters", "predictor_depth",
+                                              "predictor_heads")))
 
 
 if __name__ == "__main__":

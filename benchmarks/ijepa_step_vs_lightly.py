@@ -20,7 +20,8 @@ Same weights: the timm ViT is built, its state dict loaded into our `VisionEncod
 our timm converter; lightly's predictor gets our predictor's weights. Same masks: one fixed
 draw of I-JEPA's multi-block masks (the official collator's, cut to common lengths) on every
 step. Same images: scikit-image's photos, resized. The first step of each is checked before
-timing (also the warm-up): the losses must agree within `LOSS_TOLERANCE` (relative). The
+timing (also the warm-up): the losses must agree within `lightly_steps.LOSS_TOLERANCE`
+(relative). The
 candidates then alternate (`timing.alternate`); figures are ratios of medians. Peak memory is
 measured per library in a fresh process (`--child`), after its model is built.
 """
@@ -32,23 +33,23 @@ import copy
 import os
 import tempfile
 from collections.abc import Callable
-from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from lightly_steps import (  # noqa: E402
+    add_comparison_arguments,
+    compare,
+    model_arguments,
+    photos,
+    side_of,
+)
 from timing import (  # noqa: E402
     add_model_arguments,
-    alternate,
     autocast,
     config_from_args,
-    cpu_name,
-    flush_denormals,
-    peak_memory_in_child,
-    peak_memory_mib,
     synchronized,
-    write_json,
 )
 
 from vlm_vit import EncoderConfig, load_encoder  # noqa: E402
@@ -60,33 +61,7 @@ from vlm_vit.pretrain.multiblock_masking import (  # noqa: E402
     common_length,
 )
 
-LIBRARIES = ("vlm-vit", "lightly")
-PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field",
-          "immunohistochemistry", "retina")
-# Relative agreement of the first step's loss: the same weights in two libraries differ only
-# in the order of float32 sums.
-LOSS_TOLERANCE = 1e-4
 WEIGHT_DECAY, LEARNING_RATE, MOMENTUM = 0.04, 1e-3, 0.996
-
-
-def photos(count: int, side: int) -> torch.Tensor:
-    """`count` of scikit-image's photos (image i: `PHOTOS[i % 7]`), `[count, 3, side, side]`,
-    normalised to about zero mean."""
-    from skimage import data
-
-    images = []
-    for index in range(count):
-        pixels = torch.as_tensor(getattr(data, PHOTOS[index % len(PHOTOS)])())
-        pixels = pixels[..., None].expand(-1, -1, 3) if pixels.ndim == 2 else pixels[..., :3]
-        image = pixels.permute(2, 0, 1)[None].float() / 255.0
-        images.append(F.interpolate(image, size=(side, side), mode="bilinear",
-                                    antialias=True)[0])
-    return (torch.stack(images) - 0.5) / 0.25
-
-
-def side_of(config: EncoderConfig) -> int:
-    size = config.image_size
-    return size if isinstance(size, int) else size[0]
 
 
 def fixed_masks(grid: tuple[int, int], images: int) -> list[BlockMasks]:
@@ -203,77 +178,17 @@ def steps_for(libraries: tuple[str, ...], args: argparse.Namespace
     return steps
 
 
-def child_arguments(args: argparse.Namespace) -> list[str]:
-    arguments = ["--variant", args.variant, "--image-size", str(args.image_size),
-                 "--depth", str(args.depth or 0), "--device", args.device,
-                 "--dtype", args.dtype]
-    for name in ("batch_size", "predictor_width", "predictor_depth", "schedule_steps"):
-        arguments += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    return arguments
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, "vit-b/16", image_size=224)
-    parser.add_argument("--batch-size", type=int, default=8, help="images per step")
     parser.add_argument("--predictor-width", type=int, default=384)
     parser.add_argument("--predictor-depth", type=int, default=6)
-    parser.add_argument("--schedule-steps", type=int, default=1000)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="rounds before timing, besides the checked first step")
-    parser.add_argument("--keep-denormals", action="store_true",
-                        help="do not flush denormal floats to zero (see timing.flush_denormals)")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
-    parser.add_argument("--child", choices=LIBRARIES, help=argparse.SUPPRESS)
-    parser.add_argument("--json", help="also write the results to this file")
+    add_comparison_arguments(parser)
     args = parser.parse_args()
-    args.depth = args.depth or None
-    flush_denormals(args.keep_denormals)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.child:
-        step = steps_for((args.child,), args)[args.child]
-        print(peak_memory_mib(lambda: (step(), step()), args.device))
-        return
-
-    steps = steps_for(LIBRARIES, args)
-    first = {name: step() for name, step in steps.items()}  # the check, and a warm-up
-    difference = abs(first["vlm-vit"] - first["lightly"]) / max(abs(first["lightly"]), 1e-12)
-    if difference > LOSS_TOLERANCE:
-        raise RuntimeError(f"first-step losses differ by {difference:.2e} (relative) > "
-                           f"{LOSS_TOLERANCE}: {first}")
-    medians = alternate(steps, args.repeats, args.warmup)
-    memory = {} if args.no_memory else {
-        name: peak_memory_in_child(__file__, ["--child", name, *child_arguments(args)])
-        for name in LIBRARIES}
-    config = config_from_args(args)
-    result: dict[str, Any] = {
-        "variant": args.variant, "depth": config.depth, "batch_size": args.batch_size,
-        "settings_note": f"{args.image_size} x {args.image_size}, predictor "
-                         f"{args.predictor_width} x {args.predictor_depth}",
-        "device": args.device, "dtype": args.dtype, "cpu": cpu_name(),
-        "threads": torch.get_num_threads(), "repeats": args.repeats,
-        "first_step_losses": first, "loss_relative_difference": difference,
-        "loss_tolerance": LOSS_TOLERANCE, "step_seconds": medians,
-        "speed_ratio_vlm_vit_over_lightly": medians["lightly"] / medians["vlm-vit"],
-        "peak_memory_mib": memory,
-    }
-    if memory:
-        result["memory_ratio_vlm_vit_over_lightly"] = memory["vlm-vit"] / memory["lightly"]
-    print(f"ijepa step, {args.variant} (depth {config.depth}), batch {args.batch_size} "
-          f"({result['settings_note']}), {args.device} {args.dtype}, {result['cpu']}, "
-          f"{result['threads']} threads, median of {args.repeats}")
-    print(f"  first step: loss {first['vlm-vit']:.6f} (ours) vs {first['lightly']:.6f} "
-          f"(lightly), relative difference {difference:.1e}")
-    for name in LIBRARIES:
-        extra = f", peak memory {memory[name]:8.0f} MiB" if memory else ""
-        print(f"  {name:<8} {medians[name]:7.3f} s/step{extra}")
-    print(f"  speed ratio vlm-vit / lightly: {result['speed_ratio_vlm_vit_over_lightly']:.3f}"
-          + (f", memory ratio {result['memory_ratio_vlm_vit_over_lightly']:.3f}"
-             if memory else ""))
-    write_json(args.json, result)
+    compare(args, __file__, "ijepa step",
+            f"{args.image_size} x {args.image_size}, predictor {args.predictor_width} x "
+            f"{args.predictor_depth}",
+            steps_for, model_arguments(args, ("predictor_width", "predictor_depth")))
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ checkpointed with it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -44,3 +45,27 @@ class Objective(Protocol):
     encoder: nn.Module
 
     def __call__(self, pixel_values: torch.Tensor) -> ObjectiveOutput: ...
+
+
+def images_grids_masks(pixel_values: Any, patch_size: int, masks: Sequence[Any] | None,
+                       draw: Callable[[list[tuple[int, int]]], list[Any]]
+                       ) -> tuple[list[torch.Tensor], list[tuple[int, int]], list[Any]]:
+    """A batch (stacked `[B, C, H, W]` or a list of `[C, H_i, W_i]`) as a list of images, their
+    patch grids, and one mask each: `masks` when given, else `draw(grids)`.
+
+    Raises:
+        ValueError: for masks other than one per image.
+    """
+    images = list(pixel_values)
+    grids = [(image.shape[-2] // patch_size, image.shape[-1] // patch_size) for image in images]
+    masks = draw(grids) if masks is None else list(masks)
+    if len(masks) != len(images):
+        raise ValueError(f"{len(masks)} masks for {len(images)} images")
+    return images, grids, masks
+
+
+@torch.no_grad()
+def ema_update(teacher: Iterable[torch.Tensor], student: Iterable[torch.Tensor],
+               momentum: float) -> None:
+    """teacher <- momentum * teacher + (1 - momentum) * student, parameter by parameter."""
+    torch._foreach_lerp_(list(teacher), list(student), 1.0 - momentum)

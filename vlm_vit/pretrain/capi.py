@@ -37,7 +37,7 @@ from torch import nn
 
 from vlm_vit.layers.rope_2d import grid_positions
 from vlm_vit.model import VisionEncoder
-from vlm_vit.pretrain.base import ObjectiveOutput
+from vlm_vit.pretrain.base import ObjectiveOutput, ema_update, images_grids_masks
 from vlm_vit.pretrain.capi_predictor import CAPIPredictor
 from vlm_vit.pretrain.cluster_losses import cluster_cross_entropy, positionwise_sinkhorn
 from vlm_vit.pretrain.inverse_block_masking import (
@@ -125,13 +125,8 @@ class ClusterPredictiveMasking(nn.Module):
                 masks: list[InverseBlockMask] | None = None) -> ObjectiveOutput:
         """One step on a stacked batch or a list of images; `masks` (one per image) in place
         of drawn ones."""
-        images = list(pixel_values)
-        patch = self.student.config.patch_size
-        grids = [(image.shape[-2] // patch, image.shape[-1] // patch) for image in images]
-        if masks is None:
-            masks = self.draw_masks(grids)
-        if len(masks) != len(images):
-            raise ValueError(f"{len(masks)} masks for {len(images)} images")
+        images, grids, masks = images_grids_masks(pixel_values, self.student.config.patch_size,
+                                                  masks, self.draw_masks)
         device = images[0].device
         visible = [m.visible.to(device) for m in masks]
         masked = [m.masked.to(device) for m in masks]
@@ -187,7 +182,6 @@ class ClusterPredictiveMasking(nn.Module):
     def after_optimizer_step(self, step: int, steps: int,
                              optimizer: torch.optim.Optimizer | None = None) -> None:
         """The EMA of the student's encoder into the teacher at this step's momentum."""
-        momentum = cosine(*self.momentum, step, steps)
-        torch._foreach_lerp_(list(self.encoder.parameters()),
-                             list(self.student.parameters()), 1.0 - momentum)
+        ema_update(self.encoder.parameters(), self.student.parameters(),
+                   cosine(*self.momentum, step, steps))
 

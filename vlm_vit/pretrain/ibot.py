@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from vlm_vit.model import VisionEncoder
-from vlm_vit.pretrain.base import ObjectiveOutput
+from vlm_vit.pretrain.base import ObjectiveOutput, ema_update
 from vlm_vit.pretrain.block_masking import batch_block_masks
 from vlm_vit.pretrain.dino_head import DINOHead
 from vlm_vit.pretrain.distillation_losses import (
@@ -267,10 +267,9 @@ class MaskedSelfDistillation(nn.Module):
                              optimizer: torch.optim.Optimizer | None = None) -> None:
         """The EMA of the student into the teacher at this step's momentum, then the next
         step's schedules (the weight decay of the optimiser's decayed groups)."""
-        momentum = cosine(*self.momentum, step, steps)
-        student = [*self.student.parameters(), *self.head.parameters()]
-        teacher = [*self.encoder.parameters(), *self.teacher_head.parameters()]
-        torch._foreach_lerp_(teacher, student, 1.0 - momentum)
+        ema_update([*self.encoder.parameters(), *self.teacher_head.parameters()],
+                   [*self.student.parameters(), *self.head.parameters()],
+                   cosine(*self.momentum, step, steps))
         self.steps_done.fill_(step + 1)
         self.total_steps.fill_(steps)
         if optimizer is not None and self.weight_decay_end is not None:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_vit.model import VisionEncoder
-from vlm_vit.pretrain.base import ObjectiveOutput
+from vlm_vit.pretrain.base import ObjectiveOutput, ema_update, images_grids_masks
 from vlm_vit.pretrain.jepa_predictor import JEPAPredictor
 from vlm_vit.pretrain.multiblock_masking import (
     BlockMasks,
@@ -140,13 +140,8 @@ class JointEmbeddingPredictive(nn.Module):
         """One step on a stacked batch or a list of images; `masks` (one per image) in place
         of drawn ones."""
         packed = self.packed or not isinstance(pixel_values, torch.Tensor)
-        images = list(pixel_values)
-        patch = self.student.config.patch_size
-        grids = [(image.shape[-2] // patch, image.shape[-1] // patch) for image in images]
-        if masks is None:
-            masks = self.draw_masks(grids)
-        if len(masks) != len(images):
-            raise ValueError(f"{len(masks)} masks for {len(images)} images")
+        images, grids, masks = images_grids_masks(pixel_values, self.student.config.patch_size,
+                                                  masks, self.draw_masks)
         if packed:
             predictions, targets = self.predict_packed(images, masks, grids)
         else:
@@ -201,8 +196,7 @@ class JointEmbeddingPredictive(nn.Module):
                              optimizer: torch.optim.Optimizer | None = None) -> None:
         """The EMA of the context encoder into the target encoder at this step's momentum,
         then the next step's weight decay."""
-        momentum = linear(*self.momentum, step, steps)
-        torch._foreach_lerp_(list(self.encoder.parameters()),
-                             list(self.student.parameters()), 1.0 - momentum)
+        ema_update(self.encoder.parameters(), self.student.parameters(),
+                   linear(*self.momentum, step, steps))
         if optimizer is not None and self.weight_decay_end is not None:
             cosine_weight_decay(optimizer, self.weight_decay_end, step + 1, steps)
