@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import tempfile
 import warnings
 from collections.abc import Callable
 
@@ -42,8 +41,10 @@ from lightly_steps import (  # noqa: E402
     add_comparison_arguments,
     compare,
     model_arguments,
+    ours_step,
     photos,
     side_of,
+    timm_and_ours,
 )
 from timing import (  # noqa: E402
     add_model_arguments,
@@ -52,7 +53,7 @@ from timing import (  # noqa: E402
     synchronized,
 )
 
-from vlm_vit import EncoderConfig, load_encoder  # noqa: E402
+from vlm_vit import EncoderConfig  # noqa: E402
 from vlm_vit.pretrain.capi import ClusterPredictiveMasking  # noqa: E402
 from vlm_vit.pretrain.capi_predictor import lightly_state_dict  # noqa: E402
 from vlm_vit.pretrain.inverse_block_masking import (  # noqa: E402
@@ -79,19 +80,9 @@ def build_pair(config: EncoderConfig, args: argparse.Namespace
     from lightly.models.modules import (
         CAPIPredictorTIMM,
         CAPIProjectionHead,
-        MaskedVisionTransformerTIMM,
     )
 
-    from vlm_vit.convert.timm import build_timm_model
-    from vlm_vit.io.files import write_safetensors
-
-    torch.manual_seed(0)
-    vit = build_timm_model(config)
-    backbone = MaskedVisionTransformerTIMM(vit=vit, pos_embed_initialization="skip")
-    with tempfile.TemporaryDirectory() as scratch:
-        path = os.path.join(scratch, "timm.safetensors")
-        write_safetensors({k: v.contiguous() for k, v in vit.state_dict().items()}, path)
-        encoder = load_encoder(path, heads=config.heads)
+    backbone, encoder = timm_and_ours(config)
     ours = ClusterPredictiveMasking(encoder, clusters=args.clusters,
                                     predictor_depth=args.predictor_depth,
                                     predictor_heads=args.predictor_heads, packed=True)
@@ -107,26 +98,6 @@ def build_pair(config: EncoderConfig, args: argparse.Namespace
     teacher_head.load_state_dict({"layer.weight": ours.clustering.weight.detach(),
                                   "layer.bias": ours.clustering.bias.detach()})
     return ours, LightlyCAPI(backbone, predictor, student_head, teacher_head)
-
-
-def ours_step(objective: ClusterPredictiveMasking, images: torch.Tensor,
-              masks: list[InverseBlockMask], args: argparse.Namespace) -> Callable[[], float]:
-    objective.train()
-    optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad],
-                                  lr=LEARNING_RATE)
-    dtype, done = getattr(torch, args.dtype), [0]
-
-    def step() -> float:
-        with autocast(args.device, dtype):
-            out = objective(images, masks=masks)
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        optimizer.step()
-        objective.after_optimizer_step(done[0], args.schedule_steps)
-        done[0] += 1
-        return float(out.loss.detach())
-
-    return synchronized(step, args.device)
 
 
 def lightly_step(model: LightlyCAPI, images: torch.Tensor, masks: list[InverseBlockMask],
@@ -178,7 +149,8 @@ def steps_for(libraries: tuple[str, ...], args: argparse.Namespace
     ours, theirs = build_pair(config, args)
     steps: dict[str, Callable[[], float]] = {}
     if "vlm-vit" in libraries:
-        steps["vlm-vit"] = ours_step(ours.to(args.device), images, masks, args)
+        steps["vlm-vit"] = ours_step(ours.to(args.device), images, masks, args,
+                                     lr=LEARNING_RATE)
     if "lightly" in libraries:
         steps["lightly"] = lightly_step(theirs.to(args.device), images, masks, args)
     return steps

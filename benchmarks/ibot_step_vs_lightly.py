@@ -50,6 +50,9 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+
+# scikit-image's photos that ship with it (no download); image i is PHOTOS[i % 7].
+from lightly_steps import LIBRARIES, PHOTOS  # noqa: E402
 from timing import (  # noqa: E402
     add_model_arguments,
     alternate,
@@ -69,10 +72,6 @@ from vlm_vit.data.multicrop import MultiCrop, ViewBatch, collate_views  # noqa: 
 from vlm_vit.pretrain.block_masking import batch_block_masks  # noqa: E402
 from vlm_vit.pretrain.ibot import MaskedSelfDistillation  # noqa: E402
 
-LIBRARIES = ("vlm-vit", "lightly")
-# scikit-image's colour photos that ship with it (no download); image i is PHOTOS[i % 7].
-PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field",
-          "immunohistochemistry", "retina")
 # Relative agreement of the first step's loss and its terms. Measured at the reference preset
 # (float32, CPU): 4e-7 at most; the same weights in two libraries differ only in the order of
 # float32 sums (attention, LayerNorm, the 65536-way softmax).

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import tempfile
 from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,8 +41,10 @@ from lightly_steps import (  # noqa: E402
     add_comparison_arguments,
     compare,
     model_arguments,
+    ours_step,
     photos,
     side_of,
+    timm_and_ours,
 )
 from timing import (  # noqa: E402
     add_model_arguments,
@@ -52,7 +53,7 @@ from timing import (  # noqa: E402
     synchronized,
 )
 
-from vlm_vit import EncoderConfig, load_encoder  # noqa: E402
+from vlm_vit import EncoderConfig  # noqa: E402
 from vlm_vit.pretrain.ijepa import JointEmbeddingPredictive  # noqa: E402
 from vlm_vit.pretrain.jepa_predictor import lightly_state_dict  # noqa: E402
 from vlm_vit.pretrain.multiblock_masking import (  # noqa: E402
@@ -81,18 +82,9 @@ class LightlyIJEPA(torch.nn.Module):
 
 def build_pair(config: EncoderConfig, args: argparse.Namespace
                ) -> tuple[JointEmbeddingPredictive, LightlyIJEPA]:
-    from lightly.models.modules import IJEPAPredictorTIMM, MaskedVisionTransformerTIMM
+    from lightly.models.modules import IJEPAPredictorTIMM
 
-    from vlm_vit.convert.timm import build_timm_model
-    from vlm_vit.io.files import write_safetensors
-
-    torch.manual_seed(0)
-    vit = build_timm_model(config)
-    backbone = MaskedVisionTransformerTIMM(vit=vit, pos_embed_initialization="skip")
-    with tempfile.TemporaryDirectory() as scratch:
-        path = os.path.join(scratch, "timm.safetensors")
-        write_safetensors({k: v.contiguous() for k, v in vit.state_dict().items()}, path)
-        encoder = load_encoder(path, heads=config.heads)
+    backbone, encoder = timm_and_ours(config)
     ours = JointEmbeddingPredictive(encoder, predictor_width=args.predictor_width,
                                     predictor_depth=args.predictor_depth, packed=False)
     grid = side_of(config) // config.patch_size
@@ -104,26 +96,6 @@ def build_pair(config: EncoderConfig, args: argparse.Namespace
     state["decoder.pos_embed"] = predictor.state_dict()["decoder.pos_embed"]
     predictor.load_state_dict(state)
     return ours, LightlyIJEPA(backbone, predictor)
-
-
-def ours_step(objective: JointEmbeddingPredictive, images: torch.Tensor,
-              masks: list[BlockMasks], args: argparse.Namespace) -> Callable[[], float]:
-    objective.train()
-    optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad],
-                                  lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
-    dtype, done = getattr(torch, args.dtype), [0]
-
-    def step() -> float:
-        with autocast(args.device, dtype):
-            out = objective(images, masks=masks)
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        optimizer.step()
-        objective.after_optimizer_step(done[0], args.schedule_steps)
-        done[0] += 1
-        return float(out.loss.detach())
-
-    return synchronized(step, args.device)
 
 
 def lightly_step(model: LightlyIJEPA, images: torch.Tensor, masks: list[BlockMasks],
@@ -172,7 +144,8 @@ def steps_for(libraries: tuple[str, ...], args: argparse.Namespace
     ours, theirs = build_pair(config, args)
     steps: dict[str, Callable[[], float]] = {}
     if "vlm-vit" in libraries:
-        steps["vlm-vit"] = ours_step(ours.to(args.device), images, masks, args)
+        steps["vlm-vit"] = ours_step(ours.to(args.device), images, masks, args,
+                                     lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
     if "lightly" in libraries:
         steps["lightly"] = lightly_step(theirs.to(args.device), images, masks, args)
     return steps

@@ -1,6 +1,7 @@
-"""What the I-JEPA and CAPI step benchmarks share: scikit-image's photos, the arguments, and
-the comparison itself (the first step checked, the candidates alternated, peak memory in a
-fresh process per library, the figures printed and written)."""
+"""What the step benchmarks against lightly share: scikit-image's photos (ibot's too), the
+arguments, the models on one set of weights, our step, and the comparison itself (the first
+step checked, the candidates alternated, peak memory in a fresh process per library, the
+figures printed and written)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import torch
 import torch.nn.functional as F
 from timing import (
     alternate,
+    autocast,
     config_from_args,
     cpu_name,
     flush_denormals,
     peak_memory_in_child,
     peak_memory_mib,
+    synchronized,
     write_json,
 )
 
@@ -120,3 +123,47 @@ def model_arguments(args: argparse.Namespace, names: tuple[str, ...]) -> list[st
     for name in ("batch_size", "schedule_steps", *names):
         arguments += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return arguments
+
+
+def timm_and_ours(config) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """lightly's `MaskedVisionTransformerTIMM` around a timm `VisionTransformer` of `config`
+    (seed 0), and our `VisionEncoder` holding its weights, read through our timm converter
+    after the wrapper has re-initialised them."""
+    import os
+    import tempfile
+
+    from lightly.models.modules import MaskedVisionTransformerTIMM
+
+    from vlm_vit import load_encoder
+    from vlm_vit.convert.timm import build_timm_model
+    from vlm_vit.io.files import write_safetensors
+
+    torch.manual_seed(0)
+    vit = build_timm_model(config)
+    backbone = MaskedVisionTransformerTIMM(vit=vit, pos_embed_initialization="skip")
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "timm.safetensors")
+        write_safetensors({k: v.contiguous() for k, v in vit.state_dict().items()}, path)
+        return backbone, load_encoder(path, heads=config.heads)
+
+
+def ours_step(objective: torch.nn.Module, images: torch.Tensor, masks: list[Any],
+              args: argparse.Namespace, **adamw: float) -> Callable[[], float]:
+    """A step of ours as the trainer takes it, on fixed masks: forward, backward, AdamW
+    (`adamw`'s options), `after_optimizer_step`."""
+    objective.train()
+    optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad],
+                                  **adamw)
+    dtype, done = getattr(torch, args.dtype), [0]
+
+    def step() -> float:
+        with autocast(args.device, dtype):
+            out = objective(images, masks=masks)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        optimizer.step()
+        objective.after_optimizer_step(done[0], args.schedule_steps)
+        done[0] += 1
+        return float(out.loss.detach())
+
+    return synchronized(step, args.device)
