@@ -49,10 +49,10 @@ COMMANDS = {
     # the target encoder is sharded like the context encoder; encoder/ is the target
     "ijepa": ["pretrain", "--objective", "ijepa", "--predictor-width", "32",
               "--predictor-depth", "1", "--min-keep", "0", "--native", "--batch-size", "4",
-              "--checkpoint-every", "5", "--lr", "1e-3", "--warmup-steps", "0"],
+              "--checkpoint-every", "2", "--lr", "1e-3", "--warmup-steps", "0"],
     # the teacher sharded too; the position-wise Sinkhorn-Knopp sums over both ranks
     "capi": ["pretrain", "--objective", "capi", "--clusters", "16", "--predictor-depth", "1",
-             "--native", "--batch-size", "4", "--checkpoint-every", "5", "--lr", "1e-3",
+             "--native", "--batch-size", "4", "--checkpoint-every", "2", "--lr", "1e-3",
              "--warmup-steps", "0"],
     # attn_qv: the key rows of lora_B stay zero under FSDP2 too (`fsdp.zero_frozen_rows`).
     "lora": ["finetune", "--lora", "--lora-r", "4", "--lora-alpha", "8",
@@ -194,32 +194,49 @@ def test_ibot_s_teacher_is_sharded_like_the_student_and_holds_no_gradient_or_sta
         torch.testing.assert_close(value, expected, rtol=0, atol=1e-6, msg=name)
 
 
+def teacher_objective(objective: str, encoder):
+    """The objective of the CLI run `COMMANDS[objective]`, around `encoder`."""
+    if objective == "ibot":
+        from vlm_vit.pretrain.ibot import MaskedSelfDistillation
+
+        return MaskedSelfDistillation(encoder, prototypes=32, head_hidden=32, head_bottleneck=16)
+    if objective == "ijepa":
+        from vlm_vit.pretrain.ijepa import JointEmbeddingPredictive
+
+        return JointEmbeddingPredictive(encoder, predictor_width=32, predictor_depth=1,
+                                        min_keep=0, packed=True)
+    from vlm_vit.pretrain.capi import ClusterPredictiveMasking
+
+    return ClusterPredictiveMasking(encoder, clusters=16, predictor_depth=1)
+
+
 @pytest.mark.slow  # the two-process launch
-def test_ibot_s_two_rank_checkpoint_loads_into_one_sharded_process(runs, process_group,
-                                                                   tmp_path):
-    """The FSDP2 run's step-4 distributed checkpoint (teacher, student, heads and the
-    schedules' position sharded over two ranks) read into one FSDP2 process, as `--resume`
-    at another world size reads it: the teacher equals `consolidate`'s reading bit for bit.
-    (Training on cannot equal the two-rank run: each rank draws its own masks, and KoLeo
-    spreads each rank's class tokens, as DINOv2's does.)"""
-    from vlm_vit.pretrain.ibot import MaskedSelfDistillation
+@pytest.mark.parametrize("objective", ["ibot", "ijepa", "capi"])
+def test_a_two_rank_teacher_checkpoint_loads_into_one_sharded_process(runs, process_group,
+                                                                       tmp_path, objective):
+    """The FSDP2 run's step-4 distributed checkpoint (teacher, student, heads or predictor,
+    and ibot's schedules' position, sharded over two ranks) read into one FSDP2 process, as
+    `--resume` at another world size reads it: the teacher equals `consolidate`'s reading bit
+    for bit. (Training on cannot equal the two-rank run: each rank draws its own masks, and
+    ibot's KoLeo spreads each rank's class tokens, as DINOv2's does.)"""
     from vlm_vit.train import checkpoint as ckpt
     from vlm_vit.train import fsdp, sharded_checkpoint
     from vlm_vit.train.consolidate import consolidate
 
-    made = MaskedSelfDistillation(load_encoder(runs / "encoder"), prototypes=32,
-                                  head_hidden=32, head_bottleneck=16)
+    run = runs / f"{objective}-fsdp"
+    made = teacher_objective(objective, load_encoder(runs / "encoder"))
     fsdp.shard(made, torch.device("cpu"))
-    sharded_checkpoint.load_weights(ckpt.sharded_checkpoint_path(runs / "ibot-fsdp", 4), made)
-    expected = load_encoder(consolidate(runs / "ibot-fsdp", tmp_path / "read", step=4))
+    sharded_checkpoint.load_weights(ckpt.sharded_checkpoint_path(run, 4), made)
+    expected = load_encoder(consolidate(run, tmp_path / "read", step=4))
     start = load_encoder(runs / "encoder").state_dict()
-    assert int(made.steps_done) == 4
+    if objective == "ibot":
+        assert int(made.steps_done) == 4
     for name, value in expected.state_dict().items():
         assert not torch.equal(value, start[name]) or "norm" in name or "bias" in name
         assert torch.equal(dict(made.encoder.named_parameters())[name].full_tensor(), value), \
             name
     # the student too, one block at a time from the same shards (`--module student`)
-    student = load_encoder(consolidate(runs / "ibot-fsdp", tmp_path / "student", step=4,
+    student = load_encoder(consolidate(run, tmp_path / "student", step=4,
                                        module="student")).state_dict()
     for name, value in made.student.named_parameters():
         assert torch.equal(value.full_tensor(), student[name]), name
