@@ -160,3 +160,27 @@ def test_everything_the_demo_imports_comes_with_the_train_extra(tmp_path):
                and not any(canonicalize_name(d) in allowed | optional | {"vlm-vit"}
                            for d in owners[module])}
     assert not outside, f"the demo imports modules the train extra does not bring: {outside}"
+
+
+@pytest.mark.parametrize("objective", ["ijepa", "capi"])
+def test_the_ijepa_and_capi_demos_score_their_student(tmp_path, objective):
+    """Their EMA teachers lag the student over a demo-length run: `encoder/`, the arm the
+    demo scores, is the student's final weights."""
+    import torch
+
+    out = tmp_path / "demo"
+    quick = ["--steps", "3", "--batch-size", "16", "--images-per-class", "20", "--width", "32",
+             "--depth", "1", "--shots", "1", "--finetune-steps", "2", "--seeds", "1",
+             "--labels", "1", "--quiet"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["demo", "--out", str(out), "--objective", objective, *quick]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["pretraining"]["objective"] == objective
+    assert report["pretraining"]["steps"] == 3
+    state = torch.load(out / "run" / "objective.pt", weights_only=True)
+    exported = load_encoder(out / "encoder").state_dict()
+    assert exported
+    for name, value in exported.items():
+        assert torch.equal(value, state[f"student.{name}"]), name
+    assert any(not torch.equal(value, state[f"encoder.{name}"])
+               for name, value in exported.items())  # not the teacher

@@ -1,6 +1,6 @@
 """`vlm-vit demo`: the whole path on a fresh machine, with no downloads.
 
-Pretrains a small ViT (masked patch prediction or MAE) on the unlabelled half of
+Pretrains a small ViT (MAE by default; MPP, ibot, I-JEPA or CAPI) on the unlabelled half of
 scikit-learn's handwritten digits, then fine-tunes it whole with k labels per class against
 the same fine-tuning from the same random initialisation (the paper's protocol), and reports
 held-out accuracy against k, with the frozen-feature probes beside it; encodes scikit-image's
@@ -21,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "demo", help="pretrain, evaluate and encode on bundled data (no downloads)",
         description=" ".join(__doc__.split("\n\n")[1].split()))
     parser.add_argument("--out", type=Path, default=Path("vlm-vit-demo"), metavar="DIR")
-    parser.add_argument("--objective", choices=("mpp", "mae", "ibot"),
+    parser.add_argument("--objective", choices=("mpp", "mae", "ibot", "ijepa", "capi"),
                         default=DEFAULTS["objective"],
                         help="pretraining objective (default %(default)s; see the README)")
     parser.add_argument("--quick", action="store_true",
