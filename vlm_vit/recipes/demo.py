@@ -312,9 +312,7 @@ def _pretrain(args: argparse.Namespace, data: DemoData, steps: int, command: str
     """
     import torch
 
-    from vlm_vit.data.folders import ImageFolder
     from vlm_vit.model import VisionEncoder
-    from vlm_vit.pretrain.build import build_objective
     from vlm_vit.recipes.label_efficiency import fingerprint
     from vlm_vit.train import TrainConfig, Trainer
 
@@ -332,7 +330,39 @@ def _pretrain(args: argparse.Namespace, data: DemoData, steps: int, command: str
           f"pretrain on (labels from {len(data.pool)} of them, {len(data.validation)} for "
           f"validation), {len(data.test)} held out; scoring on the {args.eval_on} images")
 
+    objective, dataset, collate = _objective_and_data(args, encoder, steps, mean, std)
+    lr = SINGLE_VIEW.get(args.objective, {}).get("lr", 2e-3)
+    train_config = TrainConfig(steps=steps, batch_size=args.batch_size, lr=lr,
+                               warmup_steps=max(1, steps // 10),
+                               # DINOv2's start of its weight-decay cosine for ibot
+                               weight_decay=0.04 if args.objective == "ibot" else 0.05,
+                               checkpoint_every=0, seed=args.seed,
+                               # ibot's six crops per image cost more than its step on one
+                               # thread: one worker process makes them beside the training
+                               num_workers=1 if args.objective == "ibot" else 0,
+                               log_every=max(1, steps // 10), device="cpu")
+    if args.quiet:
+        logging.getLogger("vlm_vit.train").setLevel(logging.WARNING)
+    print(f"pretraining with {OBJECTIVE_NAMES[args.objective]} for {steps} steps")
+    # A resume continues from the newest checkpoint (a stopped run saved one); an earlier
+    # run is otherwise refused or removed by `demo_state.open_run`.
+    result = Trainer(objective, dataset, train_config, out / "run", command=command,
+                     collate=collate, progress=not args.quiet).fit(resume=args.resume)
+    scored = objective.student if args.objective in SINGLE_VIEW else objective.encoder
+    encoder = scored.eval()
+    encoder.save_pretrained(out / "encoder")
+    processor.save_pretrained(out / "encoder")
+    return encoder, random_init, start_fingerprint, result, processor
+
+
+def _objective_and_data(args: argparse.Namespace, encoder, steps: int, mean, std):
+    """The pretraining objective around `encoder`, its dataset of the unlabelled training half
+    (`args.out / "pretrain_images"`) and its collate function (None: the default)."""
+    from vlm_vit.data.folders import ImageFolder
+    from vlm_vit.pretrain.build import build_objective
+
     collate = None
+    out = args.out
     if args.objective == "ibot":
         from vlm_vit.data.multicrop import MultiCrop, collate_views
         from vlm_vit.pretrain.ibot import MaskedSelfDistillation
@@ -361,28 +391,7 @@ def _pretrain(args: argparse.Namespace, data: DemoData, steps: int, command: str
                                     **MAE_SETTINGS if args.objective == "mae" else {})
         dataset = ImageFolder(out / "pretrain_images", 32, mean=mean, std=std,
                               scale=(0.6, 1.0), flip=False, seed=args.seed)
-    lr = SINGLE_VIEW.get(args.objective, {}).get("lr", 2e-3)
-    train_config = TrainConfig(steps=steps, batch_size=args.batch_size, lr=lr,
-                               warmup_steps=max(1, steps // 10),
-                               # DINOv2's start of its weight-decay cosine for ibot
-                               weight_decay=0.04 if args.objective == "ibot" else 0.05,
-                               checkpoint_every=0, seed=args.seed,
-                               # ibot's six crops per image cost more than its step on one
-                               # thread: one worker process makes them beside the training
-                               num_workers=1 if args.objective == "ibot" else 0,
-                               log_every=max(1, steps // 10), device="cpu")
-    if args.quiet:
-        logging.getLogger("vlm_vit.train").setLevel(logging.WARNING)
-    print(f"pretraining with {OBJECTIVE_NAMES[args.objective]} for {steps} steps")
-    # A resume continues from the newest checkpoint (a stopped run saved one); an earlier
-    # run is otherwise refused or removed by `demo_state.open_run`.
-    result = Trainer(objective, dataset, train_config, out / "run", command=command,
-                     collate=collate, progress=not args.quiet).fit(resume=args.resume)
-    scored = objective.student if args.objective in SINGLE_VIEW else objective.encoder
-    encoder = scored.eval()
-    encoder.save_pretrained(out / "encoder")
-    processor.save_pretrained(out / "encoder")
-    return encoder, random_init, start_fingerprint, result, processor
+    return objective, dataset, collate
 
 
 def _report_head(args: argparse.Namespace, data: DemoData, keys: list[str],
