@@ -69,3 +69,23 @@ def ema_update(teacher: Iterable[torch.Tensor], student: Iterable[torch.Tensor],
                momentum: float) -> None:
     """teacher <- momentum * teacher + (1 - momentum) * student, parameter by parameter."""
     torch._foreach_lerp_(list(teacher), list(student), 1.0 - momentum)
+
+
+class EMATeacher(nn.Module):
+    """An objective whose teacher modules (`teacher_modules`, named attributes) an EMA moves:
+    `train()` as `nn.Module.train`, but the teacher always in eval mode (no dropout or
+    stochastic depth in its targets)."""
+
+    teacher_modules: tuple[str, ...] = ("encoder",)
+
+    def train(self, mode: bool = True) -> EMATeacher:
+        super().train(mode)
+        for name in self.teacher_modules:
+            getattr(self, name).eval()
+        return self
+
+
+def mask_generator() -> torch.Generator:
+    """A generator for one batch's masks, seeded from the process RNG (which checkpoints
+    hold, so a resume draws the same masks)."""
+    return torch.Generator().manual_seed(int(torch.randint(0, 2**62, (), dtype=torch.long)))

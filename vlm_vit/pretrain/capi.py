@@ -37,7 +37,13 @@ from torch import nn
 
 from vlm_vit.layers.rope_2d import grid_positions
 from vlm_vit.model import VisionEncoder
-from vlm_vit.pretrain.base import ObjectiveOutput, ema_update, images_grids_masks
+from vlm_vit.pretrain.base import (
+    EMATeacher,
+    ObjectiveOutput,
+    ema_update,
+    images_grids_masks,
+    mask_generator,
+)
 from vlm_vit.pretrain.capi_predictor import CAPIPredictor
 from vlm_vit.pretrain.cluster_losses import cluster_cross_entropy, positionwise_sinkhorn
 from vlm_vit.pretrain.inverse_block_masking import (
@@ -47,7 +53,7 @@ from vlm_vit.pretrain.inverse_block_masking import (
 from vlm_vit.pretrain.schedules import cosine
 
 
-class ClusterPredictiveMasking(nn.Module):
+class ClusterPredictiveMasking(EMATeacher):
     """CAPI around an encoder (see the module docstring).
 
     Args:
@@ -98,16 +104,9 @@ class ClusterPredictiveMasking(nn.Module):
         self.sinkhorn_iterations, self.momentum = sinkhorn_iterations, tuple(momentum)
         self.predict_fraction, self.packed = predict_fraction, packed
 
-    def train(self, mode: bool = True) -> ClusterPredictiveMasking:
-        """As `nn.Module.train`, but the teacher always runs in eval mode."""
-        super().train(mode)
-        self.encoder.eval()
-        return self
-
     def draw_masks(self, grids: list[tuple[int, int]]) -> list[InverseBlockMask]:
         """Masks for images of these grids, from the process RNG (checkpointed)."""
-        seed = int(torch.randint(0, 2**62, (), dtype=torch.long))
-        generator = torch.Generator().manual_seed(seed)
+        generator = mask_generator()
         masks = batch_inverse_block_masks(grids, generator, ratio=self.mask_ratio,
                                           min_aspect=self.min_aspect)
         if self.predict_fraction < 1.0:  # the official code's prediction subsampling

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from vlm_vit.model import VisionEncoder
-from vlm_vit.pretrain.base import ObjectiveOutput, ema_update
+from vlm_vit.pretrain.base import EMATeacher, ObjectiveOutput, ema_update, mask_generator
 from vlm_vit.pretrain.block_masking import batch_block_masks
 from vlm_vit.pretrain.dino_head import DINOHead
 from vlm_vit.pretrain.distillation_losses import (
@@ -93,7 +93,7 @@ def encode_views(encoder: VisionEncoder, views: list[torch.Tensor], *, packed: b
     return Encoded(torch.stack(cls), patches)
 
 
-class MaskedSelfDistillation(nn.Module):
+class MaskedSelfDistillation(EMATeacher):
     """DINOv2's objective around an encoder (see the module docstring).
 
     Args:
@@ -121,6 +121,8 @@ class MaskedSelfDistillation(nn.Module):
         ValueError: for an encoder without a class token, an unknown centering, or a mask
             setting out of range (one line naming it).
     """
+
+    teacher_modules = ("encoder", "teacher_head")  # DINOv2 builds its teacher without drop path
 
     def __init__(self, encoder: VisionEncoder, *, prototypes: int = 65536,
                  head_hidden: int = 2048, head_bottleneck: int = 256,
@@ -190,20 +192,11 @@ class MaskedSelfDistillation(nn.Module):
         center.update(logits.float())
         return probabilities
 
-    def train(self, mode: bool = True) -> MaskedSelfDistillation:
-        """As `nn.Module.train`, but the teacher always runs in eval mode: no dropout or
-        stochastic depth in the targets (DINOv2 builds its teacher without drop path)."""
-        super().train(mode)
-        self.encoder.eval()
-        self.teacher_head.eval()
-        return self
-
     def draw_masks(self, grids: list[tuple[int, int]],
                    device: torch.device) -> list[torch.Tensor]:
         """Block masks for the global crops (`grids`, view-major: crop v of image i at
         `v * images + i`), from the process RNG (checkpointed, so a resume draws the same)."""
-        seed = int(torch.randint(0, 2**62, (), dtype=torch.long))
-        generator = torch.Generator().manual_seed(seed)
+        generator = mask_generator()
         masks = batch_block_masks(grids, generator, mask_probability=self.mask_probability,
                                   ratio=self.mask_ratio)
         return [mask.to(device) for mask in masks]

@@ -28,10 +28,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from vlm_vit.model import VisionEncoder
-from vlm_vit.pretrain.base import ObjectiveOutput, ema_update, images_grids_masks
+from vlm_vit.pretrain.base import (
+    EMATeacher,
+    ObjectiveOutput,
+    ema_update,
+    images_grids_masks,
+    mask_generator,
+)
 from vlm_vit.pretrain.jepa_predictor import JEPAPredictor
 from vlm_vit.pretrain.multiblock_masking import (
     BlockMasks,
@@ -68,7 +73,7 @@ def check_block_sizes(grid: tuple[int, int], context_scale: tuple[float, float],
                 "min_keep")
 
 
-class JointEmbeddingPredictive(nn.Module):
+class JointEmbeddingPredictive(EMATeacher):
     """I-JEPA around an encoder (see the module docstring).
 
     Args:
@@ -123,17 +128,10 @@ class JointEmbeddingPredictive(nn.Module):
         self.momentum, self.weight_decay_end = tuple(momentum), weight_decay_end
         self.packed = packed
 
-    def train(self, mode: bool = True) -> JointEmbeddingPredictive:
-        """As `nn.Module.train`, but the target encoder always runs in eval mode."""
-        super().train(mode)
-        self.encoder.eval()
-        return self
-
     def draw_masks(self, grids: list[tuple[int, int]]) -> list[BlockMasks]:
         """Masks for images of these grids, from the process RNG (checkpointed, so a resume
         draws the same)."""
-        seed = int(torch.randint(0, 2**62, (), dtype=torch.long))
-        return batch_masks(grids, torch.Generator().manual_seed(seed), **self.masking)
+        return batch_masks(grids, mask_generator(), **self.masking)
 
     def forward(self, pixel_values: Any, *,
                 masks: list[BlockMasks] | None = None) -> ObjectiveOutput:
