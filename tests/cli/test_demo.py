@@ -29,22 +29,31 @@ def tiny_demo(tmp_path_factory):
     return out, json.loads((out / "report.json").read_text()), printed.getvalue()
 
 
-def test_the_report_has_every_number_for_both_arms(tiny_demo):
+def test_the_report_has_every_number_for_every_arm(tiny_demo):
     out, report, _ = tiny_demo
-    assert report["test_images"] == 100 and report["pretraining"]["steps"] == 4
+    assert report["test_images"] == 100 and list(report["arms"]) == ["scratch", "mae"]
+    assert report["arms"]["mae"]["pretraining"]["steps"] == 4
+    assert report["arms"]["scratch"]["pretraining"] is None
     assert report["finetune"]["labels"] == ["1", "all"] and report["finetune"]["seeds"] == 2
+    assert report["finetune"]["recipes_from"] == "flags" and report["sweep"] is None
     assert report["labelled_per_class"] == {"1": 1, "all": 8}
-    for arm in ("random_init", "pretrained"):
-        assert set(report[arm]) == {"few_shot_accuracy", "knn_accuracy", "linear_probe_accuracy",
-                                    "finetune_accuracy", "finetune_start_fingerprint"}
-        for key in ("1", "all"):
-            result = report[arm]["finetune_accuracy"][key]
-            assert len(result["per_seed"]) == 2
-            assert result["min"] <= result["median"] <= result["max"]
-            assert result["median"] == pytest.approx(float(np.median(result["per_seed"])))
-    assert report["photos"] == {"mean": [3, 32], "pixel_shuffle": [3, 4, 32]}
+    spreads = [report["pixels"]["logistic_accuracy"][key] for key in ("1", "all")]
+    for arm in ("scratch", "mae"):
+        assert set(report["arms"][arm]) == {
+            "pretraining", "few_shot_accuracy", "knn_accuracy", "linear_probe_accuracy",
+            "finetune_accuracy", "finetune_start_fingerprint", "recipe"}
+        assert report["arms"][arm]["recipe"]["lr"] == 1e-2
+        assert report["arms"][arm]["recipe"]["steps"] == 120
+        spreads += [report["arms"][arm]["finetune_accuracy"][key] for key in ("1", "all")]
+    for spread in spreads:
+        assert len(spread["per_seed"]) == 2
+        assert spread["min"] <= spread["median"] <= spread["max"]
+        assert spread["median"] == pytest.approx(float(np.median(spread["per_seed"])))
+    assert set(report["pixels"]) == {"few_shot_accuracy", "knn_accuracy",
+                                     "linear_probe_accuracy", "logistic_accuracy"}
+    assert report["photos"] == {"encoder": "mae", "mean": [3, 32], "pixel_shuffle": [3, 4, 32]}
     assert report["evaluated_on"] == "test" and report["scored_images"] == 100
-    for name, size in (("loss.png", (500, 300)), ("label_efficiency.png", (500, 350))):
+    for name, size in (("loss.png", (400, 300)), ("label_efficiency.png", (500, 350))):
         with Image.open(out / name) as plot:
             assert plot.size == size
 
@@ -52,38 +61,63 @@ def test_the_report_has_every_number_for_both_arms(tiny_demo):
 def test_fine_tuning_from_either_start_beats_chance(tiny_demo):
     """Not that pretraining wins (a measurement, reported): that fine-tuning works at all."""
     _, report, _ = tiny_demo
-    for arm in ("random_init", "pretrained"):
-        assert report[arm]["finetune_accuracy"]["all"]["median"] >= 0.1 + 0.15, arm
+    for arm in ("scratch", "mae"):
+        assert report["arms"][arm]["finetune_accuracy"]["all"]["median"] >= 0.1 + 0.15, arm
 
 
-def test_both_arms_start_from_the_weights_they_claim(tiny_demo):
+def test_every_arm_starts_from_the_weights_it_claims(tiny_demo):
     out, report, _ = tiny_demo
-    # The random arm starts where pretraining started; the pretrained arm from its result.
-    assert report["random_init"]["finetune_start_fingerprint"] == \
-        report["pretraining"]["start_fingerprint"]
-    assert report["pretrained"]["finetune_start_fingerprint"] == \
-        fingerprint(load_encoder(out / "encoder"))
-    assert report["pretrained"]["finetune_start_fingerprint"] != \
-        report["random_init"]["finetune_start_fingerprint"]
+    # Random init starts where pretraining started; the pretrained arm from its result.
+    arms = report["arms"]
+    assert arms["scratch"]["finetune_start_fingerprint"] == report["start_fingerprint"]
+    assert arms["mae"]["finetune_start_fingerprint"] == \
+        fingerprint(load_encoder(out / "encoders" / "mae"))
+    assert arms["mae"]["finetune_start_fingerprint"] != report["start_fingerprint"]
+
+
+def test_the_raw_pixel_baseline_is_a_logistic_regression_on_the_pixels(tiny_demo):
+    """Recomputed here from the digits' files: the 'all labels' cell is scikit-learn's
+    logistic regression on the pool's standardised pixels, scored on the held-out half."""
+    from sklearn.linear_model import LogisticRegression
+
+    from vlm_vit.eval import read_class_folder
+    from vlm_vit.processor import NORMALIZATION, ImageProcessor
+
+    out, report, _ = tiny_demo
+    files, labels, _ = read_class_folder(out / "data" / "digits")
+    _, pool, _, test = demo_splits(labels, seed=0)
+    mean, std = NORMALIZATION["inception"]
+    pixels = ImageProcessor(size=32, mean=mean, std=std)([str(f) for f in files])
+    pixels = pixels.flatten(1).numpy().astype(np.float64)
+    centre, scale = pixels[pool].mean(0), pixels[pool].std(0) + 1e-5  # big_vision's epsilon
+    probe = LogisticRegression(max_iter=1000).fit((pixels[pool] - centre) / scale, labels[pool])
+    expected = float(np.mean(probe.predict((pixels[test] - centre) / scale) == labels[test]))
+    assert report["pixels"]["linear_probe_accuracy"] == expected
+    assert report["pixels"]["logistic_accuracy"]["all"]["per_seed"] == \
+        [report["pixels"]["linear_probe_accuracy"]] * 2
 
 
 def test_the_terminal_table_carries_the_report(tiny_demo):
     _, report, printed = tiny_demo
+    lines = printed.splitlines()
+    assert lines[lines.index(next(line for line in lines if line.startswith("| held-out")))] \
+        == "| held-out accuracy (chance 0.10) | raw pixels | scratch | mae |"
+
+    def cells(start: str) -> list[str]:
+        row = next(line for line in lines if line.startswith(f"| {start}"))
+        return [cell.strip() for cell in row.strip("|").split("|")][1:]
+
     for key in ("1", "all"):
-        row = next(line for line in printed.splitlines()
-                   if line.startswith(f"fine-tune, {key} per class"))
-        expected = [f"{report[arm]['finetune_accuracy'][key]['median']:.3f}"
-                    for arm in ("random_init", "pretrained")]
-        assert row.split()[4:6] == expected
-    # The loss printed is the report's, named the same way (mean of the last 10 steps).
-    pretraining = report["pretraining"]
-    assert f"-> {pretraining['final_loss_mean_of_last_10']:.3f} (mean of the last 10" in printed
-    assert "final_loss" not in pretraining and "last_loss" in pretraining
-    for start, metric, at in (("frozen linear probe", "linear_probe_accuracy", 4),
-                              ("frozen k-NN", "knn_accuracy", 4)):
-        row = next(line for line in printed.splitlines() if line.startswith(start))
-        assert row.split()[at:at + 2] == [f"{report[arm][metric]:.3f}"
-                                          for arm in ("random_init", "pretrained")]
+        spreads = [report["pixels"]["logistic_accuracy"][key]] + [
+            report["arms"][arm]["finetune_accuracy"][key] for arm in ("scratch", "mae")]
+        assert cells(f"fine-tune, {key} per class") == [
+            f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})" for s in spreads]
+    for start, metric in (("frozen linear probe", "linear_probe_accuracy"),
+                          ("frozen k-NN", "knn_accuracy")):
+        assert cells(start) == [f"{report['pixels'][metric]:.3f}"] + [
+            f"{report['arms'][arm][metric]:.3f}" for arm in ("scratch", "mae")]
+    assert cells("fine-tuning recipe") == ["-", "lr 0.01, 120 steps", "lr 0.01, 120 steps"]
+    assert "as --finetune-lr / --finetune-steps set it" in printed
 
 
 def test_the_validation_split_is_inside_the_training_half():
@@ -101,6 +135,9 @@ def test_the_validation_split_is_inside_the_training_half():
     (["--labels", "5", "5"], "--labels lists a count twice"),
     (["--labels", "9", "--images-per-class", "20"],
      "the labelled pool has only 8 images of its smallest class"),
+    (["--sweep", "--finetune-lr", "1e-3"],
+     "--sweep chooses each arm's fine-tuning lr and steps: drop --finetune-lr, or --sweep"),
+    (["--finetune-lr", "0"], "--finetune-lr must be positive, got 0.0"),
 ])
 def test_demo_user_errors(tmp_path, capsys, argv, message):
     assert main(["demo", "--out", str(tmp_path / "d"), *argv, "--quiet"]) == 1
@@ -175,12 +212,75 @@ def test_the_ijepa_and_capi_demos_score_their_student(tmp_path, objective):
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["demo", "--out", str(out), "--objective", objective, *quick]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["pretraining"]["objective"] == objective
-    assert report["pretraining"]["steps"] == 3
-    state = torch.load(out / "run" / "objective.pt", weights_only=True)
-    exported = load_encoder(out / "encoder").state_dict()
+    assert report["arms"][objective]["pretraining"]["objective"] == objective
+    assert report["arms"][objective]["pretraining"]["steps"] == 3
+    assert list(report["arms"]) == ["scratch", objective]
+    state = torch.load(out / "runs" / objective / "objective.pt", weights_only=True)
+    exported = load_encoder(out / "encoders" / objective).state_dict()
     assert exported
     for name, value in exported.items():
         assert torch.equal(value, state[f"student.{name}"]), name
     assert any(not torch.equal(value, state[f"encoder.{name}"])
                for name, value in exported.items())  # not the teacher
+
+
+def test_quick_sweep_chooses_on_validation_before_the_held_out_half_is_read(
+        tmp_path, monkeypatch):
+    """`--quick --sweep` end to end, with every use of labelled rows recorded in order: the
+    sweep's runs train on the labelled pool and are scored on the validation split only, each
+    arm's recipe is the best of its own trials there, and nothing touches the held-out half
+    until the sweep is over."""
+    import vlm_vit.recipes.demo_scoring as scoring
+    import vlm_vit.recipes.label_efficiency as label_efficiency
+    from vlm_vit.recipes import demo_state
+
+    monkeypatch.setattr(scoring, "SWEEP_GRID", {"lr": (1e-3, 1e-2), "steps": (5, 30)})
+    uses = []  # (what, rows trained on, rows scored, results), in call order
+    finetune_many, probes = label_efficiency.finetune_many, scoring.probes
+
+    def recorded_finetune_many(jobs, images, labels, eval_rows, recipe, **kwargs):
+        results = finetune_many(jobs, images, labels, eval_rows, recipe, **kwargs)
+        uses.extend(("finetune", set(job.train_rows), set(eval_rows), (job.recipe, result))
+                    for job, result in zip(jobs, results, strict=True))
+        return results
+
+    def recorded_probes(features, labels, train, test, shots, seed):
+        uses.append(("probes", set(train), set(test), None))
+        return probes(features, labels, train, test, shots, seed)
+
+    monkeypatch.setattr(label_efficiency, "finetune_many", recorded_finetune_many)
+    monkeypatch.setattr(scoring, "probes", recorded_probes)
+    out = tmp_path / "demo"
+    argv = ["demo", "--out", str(out), "--quick", "--sweep", "--steps", "3", "--batch-size",
+            "16", "--images-per-class", "20", "--width", "32", "--depth", "1", "--shots", "1",
+            "--labels", "1", "all", "--workers", "1", "--quiet"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+
+    from vlm_vit.eval import read_class_folder
+    _, labels, _ = read_class_folder(out / "data" / "digits")
+    _, pool, validation, test = demo_splits(labels, seed=0)
+    pool, validation, test = set(pool), set(validation), set(test)
+    first_test = next(index for index, use in enumerate(uses) if use[2] & test)
+    sweep_uses = [use for use in uses if use[2] == validation]
+    assert len(sweep_uses) == 2 * 4  # two arms x four trials, all before the held-out half
+    assert uses[:first_test] == sweep_uses
+    for _, trained, scored, _ in uses:
+        assert trained <= pool and not trained & scored and scored in (validation, test)
+    for arm, tried in report["sweep"]["trials"].items():
+        assert len(tried) == 4
+        best = max(tried, key=lambda trial: trial["accuracy"])
+        assert report["arms"][arm]["recipe"]["lr"] == best["lr"]
+        assert report["arms"][arm]["recipe"]["steps"] == best["steps"]
+    # What the report calls each trial's accuracy is what its validation run returned.
+    returned = sorted((recipe.lr, recipe.steps, result) for _, _, _, (recipe, result)
+                      in sweep_uses)
+    assert returned == sorted((trial["lr"], trial["steps"], trial["accuracy"])
+                              for tried in report["sweep"]["trials"].values()
+                              for trial in tried)
+    assert report["finetune"]["recipes_from"] == "sweep" and report["finetune"]["seeds"] == 1
+    assert "| scratch |" in printed.getvalue() and "* chosen" in printed.getvalue()
+    recorded = json.loads((out / demo_state.STATE_NAME).read_text())["finetune_accuracy"]
+    assert sum(key.startswith("sweep/") for key in recorded) == 8

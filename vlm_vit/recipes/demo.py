@@ -1,10 +1,12 @@
 """The demo recipe (`vlm-vit demo`): the whole path on a fresh machine, with no downloads.
 
-Pretrains a small ViT (MAE by default; MPP, ibot, I-JEPA or CAPI) on the unlabelled half of
-scikit-learn's handwritten digits, then fine-tunes it whole with k labels per class against
-the same fine-tuning from the same random initialisation (the paper's protocol), and reports
-held-out accuracy against k, with the frozen-feature probes beside it; encodes scikit-image's
-photos through two poolers, and writes a report, a label-efficiency figure and a loss plot.
+Pretrains small ViTs (the arms: MAE by default; MPP, ibot, I-JEPA, CAPI) on the unlabelled
+half of scikit-learn's handwritten digits from one random initialisation, then fine-tunes each
+whole with k labels per class beside that random initialisation (the paper's protocol), each
+arm with its own recipe chosen on a validation split of the labelled half (`--sweep`, or the
+recorded choices), and reports held-out accuracy against k over three seeds, with frozen-
+feature probes and raw pixels beside them; encodes scikit-image's photos through two poolers,
+and writes a report, a label-efficiency figure and a loss plot.
 """
 
 from __future__ import annotations
@@ -21,15 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
-from vlm_vit.config import EncoderConfig
 from vlm_vit.io.files import atomic_write
 from vlm_vit.optional import require
-from vlm_vit.processor import ImageProcessor
+from vlm_vit.processor import NORMALIZATION, ImageProcessor
 from vlm_vit.recipes import demo_state
-from vlm_vit.recipes.demo_pretrain import _pretrain
+from vlm_vit.recipes.demo_pretrain import pretrain, random_init
 from vlm_vit.recipes.demo_report import plot_label_efficiency, plot_losses, print_report
-from vlm_vit.recipes.demo_scoring import _score_arms, frozen_accuracy  # noqa: F401
-from vlm_vit.recipes.demo_state import DEFAULTS, QUICK
+from vlm_vit.recipes.demo_scoring import pixel_baseline, score_arms, sweep
+from vlm_vit.recipes.demo_state import ARMS, DEFAULTS, QUICK, RECIPES
 
 logger = logging.getLogger(__name__)
 
@@ -102,60 +103,90 @@ class DemoData:
 def run(args: argparse.Namespace) -> int:
     """The demo, from `vlm-vit demo`'s arguments: prints its table and writes its outputs
     under `args.out`; returns the exit status."""
-    from vlm_vit.recipes.label_efficiency import FinetuneRecipe
-
     schedule = _schedule(args)
     command = getattr(args, "command_line", None) or f"vlm-vit demo --out {args.out}"
     finished = demo_state.open_run(args.out, demo_state.settings(args, schedule), command,
                                    resume=args.resume, overwrite=args.overwrite)
     started = time.perf_counter()
     data = _prepare_digits(args, schedule["counts"])
-    encoder, random_init, start_fingerprint, result, processor = _pretrain(
-        args, data, schedule["steps"], command)
-    pretrain_seconds = time.perf_counter() - started
-
-    images = processor([str(f) for f in data.files])
-    recipe = FinetuneRecipe(steps=schedule["finetune_steps"], lr=schedule["finetune_lr"],
-                            layer_decay=args.layer_decay)
+    mean, std = NORMALIZATION["inception"]
+    processor = ImageProcessor(size=32, mean=mean, std=std)
+    start = random_init(args)
     counts, seeds = schedule["counts"], schedule["seeds"]
     keys = ["all" if count is None else str(count) for count in counts]
-    report = _report_head(args, data, keys, counts, result, pretrain_seconds,
-                          start_fingerprint, encoder.config)
-    report["finetune"] = {"recipe": recipe.to_dict(), "seeds": seeds, "labels": keys}
-    arms = (("random_init", random_init.eval()), ("pretrained", encoder))
+    report = _report_head(args, data, keys, counts, start)
+    starts, losses = {}, {}
+    for arm in schedule["arms"]:  # every arm pretrained before anything is scored
+        report["arms"][arm] = {"pretraining": None}
+        starts[arm] = start
+        if arm != "scratch":
+            starts[arm], report["arms"][arm]["pretraining"], losses[arm] = pretrain(
+                args, arm, start, schedule["steps"], command, processor)
+    images = processor([str(f) for f in data.files])
     with _terminated_as_interrupt():
-        _score_arms(args, report, arms, images, data, recipe, keys, counts, seeds, finished)
-    report["photos"] = _encode_photos(encoder, processor)
+        recipes = schedule["recipes"]
+        if recipes is None:  # --sweep: chosen on the validation split
+            recipes, report["sweep"] = sweep(args, starts, images, data, finished)
+        report["finetune"] = {"seeds": seeds, "labels": keys,
+                              "recipes_from": schedule["recipes_from"]}
+        score_arms(args, report, starts, recipes, images, data, keys, counts, seeds, finished)
+    report["pixels"] = pixel_baseline(images, data, keys, counts, seeds, args.shots,
+                                      args.seed)
+    _write_outputs(args, report, starts, losses, processor, started)
+    print_report(report, data.classes)
     out = args.out
-    report["loss_plot"] = "loss.png" if plot_losses(result.losses, out / "loss.png",
-                                                    args.objective) else None
+    print(f"report: {out / 'report.json'}, figure: {out / 'label_efficiency.png'}, encoders: "
+          f"{out / 'encoders'} ({report['seconds']:.0f} s)")
+    return 0
+
+
+def _write_outputs(args: argparse.Namespace, report: dict, starts: dict, losses: dict,
+                   processor: ImageProcessor, started: float) -> None:
+    """The photos through the first pretrained arm (random init if none), the plots and
+    `report.json`."""
+    out = args.out
+    shown = next((arm for arm in starts if arm != "scratch"), "scratch")
+    report["photos"] = {"encoder": shown, **_encode_photos(starts[shown], processor)}
+    report["loss_plot"] = "loss.png" if plot_losses(losses, out / "loss.png") else None
     report["label_efficiency_plot"] = ("label_efficiency.png" if plot_label_efficiency(
         report, out / "label_efficiency.png") else None)
     report["seconds"] = round(time.perf_counter() - started, 1)
     with atomic_write(out / "report.json", "w") as handle:
         json.dump(report, handle, indent=2)
-    print_report(report, data.classes)
-    print(f"report: {out / 'report.json'}, figure: {out / 'label_efficiency.png'}, encoder: "
-          f"{out / 'encoder'} ({report['seconds']:.0f} s)")
-    return 0
 
 
 def _schedule(args: argparse.Namespace) -> dict:
-    """Steps, fine-tuning steps, seeds, fine-tuning lr (the preset's unless given) and the
-    label counts, checked."""
+    """The arms, pretraining steps, seeds (the preset's unless given), the label counts and
+    each arm's fine-tuning recipe (None: `--sweep` chooses them), checked."""
     preset = QUICK if args.quick else DEFAULTS
     steps = preset["steps"] if args.steps is None else args.steps
-    finetune_steps = preset["finetune_steps"] if args.finetune_steps is None \
-        else args.finetune_steps
     seeds = preset["seeds"] if args.seeds is None else args.seeds
-    finetune_lr = preset["finetune_lr"] if args.finetune_lr is None else args.finetune_lr
     counts = label_counts(args.labels)
-    for name, value in (("--steps", steps), ("--finetune-steps", finetune_steps),
+    for name, value in (("--steps", steps), ("--finetune-steps", args.finetune_steps),
                         ("--seeds", seeds), ("--workers", args.workers)):
-        if value < 1:
+        if value is not None and value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
-    return {"steps": steps, "finetune_steps": finetune_steps, "seeds": seeds,
-            "finetune_lr": finetune_lr, "counts": counts}
+    if args.finetune_lr is not None and not args.finetune_lr > 0:
+        raise ValueError(f"--finetune-lr must be positive, got {args.finetune_lr}")
+    given = [flag for flag, value in (("--finetune-lr", args.finetune_lr),
+                                      ("--finetune-steps", args.finetune_steps))
+             if value is not None]
+    if args.sweep and given:
+        raise ValueError(f"--sweep chooses each arm's fine-tuning lr and steps: drop "
+                         f"{' and '.join(given)}, or --sweep")
+    if args.objective is not None:
+        arms = ["scratch", args.objective]
+    elif args.arms is None:
+        arms = list(DEFAULTS["arms"])
+    else:
+        arms = list(ARMS) if "all" in args.arms else list(dict.fromkeys(args.arms))
+    recipes = None if args.sweep else {
+        arm: {"lr": RECIPES[arm]["lr"] if args.finetune_lr is None else args.finetune_lr,
+              "steps": RECIPES[arm]["steps"] if args.finetune_steps is None
+              else args.finetune_steps} for arm in arms}
+    recipes_from = "sweep" if args.sweep else "flags" if given else "recorded"
+    return {"arms": arms, "steps": steps, "seeds": seeds, "counts": counts,
+            "recipes": recipes, "recipes_from": recipes_from}
 
 
 def _prepare_digits(args: argparse.Namespace, counts: list[int | None]) -> DemoData:
@@ -202,21 +233,21 @@ def _terminated_as_interrupt() -> Iterator[None]:
 
 
 def _report_head(args: argparse.Namespace, data: DemoData, keys: list[str],
-                 counts: list[int | None], result, pretrain_seconds: float,
-                 start_fingerprint: str, config: EncoderConfig) -> dict:
-    """The report's settings, splits and pretraining numbers."""
+                 counts: list[int | None], start) -> dict:
+    """The report's settings and splits; the arms come after."""
+    from vlm_vit.recipes.label_efficiency import fingerprint
+
+    print(f"{len(data.files)} digits in {len(data.classes)} classes: {len(data.train)} to "
+          f"pretrain on (labels from {len(data.pool)} of them, {len(data.validation)} for "
+          f"validation), {len(data.test)} held out; scoring on the {args.eval_on} images")
     return {"classes": len(data.classes), "train_images": len(data.train),
             "test_images": len(data.test), "labelled_pool": len(data.pool),
             "validation_images": len(data.validation), "evaluated_on": args.eval_on,
             "scored_images": len(data.scored), "shots": args.shots, "pooling": "mean",
             "labelled_per_class": {key: count or data.fewest
                                    for key, count in zip(keys, counts, strict=True)},
-            "pretraining": {"objective": args.objective, "steps": result.step,
-                            "first_loss": result.losses[0], "last_loss": result.losses[-1],
-                            "final_loss_mean_of_last_10": float(np.mean(result.losses[-10:])),
-                            "seconds": round(pretrain_seconds, 1),
-                            "start_fingerprint": start_fingerprint,
-                            "encoder": config.to_dict()}}
+            "encoder": start.config.to_dict(), "start_fingerprint": fingerprint(start),
+            "sweep": None, "arms": {}}
 
 
 def _encode_photos(encoder, processor: ImageProcessor) -> dict:

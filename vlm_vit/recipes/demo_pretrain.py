@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import TYPE_CHECKING
+import time
+
+import numpy as np
 
 from vlm_vit.config import EncoderConfig
-from vlm_vit.processor import NORMALIZATION, ImageProcessor
-
-if TYPE_CHECKING:
-    from vlm_vit.recipes.demo import DemoData
-
-logger = logging.getLogger(__name__)
+from vlm_vit.processor import ImageProcessor
 
 MAE_SETTINGS = {"mask_ratio": 0.75, "decoder_width": 64, "decoder_depth": 2}  # sized to the demo
 OBJECTIVE_NAMES = {"mpp": "masked patch prediction", "mae": "MAE reconstruction",
@@ -36,60 +33,67 @@ SINGLE_VIEW = {
 }
 
 
-def _pretrain(args: argparse.Namespace, data: DemoData, steps: int, command: str):
-    """Pretrains a fresh encoder on the unlabelled training half and saves it with its
-    processor under `args.out/encoder`.
-
-    Returns:
-        (the pretrained encoder, a copy of its random initialisation, that copy's
-        fingerprint, the trainer's result, the processor).
-    """
+def random_init(args: argparse.Namespace):
+    """The demo's encoder at random initialisation (seed `args.seed`): where every arm
+    starts."""
     import torch
 
     from vlm_vit.model import VisionEncoder
-    from vlm_vit.recipes.label_efficiency import fingerprint
+
+    config = EncoderConfig(image_size=32, patch_size=args.patch_size, width=args.width,
+                           depth=args.depth, heads=4, mlp_width=4 * args.width)
+    torch.manual_seed(args.seed)
+    return VisionEncoder(config).eval()
+
+
+def pretrain(args: argparse.Namespace, arm: str, start, steps: int, command: str,
+             processor: ImageProcessor) -> tuple:
+    """Pretrains a copy of `start` with the objective `arm` on the unlabelled training half
+    (`args.out/pretrain_images`), its run in `args.out/runs/ARM`, and saves the result with
+    its processor under `args.out/encoders/ARM`.
+
+    Returns:
+        (the pretrained encoder, the report's record of the pretraining, its losses).
+    """
+    import copy
+
     from vlm_vit.train import TrainConfig, Trainer
 
     out = args.out
-    mean, std = NORMALIZATION["inception"]
-    config = EncoderConfig(image_size=32, patch_size=args.patch_size, width=args.width,
-                           depth=args.depth, heads=4, mlp_width=4 * args.width)
-    processor = ImageProcessor(size=32, mean=mean, std=std)
-    torch.manual_seed(args.seed)
-    random_init = VisionEncoder(config)
-    encoder = VisionEncoder(config)
-    encoder.load_state_dict(random_init.state_dict())  # the same starting point
-    start_fingerprint = fingerprint(encoder)
-    print(f"{len(data.files)} digits in {len(data.classes)} classes: {len(data.train)} to "
-          f"pretrain on (labels from {len(data.pool)} of them, {len(data.validation)} for "
-          f"validation), {len(data.test)} held out; scoring on the {args.eval_on} images")
-
-    objective, dataset, collate = _objective_and_data(args, encoder, steps, mean, std)
-    lr = SINGLE_VIEW.get(args.objective, {}).get("lr", 2e-3)
+    started = time.perf_counter()
+    encoder = copy.deepcopy(start).train()  # the same starting point for every arm
+    objective, dataset, collate = _objective_and_data(args, arm, encoder, steps,
+                                                      processor.mean, processor.std)
+    lr = SINGLE_VIEW.get(arm, {}).get("lr", 2e-3)
     train_config = TrainConfig(steps=steps, batch_size=args.batch_size, lr=lr,
                                warmup_steps=max(1, steps // 10),
                                # DINOv2's start of its weight-decay cosine for ibot
-                               weight_decay=0.04 if args.objective == "ibot" else 0.05,
+                               weight_decay=0.04 if arm == "ibot" else 0.05,
                                checkpoint_every=0, seed=args.seed,
                                # ibot's six crops per image cost more than its step on one
                                # thread: one worker process makes them beside the training
-                               num_workers=1 if args.objective == "ibot" else 0,
+                               num_workers=1 if arm == "ibot" else 0,
                                log_every=max(1, steps // 10), device="cpu")
     if args.quiet:
         logging.getLogger("vlm_vit.train").setLevel(logging.WARNING)
-    print(f"pretraining with {OBJECTIVE_NAMES[args.objective]} for {steps} steps")
-    # A resume continues from the newest checkpoint (a stopped run saved one); an earlier
-    # run is otherwise refused or removed by `demo_state.open_run`.
-    result = Trainer(objective, dataset, train_config, out / "run", command=command,
-                     collate=collate, progress=not args.quiet).fit(resume=args.resume)
-    scored = objective.student if args.objective in SINGLE_VIEW else objective.encoder
-    encoder = scored.eval()
-    encoder.save_pretrained(out / "encoder")
-    processor.save_pretrained(out / "encoder")
-    return encoder, random_init, start_fingerprint, result, processor
+    print(f"{arm}: pretraining with {OBJECTIVE_NAMES[arm]} for {steps} steps")
+    # A resume continues from the arm's newest checkpoint (a stopped run saved one); an
+    # earlier run is otherwise refused or removed by `demo_state.open_run`.
+    run_dir = out / "runs" / arm
+    result = Trainer(objective, dataset, train_config, run_dir, command=command,
+                     collate=collate, progress=not args.quiet).fit(
+                         resume=args.resume and run_dir.is_dir())
+    encoder = (objective.student if arm in SINGLE_VIEW else objective.encoder).eval()
+    encoder.save_pretrained(out / "encoders" / arm)
+    processor.save_pretrained(out / "encoders" / arm)
+    record = {"objective": arm, "steps": result.step, "lr": lr,
+              "first_loss": result.losses[0], "last_loss": result.losses[-1],
+              "final_loss_mean_of_last_10": float(np.mean(result.losses[-10:])),
+              "seconds": round(time.perf_counter() - started, 1)}
+    return encoder, record, result.losses
 
 
-def _objective_and_data(args: argparse.Namespace, encoder, steps: int, mean, std):
+def _objective_and_data(args: argparse.Namespace, arm: str, encoder, steps: int, mean, std):
     """The pretraining objective around `encoder`, its dataset of the unlabelled training half
     (`args.out / "pretrain_images"`) and its collate function (None: the default)."""
     from vlm_vit.data.folders import ImageFolder
@@ -97,7 +101,7 @@ def _objective_and_data(args: argparse.Namespace, encoder, steps: int, mean, std
 
     collate = None
     out = args.out
-    if args.objective == "ibot":
+    if arm == "ibot":
         from vlm_vit.data.multicrop import MultiCrop, collate_views
         from vlm_vit.pretrain.ibot import MaskedSelfDistillation
 
@@ -110,19 +114,19 @@ def _objective_and_data(args: argparse.Namespace, encoder, steps: int, mean, std
                           mean=mean, std=std)
         dataset = ImageFolder(out / "pretrain_images", augmentation=crops, seed=args.seed)
         collate = collate_views
-    elif args.objective in SINGLE_VIEW:
+    elif arm in SINGLE_VIEW:
         from vlm_vit.pretrain.capi import ClusterPredictiveMasking
         from vlm_vit.pretrain.ijepa import JointEmbeddingPredictive
 
-        settings = SINGLE_VIEW[args.objective]
-        build = JointEmbeddingPredictive if args.objective == "ijepa" \
+        settings = SINGLE_VIEW[arm]
+        build = JointEmbeddingPredictive if arm == "ijepa" \
             else ClusterPredictiveMasking
         objective = build(encoder, **settings["objective"])
         dataset = ImageFolder(out / "pretrain_images", 32, mean=mean, std=std,
                               seed=args.seed, **settings["crop"])
     else:
-        objective = build_objective(args.objective, encoder, mean=mean, std=std,
-                                    **MAE_SETTINGS if args.objective == "mae" else {})
+        objective = build_objective(arm, encoder, mean=mean, std=std,
+                                    **MAE_SETTINGS if arm == "mae" else {})
         dataset = ImageFolder(out / "pretrain_images", 32, mean=mean, std=std,
                               scale=(0.6, 1.0), flip=False, seed=args.seed)
     return objective, dataset, collate

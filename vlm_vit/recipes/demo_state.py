@@ -14,26 +14,36 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# The demo's schedule, chosen on the validation split of the training half (see the README's
-# demo section); `--quick`'s. Here, not in `demo.py`, so `vlm-vit demo --help` needs no torch.
-DEFAULTS = {"objective": "mae", "steps": 800, "finetune_steps": 250, "finetune_lr": 1e-3,
-            "layer_decay": 1.0, "seeds": 3}
-QUICK = {"steps": 400, "finetune_steps": 150, "finetune_lr": 2e-3, "seeds": 1}
+# The demo's arms: fine-tuning from random initialisation, and after each pretraining
+# objective. Here, not in `demo.py`, so `vlm-vit demo --help` needs no torch.
+ARMS = ("scratch", "mpp", "mae", "ibot", "ijepa", "capi")
+# The demo's schedule (see docs/demo.md); `--quick`'s. The default arms fit about 5 minutes.
+DEFAULTS = {"arms": ("scratch", "mae"), "steps": 800, "layer_decay": 1.0, "seeds": 3}
+QUICK = {"steps": 400, "seeds": 1}
+# `--sweep`: the fine-tuning trials every arm gets alike, each scored at SWEEP_LABELS labels
+# per class of the labelled pool on the validation split (never the held-out half).
+SWEEP_GRID = {"lr": (3e-4, 1e-3, 3e-3), "steps": (250, 500)}
+SWEEP_LABELS = 10
+# Each arm's fine-tuning recipe as `vlm-vit demo --arms all --sweep` chose it at the default
+# settings (docs/demo.md): what a run without --sweep uses.
+RECIPES = {"scratch": {"lr": 1e-3, "steps": 250}, "mpp": {"lr": 1e-3, "steps": 250},
+           "mae": {"lr": 1e-3, "steps": 250}, "ibot": {"lr": 1e-3, "steps": 250},
+           "ijepa": {"lr": 1e-3, "steps": 250}, "capi": {"lr": 1e-3, "steps": 250}}
 
 STATE_NAME = "demo.json"
 # What an earlier demo leaves in its folder besides the cached digits (`data/`,
 # `pretrain_images/`): removed by --overwrite, and proof of a run where demo.json is missing.
-RUN_ENTRIES = ("run", "encoder", "report.json", "loss.png", "label_efficiency.png")
+RUN_ENTRIES = ("runs", "encoders", "report.json", "loss.png", "label_efficiency.png",
+               "run", "encoder")  # the last two: where earlier demos wrote theirs
 # The arguments that change a demo's numbers: a resume must keep every one.
-SETTINGS = ("objective", "batch_size", "width", "depth", "patch_size", "layer_decay", "labels",
+SETTINGS = ("arms", "sweep", "batch_size", "width", "depth", "patch_size", "layer_decay", "labels",
             "shots", "eval_on", "images_per_class", "seed")
 
 
 def settings(args: argparse.Namespace, schedule: dict) -> dict[str, Any]:
     """The demo's settings: those arguments and the schedule (the preset's or the flags')."""
-    chosen = {name: getattr(args, name) for name in SETTINGS}
-    chosen.update({name: schedule[name] for name in ("steps", "finetune_steps", "seeds",
-                                                      "finetune_lr")})
+    chosen = {name: getattr(args, name) for name in SETTINGS if name != "arms"}
+    chosen.update({name: schedule[name] for name in ("arms", "steps", "seeds", "recipes")})
     return chosen
 
 
@@ -96,6 +106,11 @@ def record(out: Path, key: str, accuracy: float) -> None:
 
 def job_key(labels: str, arm: str, seed: int) -> str:
     return f"{labels}/{arm}/{seed}"
+
+
+def trial_key(arm: str, lr: float, steps: int) -> str:
+    """A `--sweep` trial's key in `demo.json`."""
+    return f"sweep/{arm}/{lr:g}/{steps}"
 
 
 def _write(out: Path, state: dict) -> None:

@@ -196,11 +196,13 @@ def finetune_accuracy(
 
 @dataclass(frozen=True)
 class FinetuneJob:
-    """One fine-tuning run of `finetune_many`: a starting encoder, its labelled rows, a seed."""
+    """One fine-tuning run of `finetune_many`: a starting encoder, its labelled rows, a seed,
+    and its own recipe (None: `finetune_many`'s)."""
 
     encoder: VisionEncoder
     train_rows: np.ndarray
     seed: int
+    recipe: FinetuneRecipe | None = None
 
 
 _SHARED: dict = {}  # a worker's images, labels, evaluation rows and recipe
@@ -213,11 +215,11 @@ def _start_worker(images, labels, eval_rows, recipe) -> None:
 
 def _run_job(job: FinetuneJob) -> float:
     return finetune_accuracy(job.encoder, _SHARED["images"], _SHARED["labels"], job.train_rows,
-                             _SHARED["eval_rows"], _SHARED["recipe"], seed=job.seed)
+                             _SHARED["eval_rows"], job.recipe or _SHARED["recipe"], seed=job.seed)
 
 
 def finetune_many(jobs: list[FinetuneJob], images: torch.Tensor, labels: np.ndarray,
-                  eval_rows: np.ndarray, recipe: FinetuneRecipe, *, workers: int = 1,
+                  eval_rows: np.ndarray, recipe: FinetuneRecipe | None, *, workers: int = 1,
                   progress: bool = False,
                   done: Callable[[int, float], Any] | None = None) -> list[float]:
     """`finetune_accuracy` for each job, in `workers` processes of one thread each.
@@ -228,7 +230,8 @@ def finetune_many(jobs: list[FinetuneJob], images: torch.Tensor, labels: np.ndar
 
     Args:
         jobs: the runs.
-        images, labels, eval_rows, recipe: as in `finetune_accuracy`, shared by the runs.
+        images, labels, eval_rows: as in `finetune_accuracy`, shared by the runs.
+        recipe: the recipe of each job that names none.
         workers: processes (1: in this process).
         progress: show a progress bar of the finished runs.
         done: called with (the job's index, its accuracy) as each run finishes, in order:
@@ -247,7 +250,7 @@ def finetune_many(jobs: list[FinetuneJob], images: torch.Tensor, labels: np.ndar
 
 
 def _run_jobs(jobs: list[FinetuneJob], images: torch.Tensor, labels: np.ndarray,
-              eval_rows: np.ndarray, recipe: FinetuneRecipe, workers: int,
+              eval_rows: np.ndarray, recipe: FinetuneRecipe | None, workers: int,
               tick: Callable[[int, float], Any]) -> list[float]:
     """`finetune_many`'s runs, calling `tick(index, accuracy)` after each, in order."""
     if workers <= 1:
