@@ -107,10 +107,10 @@ def test_the_terminal_table_carries_the_report(tiny_demo):
         row = next(line for line in lines if line.startswith(f"| {start}"))
         return [cell.strip() for cell in row.strip("|").split("|")][1:]
 
-    for key in ("1", "all"):
+    for key, label in (("1", "1 per class"), ("all", "all labels (8 per class)")):
         spreads = [report["pixels"]["logistic_accuracy"][key]] + [
             report["arms"][arm]["finetune_accuracy"][key] for arm in ("scratch", "mae")]
-        assert cells(f"fine-tune, {key} per class") == [
+        assert cells(f"fine-tune, {label}") == [
             f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})" for s in spreads]
     for start, metric in (("frozen linear probe", "linear_probe_accuracy"),
                           ("frozen k-NN", "knn_accuracy")):

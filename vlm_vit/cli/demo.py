@@ -50,7 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "every arm (default: each arm's recorded or swept choice)")
     parser.add_argument("--layer-decay", type=float, default=DEFAULTS["layer_decay"],
                         help="layer-wise learning-rate decay when fine-tuning (1: off)")
-    parser.add_argument("--labels", nargs="+", default=["1", "5", "10", "all"], metavar="K",
+    parser.add_argument("--labels", nargs="+", default=["1", "10", "all"], metavar="K",
                         help="labels per class to fine-tune with (a number or 'all')")
     parser.add_argument("--seeds", type=int, help="fine-tuning seeds per k (default "
                         f"{DEFAULTS['seeds']}, quick {QUICK['seeds']})")

@@ -87,7 +87,9 @@ def print_report(report: dict, classes: list[str]) -> None:
     for key in report["finetune"]["labels"]:
         cells = [_cell(pixels["logistic_accuracy"][key], seeds)]
         cells += [_cell(arms[arm]["finetune_accuracy"][key], seeds) for arm in arms]
-        print(f"| fine-tune, {key} per class | " + " | ".join(cells) + " |")
+        label = f"{key} per class" if key != "all" else \
+            f"all labels ({report['labelled_per_class'][key]} per class)"
+        print(f"| fine-tune, {label} | " + " | ".join(cells) + " |")
     for metric, label in (("few_shot_accuracy", f"frozen {report['shots']}-shot linear (LS)"),
                           ("knn_accuracy", "frozen k-NN (20 neighbours)"),
                           ("linear_probe_accuracy", "frozen linear probe (logistic)")):

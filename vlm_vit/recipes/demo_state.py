@@ -22,7 +22,7 @@ DEFAULTS = {"arms": ("scratch", "mae"), "steps": 800, "layer_decay": 1.0, "seeds
 QUICK = {"steps": 400, "seeds": 1}
 # `--sweep`: the fine-tuning trials every arm gets alike, each scored at SWEEP_LABELS labels
 # per class of the labelled pool on the validation split (never the held-out half).
-SWEEP_GRID = {"lr": (3e-4, 1e-3, 3e-3), "steps": (250, 500)}
+SWEEP_GRID = {"lr": (3e-4, 1e-3, 3e-3), "steps": (250, 1000)}
 SWEEP_LABELS = 10
 # Each arm's fine-tuning recipe as `vlm-vit demo --arms all --sweep` chose it at the default
 # settings (docs/demo.md): what a run without --sweep uses.
