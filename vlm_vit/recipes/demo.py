@@ -18,7 +18,6 @@ import logging
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,7 @@ from vlm_vit.recipes import demo_state
 from vlm_vit.recipes.demo_pretrain import pretrain, random_init
 from vlm_vit.recipes.demo_report import plot_label_efficiency, plot_losses, print_report
 from vlm_vit.recipes.demo_scoring import pixel_baseline, score_arms, sweep
-from vlm_vit.recipes.demo_state import ARMS, DEFAULTS, QUICK, RECIPES
+from vlm_vit.recipes.demo_state import ARMS, DEFAULTS, QUICK, RECIPES, DemoData
 
 logger = logging.getLogger(__name__)
 
@@ -82,22 +81,6 @@ def label_counts(values: list[str]) -> list[int | None]:
     if len(set(counts)) != len(counts):
         raise ValueError(f"--labels lists a count twice: {' '.join(values)}")
     return counts
-
-
-@dataclass
-class DemoData:
-    """The digits and their splits (row indices into `files`), as `demo_splits` gives them;
-    `scored` is `test` or `validation` (--eval-on)."""
-
-    files: list[Path]
-    labels: np.ndarray
-    classes: list[str]
-    train: np.ndarray
-    pool: np.ndarray
-    validation: np.ndarray
-    test: np.ndarray
-    scored: np.ndarray
-    fewest: int  # images of the pool's smallest class: what "all" labels per class means
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,15 +8,11 @@ and nothing reads the scored split before `score_arms` and `pixel_baseline`.
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vlm_vit.recipes import demo_state
-from vlm_vit.recipes.demo_state import SWEEP_GRID, SWEEP_LABELS, job_key, trial_key
-
-if TYPE_CHECKING:
-    from vlm_vit.recipes.demo import DemoData
+from vlm_vit.recipes.demo_state import SWEEP_GRID, SWEEP_LABELS, DemoData, job_key, trial_key
 
 
 def frozen_accuracy(encoder, images, labels, train, test, shots, seed) -> dict:

@@ -9,8 +9,12 @@ import argparse
 import json
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +42,22 @@ RUN_ENTRIES = ("runs", "encoders", "report.json", "loss.png", "label_efficiency.
 # The arguments that change a demo's numbers: a resume must keep every one.
 SETTINGS = ("arms", "sweep", "batch_size", "width", "depth", "patch_size", "layer_decay", "labels",
             "shots", "eval_on", "images_per_class", "seed")
+
+
+@dataclass
+class DemoData:
+    """The digits and their splits (row indices into `files`), as `demo_splits` gives them;
+    `scored` is `test` or `validation` (--eval-on)."""
+
+    files: list[Path]
+    labels: np.ndarray
+    classes: list[str]
+    train: np.ndarray
+    pool: np.ndarray
+    validation: np.ndarray
+    test: np.ndarray
+    scored: np.ndarray
+    fewest: int  # images of the pool's smallest class: what "all" labels per class means
 
 
 def settings(args: argparse.Namespace, schedule: dict) -> dict[str, Any]:
