@@ -83,7 +83,7 @@ def test_run_outputs_in_the_repository_root_are_ignored_by_git():
     root = Path(__file__).resolve().parents[2]
     if shutil.which("git") is None or not (root / ".git").exists():
         pytest.skip("not a git checkout")
-    for path in ("demo/report.json", "vlm-vit-demo/encoder/config.json", "runs/a/metrics.csv"):
+    for path in ("demo/report.json", "vlm-vit-demo/encoders/mae/config.json", "runs/a/metrics.csv"):
         assert subprocess.run(["git", "check-ignore", "-q", path], cwd=root).returncode == 0, path
 
 
