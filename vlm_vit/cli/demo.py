@@ -27,7 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     which.add_argument("--arms", nargs="+", choices=(*ARMS, "all"), metavar="ARM",
                        help="what to fine-tune: 'scratch' (random init) and the pretraining "
                        f"objectives {', '.join(ARMS[1:])}, or 'all' (default "
-                       f"{' '.join(DEFAULTS['arms'])}; all six take about 45 minutes)")
+                       f"{' '.join(DEFAULTS['arms'])}: about 8 minutes on two CPU cores; all six: "
+                       "about 40)")
     which.add_argument("--objective", choices=ARMS[1:],
                        help="short for --arms scratch OBJECTIVE")
     parser.add_argument("--sweep", action="store_true",
@@ -36,7 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         f"arm at {SWEEP_LABELS} labels per class) instead of using the recorded "
                         "choices")
     parser.add_argument("--quick", action="store_true",
-                        help="a two-minute first look: shorter pretraining, one seed, the same "
+                        help="a three-minute first look: shorter pretraining, one seed, the same "
                         "outputs")
     parser.add_argument("--steps", type=int, help="pretraining steps (default "
                         f"{DEFAULTS['steps']}, quick {QUICK['steps']})")

@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 # The demo's arms: fine-tuning from random initialisation, and after each pretraining
 # objective. Here, not in `demo.py`, so `vlm-vit demo --help` needs no torch.
 ARMS = ("scratch", "mpp", "mae", "ibot", "ijepa", "capi")
-# The demo's schedule (see docs/demo.md); `--quick`'s. The default arms fit about 5 minutes.
+# The demo's schedule (see docs/demo.md); `--quick`'s. The default takes about 8 minutes on
+# two CPU cores (docs/install.md).
 DEFAULTS = {"arms": ("scratch", "mae"), "steps": 800, "layer_decay": 1.0, "seeds": 3}
 QUICK = {"steps": 400, "seeds": 1}
 # `--sweep`: the fine-tuning trials every arm gets alike, each scored at SWEEP_LABELS labels
@@ -30,9 +31,9 @@ SWEEP_GRID = {"lr": (3e-4, 1e-3, 3e-3), "steps": (250, 1000)}
 SWEEP_LABELS = 10
 # Each arm's fine-tuning recipe as `vlm-vit demo --arms all --sweep` chose it at the default
 # settings (docs/demo.md): what a run without --sweep uses.
-RECIPES = {"scratch": {"lr": 1e-3, "steps": 250}, "mpp": {"lr": 1e-3, "steps": 250},
-           "mae": {"lr": 1e-3, "steps": 250}, "ibot": {"lr": 1e-3, "steps": 250},
-           "ijepa": {"lr": 1e-3, "steps": 250}, "capi": {"lr": 1e-3, "steps": 250}}
+RECIPES = {"scratch": {"lr": 3e-4, "steps": 1000}, "mpp": {"lr": 1e-3, "steps": 1000},
+           "mae": {"lr": 3e-3, "steps": 1000}, "ibot": {"lr": 3e-3, "steps": 1000},
+           "ijepa": {"lr": 3e-3, "steps": 1000}, "capi": {"lr": 3e-3, "steps": 1000}}
 
 STATE_NAME = "demo.json"
 # What an earlier demo leaves in its folder besides the cached digits (`data/`,
