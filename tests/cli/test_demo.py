@@ -284,3 +284,20 @@ def test_quick_sweep_chooses_on_validation_before_the_held_out_half_is_read(
     assert "| scratch |" in printed.getvalue() and "* chosen" in printed.getvalue()
     recorded = json.loads((out / demo_state.STATE_NAME).read_text())["finetune_accuracy"]
     assert sum(key.startswith("sweep/") for key in recorded) == 8
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], {"scratch": (3e-4, 1000), "mae": (3e-3, 1000)}),
+    (["--arms", "mpp", "capi", "--finetune-lr", "5e-4"],
+     {"mpp": (5e-4, 1000), "capi": (5e-4, 1000)}),
+    (["--objective", "ibot", "--finetune-steps", "7"], {"scratch": (3e-4, 7), "ibot": (3e-3, 7)}),
+])
+def test_each_arm_fine_tunes_with_the_recipe_the_full_sweep_chose(argv, expected):
+    """Without --sweep, each arm's recipe is what `--arms all --sweep` chose on validation
+    (docs/demo.md's table); a flag overrides only what it names."""
+    from vlm_vit.cli import build_parser
+    from vlm_vit.recipes.demo import _schedule
+
+    schedule = _schedule(build_parser().parse_args(["demo", *argv]))
+    assert {arm: (recipe["lr"], recipe["steps"]) for arm, recipe in
+            schedule["recipes"].items()} == expected
