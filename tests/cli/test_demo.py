@@ -224,6 +224,21 @@ def test_the_ijepa_and_capi_demos_score_their_student(tmp_path, objective):
                for name, value in exported.items())  # not the teacher
 
 
+
+def test_an_arm_pretrains_the_same_whichever_arms_ran_before(tmp_path):
+    """`--arms mae` and `--arms mpp mae` give mae the same encoder: its objective's own layers
+    start from the seed, not from the RNG the earlier arms left."""
+    quick = ["--steps", "2", "--batch-size", "16", "--images-per-class", "20", "--width", "32",
+             "--depth", "1", "--shots", "1", "--finetune-steps", "1", "--seeds", "1",
+             "--labels", "1", "--quiet"]
+    runs = {}
+    for arms in (["mae"], ["mpp", "mae"]):
+        out = tmp_path / "-".join(arms)
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["demo", "--out", str(out), "--arms", *arms, *quick]) == 0
+        runs[len(arms)] = load_encoder(out / "encoders" / "mae")
+    assert fingerprint(runs[1]) == fingerprint(runs[2])
+
 def test_quick_sweep_chooses_on_validation_before_the_held_out_half_is_read(
         tmp_path, monkeypatch):
     """`--quick --sweep` end to end, with every use of labelled rows recorded in order: the

@@ -61,7 +61,11 @@ def pretrain(args: argparse.Namespace, arm: str, start, steps: int, command: str
 
     out = args.out
     started = time.perf_counter()
+    import torch
+
     encoder = copy.deepcopy(start).train()  # the same starting point for every arm
+    # and the same RNG for its objective's own layers, whichever arms ran before
+    torch.manual_seed(args.seed)
     objective, dataset, collate = _objective_and_data(args, arm, encoder, steps,
                                                       processor.mean, processor.std)
     lr = SINGLE_VIEW.get(arm, {}).get("lr", 2e-3)
