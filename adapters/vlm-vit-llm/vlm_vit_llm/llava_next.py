@@ -10,9 +10,7 @@ tile, then the tiles of the best canvas), so the written processor gives our pix
 
 from __future__ import annotations
 
-import copy
 import logging
-import reprlib
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ from vlm_vit.io.files import read_json
 from vlm_vit.processor import ImageProcessor, Tiling
 from vlm_vit.processor.anyres import MAX_PINPOINTS
 from vlm_vit.tower import VisionTower
+from vlm_vit_llm.hf_reading import bounded, causal_lm, processor_field
 from vlm_vit_llm.peft_helpers import split_peft
 from vlm_vit_llm.saving import CONFIG_NAME, ModelParts
 
@@ -34,7 +33,6 @@ NEWLINE_KEY = "model.image_newline"
 ONEVISION_RATIO = "anyres_max_{}"  # OneVision's vision_aspect_ratio for max_feature_tiles N
 VIDEO_TOKEN = "<video>"
 MODEL_TYPES = {"llava_next": "LlavaNext", "llava_onevision": "LlavaOnevision"}
-MAX_ECHO = 120  # characters of a config's value an error message repeats
 
 
 def is_onevision(tiling: Tiling) -> bool:
@@ -163,8 +161,8 @@ def read_llava(directory: str | Path, *, dtype: torch.dtype | None = None) -> Mo
     The vision tower goes through vlm-vit's own converters (`load_tower`), the projector
     and `image_newline` are copied, the language model becomes its causal LM
     (`AutoModelForCausalLM` on `text_config`), its head tied to the embeddings exactly when
-    transformers ties them (`_causal_lm`), and the tokenizer and processor are read from the
-    folder. `config.json` is checked (`check_config`) before any weight is read.
+    transformers ties them (`hf_reading.causal_lm`), and the tokenizer and processor are read
+    from the folder. `config.json` is checked (`check_config`) before any weight is read.
 
     Raises:
         ValueError: naming the file and the setting our tiled tower cannot hold (a projector
@@ -183,13 +181,13 @@ def read_llava(directory: str | Path, *, dtype: torch.dtype | None = None) -> Mo
     try:
         config = transformers.AutoConfig.from_pretrained(directory)
     except StrictDataclassError as error:  # a field of the wrong type: one bounded line
-        raise ValueError(f"{source}: {_bounded(error)}") from None
+        raise ValueError(f"{source}: {bounded(error)}") from None
     vision = config.vision_config
     try:
         tiling = Tiling(pinpoints=config.image_grid_pinpoints, tile_size=vision.image_size,
                         max_feature_tiles=max_tiles)
     except ValueError as error:  # before the weights: image_grid_pinpoints and image_size
-        raise ValueError(f"{source}: {_bounded(error)}") from None
+        raise ValueError(f"{source}: {bounded(error)}") from None
     model, loading = getattr(transformers, MODEL_TYPES[config.model_type]
                              + "ForConditionalGeneration").from_pretrained(
         directory, dtype=dtype, output_loading_info=True)
@@ -209,9 +207,9 @@ def read_llava(directory: str | Path, *, dtype: torch.dtype | None = None) -> Mo
                         processor=processor, tiling=tiling)
     with torch.no_grad():
         tower.image_newline.copy_(model.model.image_newline)
-    llm = _causal_lm(model, config, loading["missing_keys"], source)
+    llm = causal_lm(model, config, loading["missing_keys"], source)
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    image_token = getattr(tokenizer, "image_token", None) or _processor_field(
+    image_token = getattr(tokenizer, "image_token", None) or processor_field(
         directory, "image_token") or "<image>"
     found = tokenizer.convert_tokens_to_ids(image_token)
     if found != config.image_token_index:
@@ -235,7 +233,7 @@ def check_config(raw: dict[str, Any], source: str) -> int | None:
     """
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
-        raise ValueError(f"{source}: model_type {_bounded(model_type)} is not one of "
+        raise ValueError(f"{source}: model_type {bounded(model_type)} is not one of "
                          f"{sorted(MODEL_TYPES)}")
     pinpoints = raw.get("image_grid_pinpoints")
     if pinpoints is not None:
@@ -243,75 +241,27 @@ def check_config(raw: dict[str, Any], source: str) -> int | None:
             size = f" of {len(pinpoints)}" if isinstance(pinpoints, list) else ""
             raise ValueError(f"{source}: image_grid_pinpoints must be a list of 1 to "
                              f"{MAX_PINPOINTS} [height, width] pairs, got "
-                             f"{type(pinpoints).__name__}{size} {_bounded(pinpoints)}")
+                             f"{type(pinpoints).__name__}{size} {bounded(pinpoints)}")
         for number, pinpoint in enumerate(pinpoints):
             if not (isinstance(pinpoint, list) and len(pinpoint) == 2
                     and all(is_int(side) and side > 0 for side in pinpoint)):
                 raise ValueError(f"{source}: image_grid_pinpoints[{number}] is not a [height, "
-                                 f"width] pair of positive ints: {_bounded(pinpoint)}")
+                                 f"width] pair of positive ints: {bounded(pinpoint)}")
     for name, wanted, why in (
             ("projector_hidden_act", "gelu", "vlm-vit's mlp2x_gelu is GELU"),
             ("multimodal_projector_bias", True, "vlm-vit's mlp2x_gelu has biases"),
             ("vision_feature_select_strategy", "default", "a tiled tower drops the class "
              "token ('default')")):
         if raw.get(name, wanted) != wanted:  # absent: transformers' default, the wanted one
-            raise ValueError(f"{source}: {name} {_bounded(raw[name])}: {why}")
+            raise ValueError(f"{source}: {name} {bounded(raw[name])}: {why}")
     if model_type != "llava_onevision":
         return None
     ratio = raw.get("vision_aspect_ratio", "anyres_max_9")  # transformers' default
     digits = ratio.removeprefix("anyres_max_") if isinstance(ratio, str) else ""
     if not (isinstance(ratio, str) and ratio.startswith("anyres_max_") and digits.isdigit()
             and len(digits) <= 6):
-        raise ValueError(f"{source}: vision_aspect_ratio {_bounded(ratio)} is not anyres_max_N")
+        raise ValueError(f"{source}: vision_aspect_ratio {bounded(ratio)} is not anyres_max_N")
     return int(digits)
-
-
-def _bounded(value: Any) -> str:
-    """`value` (an error's message as a string, anything else as its repr) cut to a few
-    hundred characters: a hostile config's values are echoed, never whole."""
-    text = str(value) if isinstance(value, BaseException) else reprlib.repr(value)
-    text = " ".join(text.split())  # one line
-    return text if len(text) <= MAX_ECHO else text[:MAX_ECHO - 3] + "..."
-
-
-def _causal_lm(model: Any, config: Any, missing_keys: Any, source: str):
-    """The causal LM of `config.text_config` on the model's language model and head
-    (shared), its head tied to the embeddings exactly when transformers tied `model`'s.
-
-    transformers 5 ties by the top-level `tie_word_embeddings` (`_tied_weights_keys`); the
-    LLaVA and OneVision configs take the text config's when the top level's is off, the
-    LLaVA-NeXT config does not (`LlavaNextConfig` keeps its own default, off); and a
-    checkpoint holding both matrices with different values is left untied. Reading the tie
-    off the loaded model follows all three rules; the text config's own flag would tie a
-    LLaVA-NeXT folder's trained separate head to the embeddings.
-
-    Raises:
-        ValueError: when the head is not tied but the weights hold none (transformers would
-            start it at random).
-    """
-    import transformers
-
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    if not tied and "lm_head.weight" in set(missing_keys):
-        raise ValueError(f"{source}: tie_word_embeddings is off (top level "
-                         f"{config.tie_word_embeddings}, text_config "
-                         f"{getattr(config.text_config, 'tie_word_embeddings', None)}) but the "
-                         "weights hold no lm_head.weight: the output head would be random")
-    text_config = copy.deepcopy(config.text_config)
-    text_config.tie_word_embeddings = tied
-    # Not on the meta device: the rotary tables are buffers no state dict carries.
-    llm = transformers.AutoModelForCausalLM.from_config(text_config, dtype=model.dtype)
-    state = {f"{llm.base_model_prefix}.{name}": tensor
-             for name, tensor in model.model.language_model.state_dict().items()}
-    state.update({f"lm_head.{name}": tensor for name, tensor in model.lm_head.state_dict().items()})
-    llm.load_state_dict(state, strict=True, assign=True)
-    llm.tie_weights()
-    return llm.eval()
-
-
-def _processor_field(directory: Path, name: str) -> Any:
-    path = directory / "processor_config.json"
-    return read_json(path).get(name) if path.is_file() else None
 
 
 def _our_processor(directory: Path, tiling: Tiling) -> ImageProcessor:

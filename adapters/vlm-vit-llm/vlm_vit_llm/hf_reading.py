@@ -1,0 +1,63 @@
+"""What the readers of transformers' multimodal folders share (LLaVA-1.5 in
+`vlm_vit_llm.llava_reader`, LLaVA-NeXT and OneVision in `vlm_vit_llm.llava_next`): bounded
+echoes of a config's values, the causal LM with its head tied as transformers ties it, and the
+processor's settings as transformers saved them."""
+
+from __future__ import annotations
+
+import copy
+import reprlib
+from pathlib import Path
+from typing import Any
+
+from vlm_vit.io.files import read_json
+
+MAX_ECHO = 120  # characters of a config's value an error message repeats
+
+
+def bounded(value: Any) -> str:
+    """`value` (an error's message as a string, anything else as its repr) cut to a few
+    hundred characters: a hostile config's values are echoed, never whole."""
+    text = str(value) if isinstance(value, BaseException) else reprlib.repr(value)
+    text = " ".join(text.split())  # one line
+    return text if len(text) <= MAX_ECHO else text[:MAX_ECHO - 3] + "..."
+
+
+def causal_lm(model: Any, config: Any, missing_keys: Any, source: str):
+    """The causal LM of `config.text_config` on the model's language model and head
+    (shared), its head tied to the embeddings exactly when transformers tied `model`'s.
+
+    transformers 5 ties by the top-level `tie_word_embeddings` (`_tied_weights_keys`); the
+    LLaVA and OneVision configs take the text config's when the top level's is off, the
+    LLaVA-NeXT config does not (`LlavaNextConfig` keeps its own default, off); and a
+    checkpoint holding both matrices with different values is left untied. Reading the tie
+    off the loaded model follows all three rules; the text config's own flag would tie a
+    LLaVA-NeXT folder's trained separate head to the embeddings.
+
+    Raises:
+        ValueError: when the head is not tied but the weights hold none (transformers would
+            start it at random).
+    """
+    import transformers
+
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    if not tied and "lm_head.weight" in set(missing_keys):
+        raise ValueError(f"{source}: tie_word_embeddings is off (top level "
+                         f"{config.tie_word_embeddings}, text_config "
+                         f"{getattr(config.text_config, 'tie_word_embeddings', None)}) but the "
+                         "weights hold no lm_head.weight: the output head would be random")
+    text_config = copy.deepcopy(config.text_config)
+    text_config.tie_word_embeddings = tied
+    # Not on the meta device: the rotary tables are buffers no state dict carries.
+    llm = transformers.AutoModelForCausalLM.from_config(text_config, dtype=model.dtype)
+    state = {f"{llm.base_model_prefix}.{name}": tensor
+             for name, tensor in model.model.language_model.state_dict().items()}
+    state.update({f"lm_head.{name}": tensor for name, tensor in model.lm_head.state_dict().items()})
+    llm.load_state_dict(state, strict=True, assign=True)
+    llm.tie_weights()
+    return llm.eval()
+
+
+def processor_field(directory: Path, name: str) -> Any:
+    path = directory / "processor_config.json"
+    return read_json(path).get(name) if path.is_file() else None
