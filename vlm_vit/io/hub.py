@@ -34,7 +34,7 @@ FORMAT_PATTERNS = ("*.json", "*.safetensors")
 # Fetched only when a repository has no safetensors; read with weights_only=True.
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.npz")
 # What transformers needs for a causal LM and its tokenizer.
-LLM_PATTERNS = (*FORMAT_PATTERNS, "*.model", "*.txt", "*.tiktoken")
+LLM_PATTERNS = (*FORMAT_PATTERNS, "*.model", "*.txt", "*.tiktoken", "*.jinja")
 OPEN_CLIP_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

@@ -33,12 +33,15 @@ def image(height, width):
     return Image.fromarray(pixels.astype(np.uint8))
 
 
-def tiled_mm(tokenizer, tiling=None):
-    """A tiny CLIP-shaped tower with AnyRes on a tiny Llama, every weight off its init."""
+def tiled_mm(tokenizer, tiling=None, kind="llama"):
+    """A tiny CLIP-shaped tower with AnyRes on a tiny Llama (or Qwen2), every weight off its
+    init."""
     tiling = tiling or Tiling(pinpoints=PINPOINTS, tile_size=32)
     base = tiny_tower()
     tower = VisionTower(base.encoder, base.pooler, feature_layer=-2, tiling=tiling)
-    mm = MultimodalLM(tower, tiny_llm(), tokenizer)
+    # room for the image token and OneVision's "<video>", which the export adds
+    vocab = 128 if kind == "llama" else len(tokenizer) + 8
+    mm = MultimodalLM(tower, tiny_llm(vocab, kind=kind), tokenizer)
     torch.manual_seed(1)
     with torch.no_grad():
         for name, parameter in mm.named_parameters():

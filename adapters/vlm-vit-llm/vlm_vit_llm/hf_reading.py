@@ -61,3 +61,75 @@ def causal_lm(model: Any, config: Any, missing_keys: Any, source: str):
 def processor_field(directory: Path, name: str) -> Any:
     path = directory / "processor_config.json"
     return read_json(path).get(name) if path.is_file() else None
+
+
+def image_processor_settings(directory: Path) -> tuple[dict[str, Any], Path]:
+    """The image processor's settings as transformers reads them, and their file:
+    `processor_config.json`'s nested `image_processor` (where transformers 5 saves them),
+    else `preprocessor_config.json` (where earlier versions did).
+
+    Raises:
+        ValueError: naming the folder when it holds neither.
+    """
+    nested = directory / "processor_config.json"
+    if nested.is_file():
+        settings = read_json(nested).get("image_processor")
+        if isinstance(settings, dict):
+            return settings, nested
+    alone = directory / "preprocessor_config.json"
+    if alone.is_file():
+        return read_json(alone), alone
+    raise ValueError(f"{directory}: no image processor (neither processor_config.json with "
+                     "'image_processor' nor preprocessor_config.json): the pixels the model "
+                     "was trained on are unknown")
+
+
+def tensor_shapes(directory: Path) -> dict[str, list[int]]:
+    """Every tensor's name and shape in the folder's safetensors, from their headers (no
+    tensor is read): `model.safetensors`, or the shards `model.safetensors.index.json` names
+    (each inside `directory`)."""
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: weight_map is not a mapping of names to files")
+        files = sorted({str(name) for name in weight_map.values()})
+    else:
+        files = ["model.safetensors"]
+    shapes = {}
+    for name in files:
+        # Named inside the folder (the Hub cache's files are links to its blobs: not resolved)
+        relative = Path(name)
+        path = directory / relative
+        if relative.is_absolute() or ".." in relative.parts or not path.is_file():
+            raise ValueError(f"{directory}: weights file {bounded(name)} is not a file inside "
+                             "the folder")
+        with safe_open(path, framework="pt") as handle:
+            names = handle.keys()  # a list; the handle itself is not iterable
+            shapes.update({key: list(handle.get_slice(key).get_shape()) for key in names})
+    return shapes
+
+
+def checked_image_token(tokenizer: Any, directory: Path, index: int, source: str) -> str:
+    """The folder's image placeholder (the tokenizer's `image_token`, else the processor's,
+    else "<image>"), checked to be the token `image_token_index` names.
+
+    Raises:
+        ValueError: naming `source`, when the tokenizer gives the placeholder another id.
+    """
+    image_token = getattr(tokenizer, "image_token", None) or processor_field(
+        directory, "image_token") or "<image>"
+    found = tokenizer.convert_tokens_to_ids(image_token)
+    if found != index:
+        raise ValueError(f"{source}: image_token_index {index}, but the tokenizer gives "
+                         f"{bounded(image_token)} the id {found}")
+    return image_token
+
+
+def projector_state(projector: Any) -> dict[str, Any]:
+    """transformers' LLaVA projector (`linear_1`, act, `linear_2`) as `mlp2x_gelu`'s keys."""
+    return {f"{ours}.{kind}": getattr(getattr(projector, theirs), kind)
+            for ours, theirs in (("0", "linear_1"), ("2", "linear_2"))
+            for kind in ("weight", "bias")}

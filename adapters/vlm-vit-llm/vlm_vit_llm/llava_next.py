@@ -23,9 +23,15 @@ from vlm_vit.io.files import read_json
 from vlm_vit.processor import ImageProcessor, Tiling
 from vlm_vit.processor.anyres import MAX_PINPOINTS
 from vlm_vit.tower import VisionTower
-from vlm_vit_llm.hf_reading import bounded, causal_lm, processor_field
+from vlm_vit_llm.hf_reading import (
+    bounded,
+    causal_lm,
+    checked_image_token,
+    image_processor_settings,
+    projector_state,
+)
 from vlm_vit_llm.peft_helpers import split_peft
-from vlm_vit_llm.saving import CONFIG_NAME, ModelParts
+from vlm_vit_llm.saving import ModelParts
 
 logger = logging.getLogger(__name__)
 
@@ -143,15 +149,6 @@ def anyres_processor(tower: VisionTower, processor: ImageProcessor, image_token:
 
 # ---- reading ------------------------------------------------------------------------------
 
-def is_llava_folder(directory: Path) -> bool:
-    """Whether `directory` holds transformers' LLaVA-NeXT or OneVision layout (and not
-    vlm-vit-llm's own, `vlm_vit_llm.saving`)."""
-    if (directory / CONFIG_NAME).is_file() or not (directory / "config.json").is_file():
-        return False
-    model_type = read_json(directory / "config.json").get("model_type")
-    return isinstance(model_type, str) and model_type in MODEL_TYPES
-
-
 def read_llava(directory: str | Path, *, dtype: torch.dtype | None = None) -> ModelParts:
     """The parts of a `MultimodalLM` (`MultimodalLM.from_pretrained` joins them), for
     inference, from a transformers LLaVA-NeXT or OneVision folder (`save_pretrained` of
@@ -188,6 +185,9 @@ def read_llava(directory: str | Path, *, dtype: torch.dtype | None = None) -> Mo
                         max_feature_tiles=max_tiles)
     except ValueError as error:  # before the weights: image_grid_pinpoints and image_size
         raise ValueError(f"{source}: {bounded(error)}") from None
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    image_token = checked_image_token(tokenizer, directory, config.image_token_index, source)
+    processor = _our_processor(directory, tiling)
     model, loading = getattr(transformers, MODEL_TYPES[config.model_type]
                              + "ForConditionalGeneration").from_pretrained(
         directory, dtype=dtype, output_loading_info=True)
@@ -196,25 +196,13 @@ def read_llava(directory: str | Path, *, dtype: torch.dtype | None = None) -> Mo
         model.model.vision_tower.save_pretrained(folder)
         loaded = load_tower(folder, "mlp2x_gelu", out_dim=width,
                             feature_layer=config.vision_feature_layer)
-    processor = _our_processor(directory, tiling)
     pooler = build_pooler("mlp2x_gelu", in_dim=loaded.feature_dim, out_dim=width)
-    projector = model.model.multi_modal_projector
-    pooler.load_state_dict({"0.weight": projector.linear_1.weight,
-                            "0.bias": projector.linear_1.bias,
-                            "2.weight": projector.linear_2.weight,
-                            "2.bias": projector.linear_2.bias})
+    pooler.load_state_dict(projector_state(model.model.multi_modal_projector))
     tower = VisionTower(loaded.encoder, pooler, feature_layer=config.vision_feature_layer,
                         processor=processor, tiling=tiling)
     with torch.no_grad():
         tower.image_newline.copy_(model.model.image_newline)
     llm = causal_lm(model, config, loading["missing_keys"], source)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    image_token = getattr(tokenizer, "image_token", None) or processor_field(
-        directory, "image_token") or "<image>"
-    found = tokenizer.convert_tokens_to_ids(image_token)
-    if found != config.image_token_index:
-        raise ValueError(f"{source}: image_token_index {config.image_token_index}, but the "
-                         f"tokenizer gives {image_token!r} the id {found}")
     return ModelParts(tower.to(model.dtype).eval(), llm, tokenizer, processor, image_token,
                       layout=config.model_type)
 
@@ -265,14 +253,13 @@ def check_config(raw: dict[str, Any], source: str) -> int | None:
 
 
 def _our_processor(directory: Path, tiling: Tiling) -> ImageProcessor:
-    """Our processor from the folder's `preprocessor_config.json` (mean, std, resample);
-    CLIP's without one."""
-    path = directory / "preprocessor_config.json"
-    settings = read_json(path) if path.is_file() else {}
+    """Our processor from the folder's image processor settings (mean, std, resample;
+    `hf_reading.image_processor_settings`)."""
+    settings, path = image_processor_settings(directory)
     resample = PIL_RESAMPLE.get(settings.get("resample", 3))
     if resample is None:
-        raise ValueError(f"{path}: resample {settings.get('resample')!r}; vlm-vit resizes with "
-                         f"{sorted(PIL_RESAMPLE.values())}")
+        raise ValueError(f"{path}: resample {bounded(settings.get('resample'))}; vlm-vit "
+                         f"resizes with {sorted(PIL_RESAMPLE.values())}")
     clip = ImageProcessor.for_family("clip", size=tiling.tile_size)
     mean = tuple(settings.get("image_mean", clip.mean))
     std = tuple(settings.get("image_std", clip.std))

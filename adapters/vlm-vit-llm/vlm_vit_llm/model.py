@@ -29,12 +29,12 @@ from torch import nn
 
 from vlm_vit import ImageProcessor, VisionTower
 from vlm_vit_llm.batch_types import MultimodalBatch, TiledImage, Video
-from vlm_vit_llm.llava_next import is_llava_folder, read_llava
 from vlm_vit_llm.multimodal_batch import build_batch, checked_arguments, expand, token_ids
 from vlm_vit_llm.packing import PATHS, check_packed_attention, choose_packed_attention, run_packed
 from vlm_vit_llm.parallel import idle_image_features
 from vlm_vit_llm.peft_helpers import quiet_peft, split_peft
 from vlm_vit_llm.pixels import Pixels, as_pixels, token_count
+from vlm_vit_llm.readers import transformers_reader
 from vlm_vit_llm.saving import CONFIG_NAME, LAYOUT, ModelParts, read_folder, write_folder
 
 logger = logging.getLogger(__name__)
@@ -422,8 +422,8 @@ class MultimodalLM(nn.Module):
     def from_pretrained(cls, directory: str | Path, *, trainable: bool = False,
                         dtype: torch.dtype | None = None,
                         verify: bool | None = None) -> MultimodalLM:
-        """Reads what `save_pretrained` wrote, or a transformers LLaVA-NeXT / OneVision
-        folder (`vlm_vit_llm.llava_next.read_llava`).
+        """Reads what `save_pretrained` wrote, or a transformers LLaVA-1.5, LLaVA-NeXT or
+        OneVision folder (`vlm_vit_llm.readers`).
 
         Args:
             directory: the model folder, or its Hub name (`vlm_vit.io.hub`).
@@ -440,7 +440,8 @@ class MultimodalLM(nn.Module):
         from vlm_vit.io import hub
 
         directory = hub.locate(directory, patterns=hub.LLM_PATTERNS).directory  # or a name
-        parts = read_llava(directory, dtype=dtype) if is_llava_folder(directory) else \
+        reader = transformers_reader(directory)
+        parts = reader(directory, dtype=dtype) if reader is not None else \
             read_folder(directory, trainable=trainable, dtype=dtype, verify=verify)
         mm = cls(parts.tower, parts.llm, parts.tokenizer, image_token=parts.image_token,
                  processor=parts.processor)

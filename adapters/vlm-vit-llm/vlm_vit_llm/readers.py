@@ -1,0 +1,33 @@
+"""Which reader a transformers multimodal folder needs, by its `config.json`'s `model_type`
+(a folder vlm-vit-llm saved, with `multimodal_config.json`, is `saving.read_folder`'s)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from vlm_vit.io.files import read_json
+from vlm_vit_llm.hf_reading import bounded
+from vlm_vit_llm.llava_next import read_llava
+from vlm_vit_llm.llava_reader import read_llava15
+from vlm_vit_llm.saving import CONFIG_NAME, ModelParts
+
+READERS: dict[str, Callable[..., ModelParts]] = {
+    "llava": read_llava15, "llava_next": read_llava, "llava_onevision": read_llava}
+
+
+def transformers_reader(directory: Path) -> Callable[..., ModelParts] | None:
+    """The reader of `directory` when it is a transformers folder (a `config.json` and no
+    `multimodal_config.json`), else None.
+
+    Raises:
+        ValueError: naming the file, for a `model_type` no reader takes.
+    """
+    if (directory / CONFIG_NAME).is_file() or not (directory / "config.json").is_file():
+        return None
+    model_type = read_json(directory / "config.json").get("model_type")
+    if not isinstance(model_type, str) or model_type not in READERS:
+        raise ValueError(f"{directory / 'config.json'}: model_type {bounded(model_type)} is "
+                         f"not a multimodal model vlm-vit-llm reads ({', '.join(READERS)}); "
+                         f"a folder vlm-vit-llm saved holds {CONFIG_NAME}")
+    return READERS[model_type]
