@@ -1,0 +1,118 @@
+"""Multimodal rotary positions (M-RoPE; Qwen2-VL, Wang et al. 2024; Qwen2.5-VL, Qwen3-VL):
+the (temporal, height, width) position ids the LLM of a Qwen-VL model rotates by.
+
+Text counts on by one in all three rows. An image or video of `(t, h, w)` LLM tokens (after
+the spatial merge), starting at position p, takes ids `p + i * time_step` (truncated),
+`p + row` and `p + col` for its token at frame i, row and col, listed frame by frame, row by
+row; the text after it resumes at `p + max(h, w)` (the temporal extent does not advance it).
+Qwen2.5-VL spaces a video's frames by `tokens_per_second * seconds_per_grid` (`time_step`);
+Qwen3-VL separates a video's frames with timestamp text, so each frame is its own span of
+t = 1. These are the ids transformers' `get_rope_index` gives, which tests check on mixed
+prompts with left padding.
+
+Packed rows (several records in one row) restart the ids at 0 for each record, so every
+record sees the positions it would see alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class VisionSpan:
+    """One image or video in a record.
+
+    Attributes:
+        start: the index, within the record's tokens, of its first token.
+        grid: `(t, h, w)` in LLM tokens: frames after the temporal patch, rows and columns
+            after the spatial merge; it covers `t * h * w` consecutive tokens.
+        time_step: the temporal id step between its frames (1 for images and Qwen2-VL;
+            Qwen2.5-VL's videos: `tokens_per_second * seconds per grid`).
+    """
+
+    start: int
+    grid: tuple[int, int, int]
+    time_step: float = 1.0
+
+    @property
+    def length(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+
+def record_positions(length: int, spans: Sequence[VisionSpan]) -> torch.Tensor:
+    """The `[3, length]` M-RoPE ids of one record of `length` tokens holding `spans` (in
+    order, not overlapping).
+
+    Raises:
+        ValueError: for spans out of order, overlapping or past the record's end.
+    """
+    pieces, position, cursor = [], 0, 0
+    for span in spans:
+        if span.start < cursor or span.start + span.length > length or min(span.grid) < 1:
+            raise ValueError(f"vision span at {span.start} with grid {span.grid} does not fit "
+                             f"a record of {length} tokens after position {cursor}")
+        text = span.start - cursor
+        pieces.append(torch.arange(text).expand(3, -1) + position)
+        position += text
+        t, h, w = span.grid
+        frames = (torch.arange(t, dtype=torch.float64) * span.time_step).long()
+        ids = torch.stack(torch.meshgrid(frames, torch.arange(h), torch.arange(w),
+                                         indexing="ij")).reshape(3, -1)
+        pieces.append(ids + position)
+        position += max(h, w)
+        cursor = span.start + span.length
+    pieces.append(torch.arange(length - cursor).expand(3, -1) + position)
+    return torch.cat(pieces, dim=1)
+
+
+def batch_positions(attention_mask: torch.Tensor,
+                    spans: Sequence[Sequence[VisionSpan]]) -> torch.Tensor:
+    """`[3, B, L]` ids for padded rows, one record each: its spans counted over its real
+    tokens (`attention_mask` 1), padding at 0, as transformers gives them.
+
+    Args:
+        attention_mask: `[B, L]`.
+        spans: per row, its spans, `start` counted among the row's real tokens.
+    """
+    rows, width = attention_mask.shape
+    if len(spans) != rows:
+        raise ValueError(f"{len(spans)} rows of spans for {rows} rows")
+    positions = torch.zeros(3, rows, width, dtype=torch.long)
+    for row in range(rows):
+        real = attention_mask[row].bool()
+        positions[:, row, real] = record_positions(int(real.sum()), spans[row])
+    return positions
+
+
+def packed_positions(lengths: Sequence[int], spans: Sequence[Sequence[VisionSpan]],
+                     width: int | None = None) -> torch.Tensor:
+    """`[3, width]` ids for one packed row: each record's own ids, restarting at 0, one record
+    after another; positions after the last record (padding to `width`) at 0.
+
+    Args:
+        lengths: each record's token count, in row order.
+        spans: per record, its spans, `start` counted within the record.
+        width: the row's length (default: the records' total).
+    """
+    if len(spans) != len(lengths):
+        raise ValueError(f"{len(spans)} records of spans for {len(lengths)} records")
+    total = sum(lengths)
+    width = total if width is None else width
+    if width < total:
+        raise ValueError(f"{total} packed tokens do not fit a row of {width}")
+    positions = torch.zeros(3, width, dtype=torch.long)
+    offset = 0
+    for length, own in zip(lengths, spans):
+        positions[:, offset:offset + length] = record_positions(length, own)
+        offset += length
+    return positions
+
+
+def rope_delta(positions: torch.Tensor, length: int) -> int:
+    """How far a record's next text id is from its length (`max id + 1 - length`): what
+    generation adds to each new token's position, as transformers' `rope_deltas`."""
+    return int(positions.max()) + 1 - length
