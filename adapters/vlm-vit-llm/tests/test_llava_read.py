@@ -271,3 +271,38 @@ def test_a_shard_index_naming_a_file_outside_the_folder_is_refused(llava_folder,
     with pytest.raises(ValueError, match=r"weights file '../elsewhere.safetensors' is not a "
                                          r"file inside the folder"):
         MultimodalLM.from_pretrained(llava_folder)
+
+
+@pytest.mark.filterwarnings("ignore:The tied weights mapping")
+def test_a_llava_folder_continues_in_stage_2_packed_then_writes_back(tmp_path, tokenizer,
+                                                                     capsys):
+    """`llm train THEIR_FOLDER --stage 2 --packing`, `llm merge`, `llm export`: transformers
+    loads what comes back strictly and greedily generates our tokens."""
+    from test_llm_train import write_captions
+
+    from vlm_vit.cli import main
+
+    their_llava(llava_mm(tokenizer), tmp_path, False, False)
+    write_captions(tmp_path / "data")
+    assert main(["llm", "train", str(tmp_path / "theirs"), "--stage", "2", "--lora-r", "4",
+                 "--packing", "--data", str(tmp_path / "data"), "--captions",
+                 str(tmp_path / "data" / "captions.jsonl"), "--steps", "2", "--batch-size",
+                 "2", "--num-workers", "0", "--device", "cpu", "--quiet", "--out",
+                 str(tmp_path / "s2")]) == 0
+    assert "trained stage 2 for 2 steps" in capsys.readouterr().out
+    assert main(["llm", "merge", str(tmp_path / "s2" / "model"), "--out",
+                 str(tmp_path / "merged")]) == 0
+    assert main(["llm", "export", str(tmp_path / "merged"), "--out", str(tmp_path / "back")]) == 0
+    hf, info = transformers.LlavaForConditionalGeneration.from_pretrained(
+        tmp_path / "back", output_loading_info=True)
+    assert not any(info.values()), info
+    ours = MultimodalLM.from_pretrained(tmp_path / "merged").eval()
+    prompt, picture = "<image>\nwhat is in the image", photos(1)
+    encoded = pil_processor(tmp_path / "back")(text=[prompt], images=picture,
+                                               return_tensors="pt")
+    with torch.no_grad():
+        theirs = hf.eval().generate(**encoded, max_new_tokens=5, do_sample=False)
+    new = theirs[0, encoded["input_ids"].shape[1]:]
+    assert len(new) == 5  # no early end: five tokens to agree on
+    assert ours.generate([prompt], [picture], max_new_tokens=5, do_sample=False) == [
+        ours.tokenizer.decode(new, skip_special_tokens=True)]
