@@ -223,6 +223,8 @@ def _untie(raw):
      "multi_modal_projector.linear_1.weight is [64, 32] on disk, but the config needs [48, 32]"),
     ("config.json", _set("vision_config", "hidden_size", 48),
      "multi_modal_projector.linear_1.weight is [64, 32] on disk, but the config needs [64, 48]"),
+    ("config.json", _set("text_config", "model_type", "t5"),
+     "text_config model_type 't5' has no causal LM in transformers"),
     ("config.json", _untie, "tie_word_embeddings is off (top level False, text_config False) "
                             "but the weights hold no lm_head.weight"),
     ("processor_config.json", _set("image_processor", "do_pad", True), "do_pad true"),

@@ -133,3 +133,15 @@ def projector_state(projector: Any) -> dict[str, Any]:
     return {f"{ours}.{kind}": getattr(getattr(projector, theirs), kind)
             for ours, theirs in (("0", "linear_1"), ("2", "linear_2"))
             for kind in ("weight", "bias")}
+
+
+def check_causal_lm(text_config: Any, source: str) -> None:
+    """Refuses, before any weight is read, a text config transformers has no causal LM for
+    (the bridge runs the language model as `AutoModelForCausalLM`)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(text_config, "model_type", None)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{source}: text_config model_type {bounded(model_type)} has no "
+                         "causal LM in transformers (AutoModelForCausalLM), which the bridge "
+                         "runs")

@@ -26,6 +26,7 @@ from vlm_vit.tower import VisionTower
 from vlm_vit_llm.hf_reading import (
     bounded,
     causal_lm,
+    check_causal_lm,
     checked_image_token,
     image_processor_settings,
     projector_state,
@@ -179,6 +180,7 @@ def read_llava(directory: str | Path, *, dtype: torch.dtype | None = None) -> Mo
         config = transformers.AutoConfig.from_pretrained(directory)
     except StrictDataclassError as error:  # a field of the wrong type: one bounded line
         raise ValueError(f"{source}: {bounded(error)}") from None
+    check_causal_lm(config.text_config, source)
     vision = config.vision_config
     try:
         tiling = Tiling(pinpoints=config.image_grid_pinpoints, tile_size=vision.image_size,

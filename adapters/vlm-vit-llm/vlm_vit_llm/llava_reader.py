@@ -26,6 +26,7 @@ from vlm_vit.tower import VisionTower
 from vlm_vit_llm.hf_reading import (
     bounded,
     causal_lm,
+    check_causal_lm,
     checked_image_token,
     image_processor_settings,
     projector_state,
@@ -64,6 +65,7 @@ def read_llava15(directory: str | Path, *, dtype: torch.dtype | None = None) -> 
         config = transformers.AutoConfig.from_pretrained(directory)
     except StrictDataclassError as error:  # a field of the wrong type: one bounded line
         raise ValueError(f"{source}: {bounded(error)}") from None
+    check_causal_lm(config.text_config, source)
     layers = _feature_layers(config, source)
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     image_token = checked_image_token(tokenizer, directory, config.image_token_index, source)
