@@ -258,6 +258,7 @@ def _train(args: argparse.Namespace) -> int:
     from vlm_vit_llm.model import DEFAULT_LLM_LORA_TARGETS
     from vlm_vit_llm.objective import MODEL_DIR
     from vlm_vit_llm.packing import explain_packed_attention
+    from vlm_vit_llm.saving import check_writable
 
     shards = _check_data(args)
     packing = packing_from_args(args, shards=shards)  # bad flags fail before the LLM loads
@@ -269,6 +270,7 @@ def _train(args: argparse.Namespace) -> int:
     records = None if shards else _records(args)  # bad data fails before the LLM is loaded
     torch.manual_seed(args.seed)  # the same new projector on every process
     mm = build_model(args, anyres)
+    check_writable(mm.llm)  # before any step: the run ends by saving it
     dataset, collate, objective_class = _data(args, mm, records, shards, packing)
     if args.stage == 1:
         mm.train_projector_only()

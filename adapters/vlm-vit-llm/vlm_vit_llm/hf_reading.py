@@ -112,15 +112,16 @@ def tensor_shapes(directory: Path) -> dict[str, list[int]]:
     return shapes
 
 
-def checked_image_token(tokenizer: Any, directory: Path, index: int, source: str) -> str:
+def checked_image_token(tokenizer: Any, directory: Path, index: int, source: str,
+                        default: str = "<image>") -> str:
     """The folder's image placeholder (the tokenizer's `image_token`, else the processor's,
-    else "<image>"), checked to be the token `image_token_index` names.
+    else `default`), checked to be the token `image_token_index` names.
 
     Raises:
         ValueError: naming `source`, when the tokenizer gives the placeholder another id.
     """
     image_token = getattr(tokenizer, "image_token", None) or processor_field(
-        directory, "image_token") or "<image>"
+        directory, "image_token") or default
     found = tokenizer.convert_tokens_to_ids(image_token)
     if found != index:
         raise ValueError(f"{source}: image_token_index {index}, but the tokenizer gives "

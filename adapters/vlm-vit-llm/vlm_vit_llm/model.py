@@ -29,6 +29,13 @@ from torch import nn
 
 from vlm_vit import ImageProcessor, VisionTower
 from vlm_vit_llm.batch_types import MultimodalBatch, TiledImage, Video
+from vlm_vit_llm.mrope import (
+    batch_positions,
+    generation_inputs,
+    image_spans,
+    multimodal_rope,
+    token_grid,
+)
 from vlm_vit_llm.multimodal_batch import build_batch, checked_arguments, expand, token_ids
 from vlm_vit_llm.packing import PATHS, check_packed_attention, choose_packed_attention, run_packed
 from vlm_vit_llm.parallel import idle_image_features
@@ -238,6 +245,11 @@ class MultimodalLM(nn.Module):
             with_labels=targets is not None or token_labels is not None,
             padding_side=padding_side, pack=pack,
             packing=None if pack is None else self.packed_attention(), device=self.device)
+        if pack is None and multimodal_rope(getattr(self.llm, "config", None)):
+            # Qwen-VL's 3-D positions (M-RoPE; packed rows are refused by packed_attention)
+            spans = image_spans(batch.image_mask, batch.attention_mask,
+                                [token_grid(self.tower, one) for one in pixels], owners)
+            batch = replace(batch, position_ids=batch_positions(batch.attention_mask, spans))
         return replace(batch, idle_features=idle)
 
     def _prompt_ids(self, text: str | Sequence[int], prompt: int) -> list[int]:
@@ -343,6 +355,8 @@ class MultimodalLM(nn.Module):
         if "max_length" not in generate_kwargs:
             generate_kwargs.setdefault("max_new_tokens", 32)
         generate_kwargs.setdefault("pad_token_id", self.pad_token_id)
+        if batch.position_ids.dim() == 3:  # M-RoPE (Qwen-VL): its 3D ids
+            generate_kwargs.update(generation_inputs(batch))
         output = self.llm.generate(inputs_embeds=self.embed(batch),
                                    attention_mask=batch.attention_mask, **generate_kwargs)
         # With embeddings alone as input, generate returns only the new tokens.

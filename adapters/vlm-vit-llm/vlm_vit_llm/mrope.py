@@ -116,3 +116,68 @@ def rope_delta(positions: torch.Tensor, length: int) -> int:
     """How far a record's next text id is from its length (`max id + 1 - length`): what
     generation adds to each new token's position, as transformers' `rope_deltas`."""
     return int(positions.max()) + 1 - length
+
+
+def multimodal_rope(config) -> bool:
+    """Whether a config's rotary positions are multimodal (3-D), as Qwen2-VL's: in its own
+    rope settings or its text config's."""
+    for part in (config, getattr(config, "text_config", None)):
+        for name in ("rope_parameters", "rope_scaling"):
+            settings = getattr(part, name, None)
+            if isinstance(settings, dict) and ("mrope_section" in settings
+                                               or settings.get("rope_type") == "mrope"
+                                               or settings.get("type") == "mrope"):
+                return True
+    return False
+
+
+def token_grid(tower, pixels) -> tuple[int, int, int]:
+    """The `(t, h, w)` grid of LLM tokens an image (`[C, H, W]` pixels) or a clip (a `Video`
+    of `[T, C, H, W]` pixels) becomes in a tower with a patch merger (its windows of
+    `merge_size` patches a side; 1 without one)."""
+    frames = getattr(pixels, "frames", None)
+    shape = tuple((frames if frames is not None else pixels).shape[-2:])
+    side = tower.encoder.config.patch_size
+    side = side[0] if isinstance(side, (tuple, list)) else side
+    side *= getattr(tower.pooler, "merge_size", 1)
+    temporal = tower.encoder.config.temporal_patch_size or 1
+    count = 1 if frames is None else -(-len(frames) // temporal)
+    return count, shape[0] // side, shape[1] // side
+
+
+def image_spans(image_mask: torch.Tensor, attention_mask: torch.Tensor,
+                grids: Sequence[tuple[int, int, int]], owners: Sequence[int],
+                time_steps: Sequence[float] | None = None) -> list[list[VisionSpan]]:
+    """Each padded row's spans: its images' grids (in order; `owners[i]` is image i's row)
+    placed at the row's image positions, `start` counted among the row's real tokens.
+
+    Raises:
+        ValueError: when a row's image positions do not hold its images' tokens.
+    """
+    spans: list[list[VisionSpan]] = [[] for _ in range(image_mask.shape[0])]
+    steps = time_steps or [1.0] * len(grids)
+    for row in range(image_mask.shape[0]):
+        real = attention_mask[row].bool()
+        where = torch.nonzero(image_mask[row][real]).flatten().tolist()
+        taken = 0
+        for grid, owner, step in zip(grids, owners, steps):
+            if owner != row:
+                continue
+            span = VisionSpan(where[taken], grid, step) if taken < len(where) else None
+            if span is None or where[taken:taken + span.length] != list(
+                    range(span.start, span.start + span.length)):
+                raise ValueError(f"row {row}: its image positions do not hold an image of "
+                                 f"grid {grid} at image token {taken}")
+            spans[row].append(span)
+            taken += span.length
+        if taken != len(where):
+            raise ValueError(f"row {row}: {len(where)} image positions for {taken} image tokens")
+    return spans
+
+
+def generation_inputs(batch) -> dict:
+    """What transformers' `generate` needs besides the embeddings for an M-RoPE model: the
+    prefill's 3D ids. Each decoding step then continues from its row's last id plus one
+    (transformers extends `position_ids` so), which is where `get_rope_index`'s rope delta
+    puts the next text token."""
+    return {"position_ids": batch.position_ids}

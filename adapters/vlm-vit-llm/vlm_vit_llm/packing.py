@@ -44,6 +44,7 @@ from torch import nn
 import vlm_vit_llm.varlen_attention as varlen_attention
 from vlm_vit.train.token_budget import first_fit_decreasing
 from vlm_vit_llm.batch_types import IGNORE_INDEX
+from vlm_vit_llm.mrope import multimodal_rope
 from vlm_vit_llm.presets import LOSS_REDUCTIONS as LOSS_REDUCTIONS
 
 logger = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ def explain_packed_attention(llm: nn.Module) -> tuple[str, str]:
     """
     base = _base_model(llm)
     config = getattr(base, "config", None)
-    if _multimodal_rope(config):
+    if multimodal_rope(config):
         raise ValueError(f"{type(base).__name__} uses multimodal RoPE (3-D positions, "
                          "mrope_section in its rope settings): packed rows restart 1-D "
                          "positions per record and cannot give it per-record 3-D positions; "
@@ -305,17 +306,6 @@ def _full_attention_only(config: Any) -> bool:
 def _base_model(llm: nn.Module) -> nn.Module:
     base = getattr(llm, "get_base_model", None)
     return base() if base is not None and hasattr(llm, "peft_config") else llm
-
-
-def _multimodal_rope(config: Any) -> bool:
-    """Whether a config's rotary positions are multimodal (3-D), as Qwen2-VL's."""
-    for name in ("rope_parameters", "rope_scaling"):
-        settings = getattr(config, name, None)
-        if isinstance(settings, dict) and ("mrope_section" in settings
-                                           or settings.get("rope_type") == "mrope"
-                                           or settings.get("type") == "mrope"):
-            return True
-    return False
 
 
 # -- losses ---------------------------------------------------------------------------------

@@ -10,10 +10,12 @@ from vlm_vit.io.files import read_json
 from vlm_vit_llm.hf_reading import bounded
 from vlm_vit_llm.llava_next import read_llava
 from vlm_vit_llm.llava_reader import read_llava15
+from vlm_vit_llm.qwen_vl_reader import read_qwen_vl
 from vlm_vit_llm.saving import CONFIG_NAME, ModelParts
 
 READERS: dict[str, Callable[..., ModelParts]] = {
-    "llava": read_llava15, "llava_next": read_llava, "llava_onevision": read_llava}
+    "llava": read_llava15, "llava_next": read_llava, "llava_onevision": read_llava,
+    "qwen2_vl": read_qwen_vl, "qwen2_5_vl": read_qwen_vl}
 
 
 def transformers_reader(directory: Path) -> Callable[..., ModelParts] | None:

@@ -23,6 +23,7 @@ from vlm_vit import ImageProcessor, VisionEncoder, VisionTower
 from vlm_vit.io.card import PLACEHOLDER, model_card, write_card
 from vlm_vit.io.files import MODEL_FILES, atomic_directory, atomic_write, read_json
 from vlm_vit.io.integrity import MANIFEST_NAME, read_manifest, verify_files, write_manifest
+from vlm_vit_llm.mrope import multimodal_rope
 from vlm_vit_llm.peft_helpers import base_state, quiet_peft, split_peft
 
 logger = logging.getLogger(__name__)
@@ -63,10 +64,26 @@ class ModelParts:
     layout: str = LAYOUT
 
 
+def check_writable(llm: Any) -> None:
+    """Refuses an LLM this folder cannot hold: transformers' Qwen-VL models (read by
+    `vlm_vit_llm.qwen_vl_reader`), whose language model has no causal-LM class to be read
+    back as.
+
+    Raises:
+        ValueError: naming the class.
+    """
+    base = split_peft(llm)[0]
+    if multimodal_rope(getattr(base, "config", None)):
+        raise ValueError(f"{type(base).__name__} (multimodal RoPE) cannot be saved as a "
+                         "vlm-vit-llm folder yet: read it from its transformers folder for "
+                         "inference; training and saving Qwen-VL models is not supported yet")
+
+
 def write_folder(parts: ModelParts, directory: str | Path) -> Path:
     """`MultimodalLM.save_pretrained`: the parts written to `directory` (see there)."""
     from vlm_vit.adapt.lora import save_adapter
 
+    check_writable(parts.llm)
     directory = Path(directory)
     llm_base, llm_adapter = split_peft(parts.llm)
     encoder_base, encoder_adapter = split_peft(parts.tower.encoder)

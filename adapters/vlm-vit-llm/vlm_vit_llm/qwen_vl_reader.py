@@ -1,0 +1,114 @@
+"""Reading transformers' Qwen2-VL and Qwen2.5-VL folders (`Qwen2VLForConditionalGeneration`,
+`Qwen2_5_VLForConditionalGeneration`) as a `MultimodalLM`'s parts, for inference.
+
+The vision tower goes through vlm-vit's own converters (`vlm_vit.convert.hf_qwen2_vl`,
+`hf_qwen2_5_vl`: the encoder and its 2x2 patch merger); the language model stays
+transformers' own model with its vision tower dropped, so its M-RoPE layers, its head and its
+tie are transformers' exactly; the bridge gives it the 3D positions `get_rope_index` would
+(`vlm_vit_llm.mrope`). The config, the tokenizer's image token, the image processor and the
+head are checked before any weight is read.
+
+Not yet: training such a model (the bridge's own folder cannot hold it), packing, videos
+through transformers' `<|video_pad|>` token, Qwen3-VL (DeepStack).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlm_vit.config import is_int
+from vlm_vit.io.files import read_json
+from vlm_vit.processor import NORMALIZATION, ImageProcessor
+from vlm_vit.tower import VisionTower
+from vlm_vit_llm.hf_reading import (
+    bounded,
+    checked_image_token,
+    image_processor_settings,
+    tensor_shapes,
+)
+from vlm_vit_llm.saving import ModelParts
+
+MODEL_TYPES = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}
+IMAGE_TOKEN = "<|image_pad|>"
+HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight")
+RESAMPLE = {2: "bilinear", 3: "bicubic"}
+
+
+def read_qwen_vl(directory: str | Path, *, dtype: torch.dtype | None = None) -> ModelParts:
+    """The parts of a `MultimodalLM`, for inference, from a Qwen2-VL or Qwen2.5-VL folder.
+
+    Raises:
+        ValueError: naming the file and what cannot be read (another model type, an image
+            token the tokenizer gives another id, an image processor whose patch or merge
+            size is not the tower's, no image processor, an untied head the weights lack),
+            in one line, before any weight is read.
+    """
+    import transformers
+    from huggingface_hub.errors import StrictDataclassError
+
+    from vlm_vit import load_tower
+
+    directory = Path(directory)
+    source = f"{directory / 'config.json'}"
+    raw = read_json(directory / "config.json")
+    if raw.get("model_type") not in MODEL_TYPES:
+        raise ValueError(f"{source}: model_type {bounded(raw.get('model_type'))} is not one of "
+                         f"{sorted(MODEL_TYPES)}")
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory)
+    except StrictDataclassError as error:
+        raise ValueError(f"{source}: {bounded(error)}") from None
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    image_token = checked_image_token(tokenizer, directory, config.image_token_id, source,
+                                      default=IMAGE_TOKEN)
+    processor = _our_processor(directory, config.vision_config)
+    if not config.tie_word_embeddings and not any(
+            name in tensor_shapes(directory) for name in HEAD_NAMES):
+        raise ValueError(f"{source}: tie_word_embeddings is off but the weights hold no "
+                         "lm_head.weight: the output head would be random")
+    model_class = getattr(transformers, MODEL_TYPES[config.model_type]
+                          + "ForConditionalGeneration")
+    model = model_class.from_pretrained(directory, dtype=dtype)
+    with tempfile.TemporaryDirectory(prefix="vlm-vit-qwen-vl-") as folder:
+        model.model.visual.save_pretrained(folder)
+        loaded = load_tower(folder)  # the encoder and its patch merger
+    tower = VisionTower(loaded.encoder, loaded.pooler, feature_layer=loaded.feature_layer,
+                        processor=processor)
+    del model.model.visual  # the tower above runs the images; the LLM never does
+    return ModelParts(tower.to(model.dtype).eval(), model.eval(), tokenizer, processor,
+                      image_token, layout=config.model_type)
+
+
+def _our_processor(directory: Path, vision: Any) -> ImageProcessor:
+    """Qwen's image processor as ours: native resolution, sides multiples of patch x merge,
+    its pixel bounds (`size` shortest_edge / longest_edge, or min_pixels / max_pixels), its
+    mean, std and resampling filter."""
+    settings, path = image_processor_settings(directory)
+    for name, tower_value in (("patch_size", vision.patch_size),
+                              ("merge_size", vision.spatial_merge_size),
+                              ("temporal_patch_size", vision.temporal_patch_size)):
+        value = settings.get(name, tower_value)
+        if value != tower_value:
+            raise ValueError(f"{path}: {name} {bounded(value)}, but the vision tower's is "
+                             f"{tower_value}")
+    size = settings.get("size") if isinstance(settings.get("size"), dict) else {}
+    low = settings.get("min_pixels", size.get("shortest_edge"))
+    high = settings.get("max_pixels", size.get("longest_edge"))
+    resample = RESAMPLE.get(settings.get("resample", 3))
+    if not (is_int(low) and is_int(high) and 0 < low <= high) or resample is None:
+        raise ValueError(f"{path}: pixel bounds {bounded(low)} to {bounded(high)} or resample "
+                         f"{bounded(settings.get('resample'))} are not what vlm-vit reads "
+                         "(positive ints, the first not above the second; bilinear or bicubic)")
+    mean, std = NORMALIZATION["clip"]
+    try:
+        return ImageProcessor(
+            resize_mode="native", resample=resample,
+            patch_multiple=vision.patch_size * vision.spatial_merge_size,
+            min_output_pixels=low, max_output_pixels=high,
+            mean=tuple(settings.get("image_mean", mean)), std=tuple(settings.get("image_std", std)))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {bounded(error)}") from None
