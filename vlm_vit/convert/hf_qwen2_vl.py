@@ -176,6 +176,20 @@ class HfQwen2VLVisionFormat:
                          config_file=CONFIG_FILE)
 
 
+    def hf_tensors(self, encoder: nn.Module, pooler: nn.Module | None
+                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The tower's config.json and its tensors under transformers' names (the merger's
+        from `pooler`), as `write` writes them; a multimodal model's writer prefixes them.
+
+        Raises:
+            ValueError: as `write`.
+        """
+        refuse(qwen_problems(encoder.config, WRITE_ARCHITECTURE, "Qwen2-VL"), "Qwen2-VL")
+        merger, merge, out_dim = merger_tensors(pooler, "layernorm", "Qwen2-VL")
+        hf = qwen2_vl_config(encoder, merge, out_dim)
+        return hf, {**rename(detached(encoder), invert(KEY_MAP), encoder.config.depth,
+                             source="the encoder"), **merger}
+
     def write(self, encoder: nn.Module, destination: str | Path, *,
               pooler: nn.Module | None = None, processor: ImageProcessor | None = None,
               max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
@@ -188,11 +202,7 @@ class HfQwen2VLVisionFormat:
                 2D RoPE, a Conv3d patch embedding, the MLP width), or no LayerNorm
                 `patch_merger` pooler; nothing is written then.
         """
-        refuse(qwen_problems(encoder.config, WRITE_ARCHITECTURE, "Qwen2-VL"), "Qwen2-VL")
-        merger, merge, out_dim = merger_tensors(pooler, "layernorm", "Qwen2-VL")
-        hf = qwen2_vl_config(encoder, merge, out_dim)
-        tensors = {**rename(detached(encoder), invert(KEY_MAP), encoder.config.depth,
-                            source="the encoder"), **merger}
+        hf, tensors = self.hf_tensors(encoder, pooler)
         settings = None if processor is None else qwen_preprocessor(processor, hf)
         return write_hf_directory(destination, hf, tensors, settings, max_shard_size)
 
