@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 import vlm_vit_llm.llava_next as llava_next
 from vlm_vit import VisionEncoder
@@ -30,7 +29,7 @@ from vlm_vit.convert.hf_clip import (
 )
 from vlm_vit.io.files import MODEL_FILES, atomic_directory
 from vlm_vit_llm.chat import adds_bos, chat_template, structured_chat_template
-from vlm_vit_llm.peft_helpers import merged_state, split_peft
+from vlm_vit_llm.peft_helpers import merged_state, merged_tied_state, split_peft
 
 if TYPE_CHECKING:
     from vlm_vit_llm.model import MultimodalLM
@@ -109,35 +108,11 @@ def llava_tensors(mm: MultimodalLM, vision_prefix: str = VISION_PREFIX
     tensors.update(_renamed(mm.tower.pooler.state_dict(), PROJECTOR_KEYS))
     # The causal LM holds its decoder under `base_model_prefix` and the head beside it.
     llm = split_peft(mm.llm)[0]
-    state = merged_state(mm.llm)
-    for alias, name in _tied_names(llm).items():
-        if not _same_values(state[alias], state[name]):
-            raise ValueError(f"the LLM ties {alias!r} to {name!r}, but its LoRA changes them "
-                             "differently; LLaVA's layout holds one tensor for both")
-        state[alias] = state[name]
+    state = merged_tied_state(mm.llm)
     prefix = llm.base_model_prefix + "."
     head = {name: name for name in state if not name.startswith(prefix)}
     tensors.update(_renamed(state, {prefix: LANGUAGE_PREFIX, **head}))
     return tensors
-
-
-def _tied_names(module: nn.Module) -> dict[str, str]:
-    """{a second name of a parameter: its first name}, in plain names (as `base_state`)."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, parameter in module.named_parameters(remove_duplicate=False):
-        name = name.replace(".base_layer.", ".")
-        if id(parameter) in first:
-            aliases[name] = first[id(parameter)]
-        else:
-            first[id(parameter)] = name
-    return aliases
-
-
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    same_memory = (a.data_ptr() == b.data_ptr() and a.shape == b.shape
-                   and a.stride() == b.stride() and a.dtype == b.dtype)
-    return same_memory or torch.equal(a, b)
 
 
 def _probe_image():

@@ -84,3 +84,39 @@ def merged_state(module: nn.Module) -> dict[str, torch.Tensor]:
                     delta = layer.lora_B[active].bias * layer.scaling[active]
                     state[f"{name}.bias"] = (bias + delta).to(bias.dtype)
     return state
+
+
+def merged_tied_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`merged_state`, with every name the module ties to one parameter (the output head of
+    a `tie_word_embeddings` LLM) mapped to one tensor object, as a writer of one tensor for
+    both needs.
+
+    Raises:
+        ValueError: when LoRA changes one of two tied weights but not the other.
+    """
+    state = merged_state(module)
+    for alias, name in _tied_names(split_peft(module)[0]).items():
+        if not _same_values(state[alias], state[name]):
+            raise ValueError(f"the LLM ties {alias!r} to {name!r}, but its LoRA changes them "
+                             "differently; a written model holds one tensor for both")
+        state[alias] = state[name]
+    return state
+
+
+def _tied_names(module: nn.Module) -> dict[str, str]:
+    """{a second name of a parameter: its first name}, in plain names (as `base_state`)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        name = name.replace(".base_layer.", ".")
+        if id(parameter) in first:
+            aliases[name] = first[id(parameter)]
+        else:
+            first[id(parameter)] = name
+    return aliases
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    same_memory = (a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                   and a.stride() == b.stride() and a.dtype == b.dtype)
+    return same_memory or torch.equal(a, b)
