@@ -158,13 +158,6 @@ def test_every_decoding_step_s_logits_are_transformers(qwen):
         torch.testing.assert_close(a, b, rtol=0, atol=LOGITS_ATOL, msg=f"step {step}")
 
 
-def test_it_cannot_be_saved_as_our_folder_yet(qwen, tmp_path):
-    with pytest.raises(ValueError, match="multimodal RoPE.* cannot be saved as a vlm-vit-llm "
-                                         "folder yet"):
-        qwen[3].save_pretrained(tmp_path / "saved")
-    assert not (tmp_path / "saved").exists()
-
-
 @pytest.fixture
 def qwen_copy(qwen, tmp_path, monkeypatch):
     """A copy of the folder whose weights (transformers' from_pretrained) fail the test."""

@@ -54,7 +54,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     merge.set_defaults(run=run_merge)
 
     export = commands.add_parser("export", help="write the Hugging Face LLaVA layout "
-                                 "(LLaVA-NeXT or OneVision for a tiled tower)")
+                                 "(LLaVA-NeXT or OneVision for a tiled tower; a Qwen2-VL or "
+                                 "Qwen2.5-VL model as its own class), LoRA merged")
     export.add_argument("model", type=Path, metavar="MODEL_DIR_OR_NAME")
     export.add_argument("--out", required=True, type=Path, metavar="DIR")
     export.set_defaults(run=run_export)
@@ -258,7 +259,7 @@ def _train(args: argparse.Namespace) -> int:
     from vlm_vit_llm.model import DEFAULT_LLM_LORA_TARGETS
     from vlm_vit_llm.objective import MODEL_DIR
     from vlm_vit_llm.packing import explain_packed_attention
-    from vlm_vit_llm.saving import check_writable
+    from vlm_vit_llm.qwen_vl_writer import base_writer
 
     shards = _check_data(args)
     packing = packing_from_args(args, shards=shards)  # bad flags fail before the LLM loads
@@ -270,7 +271,7 @@ def _train(args: argparse.Namespace) -> int:
     records = None if shards else _records(args)  # bad data fails before the LLM is loaded
     torch.manual_seed(args.seed)  # the same new projector on every process
     mm = build_model(args, anyres)
-    check_writable(mm.llm)  # before any step: the run ends by saving it
+    base_writer(mm.llm)  # refuses what cannot be saved before any step: the run ends saving it
     dataset, collate, objective_class = _data(args, mm, records, shards, packing)
     if args.stage == 1:
         mm.train_projector_only()
@@ -354,15 +355,16 @@ def _records(args: argparse.Namespace):
         if args.group_by_length:
             raise ValueError("--group-by-length needs --data-format llava")
         return None
-    from vlm_vit.io.files import read_json
-    from vlm_vit_llm.model import CONFIG_NAME
+    from vlm_vit_llm.readers import RECORD_PLACEHOLDER, record_placeholder
     from vlm_vit_llm.records import ConversationRecords
 
-    image_token = "<image>"  # a new model's; a saved one says its own
-    if args.model is not None and (args.model / CONFIG_NAME).is_file():
-        image_token = read_json(args.model / CONFIG_NAME).get("image_token", image_token)
+    # a new model's "<image>"; a saved one says its own, and how its prompts hold an image
+    image_token, image_text = RECORD_PLACEHOLDER, None
+    if args.model is not None:
+        image_token, image_text = record_placeholder(args.model)
     records = ConversationRecords(args.data, _existing(args.image_folder, "--image-folder"),
-                                  image_token=image_token, strict=args.strict)
+                                  image_token=image_token, strict=args.strict,
+                                  image_text=image_text)
     if records.skipped.count:
         print(f"skipped {records.skipped.count} bad record(s) of "
               f"{len(records) + records.skipped.count} in {args.data} (first: "
@@ -477,9 +479,11 @@ def run_merge(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     from vlm_vit_llm.llava import export_llava
+    from vlm_vit_llm.qwen_vl_writer import base_writer, export_qwen_vl
 
     mm = load_multimodal(args.model, "MODEL")
-    written = export_llava(mm, args.out)
+    # a Qwen-VL model goes back to its own class; every other one to LLaVA's
+    written = (export_qwen_vl if base_writer(mm.llm) else export_llava)(mm, args.out)
     architectures = json.loads((written / "config.json").read_text())["architectures"]
     print(f"wrote {written} ({', '.join(architectures)})")
     return 0

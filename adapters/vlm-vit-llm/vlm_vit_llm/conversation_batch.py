@@ -23,6 +23,7 @@ from vlm_vit.processor import Tiling
 from vlm_vit.processor.anyres import num_image_tokens as tiled_tokens
 from vlm_vit_llm.batch_types import TiledImage, Video
 from vlm_vit_llm.model import MultimodalLM
+from vlm_vit_llm.mrope import context_length
 from vlm_vit_llm.packing import LOSS_REDUCTIONS, loss_terms, loss_units, pack_rows, split_rows
 from vlm_vit_llm.pixels import Pixels
 
@@ -103,7 +104,7 @@ class ImageTokens:
 
 def _max_length(mm: MultimodalLM, max_length: int | None) -> int:
     """`max_length`, or the LLM's context; never longer than the context."""
-    context = getattr(getattr(mm.llm, "config", None), "max_position_embeddings", None)
+    context = context_length(mm.llm)
     max_length = max_length or context
     if max_length is None:
         raise ValueError("give max_length: the LLM's config has no max_position_embeddings")

@@ -27,9 +27,10 @@ from vlm_vit.convert.hf_clip import (
     hf_clip_tensors,
     preprocessor_config,
 )
-from vlm_vit.io.files import MODEL_FILES, atomic_directory
+from vlm_vit.io.files import atomic_directory
 from vlm_vit_llm.chat import adds_bos, chat_template, structured_chat_template
 from vlm_vit_llm.peft_helpers import merged_state, merged_tied_state, split_peft
+from vlm_vit_llm.saving import EXPORT_FILES
 
 if TYPE_CHECKING:
     from vlm_vit_llm.model import MultimodalLM
@@ -42,9 +43,6 @@ PROJECTOR_KEYS = {"0.": "model.multi_modal_projector.linear_1.",
 VISION_PREFIX = "model.vision_tower."  # + "vision_model." before transformers 5
 LANGUAGE_PREFIX = "model.language_model."
 PROJECTOR_NAME = "mlp2x_gelu"  # LLaVA-1.5's projector: Linear, GELU, Linear (with biases)
-# An earlier export's files, which an export over it replaces even where it writes no file of
-# that name (a chat template or a SentencePiece model the new tokenizer lacks).
-EXPORT_FILES = (*MODEL_FILES, "*.jinja", "*.model", "*.tiktoken", "merges.txt", "vocab.txt")
 # transformers' names for an image processor doing CLIP's steps, in the order tried: the first
 # that `AutoImageProcessor.from_pretrained` loads, with default arguments, as one giving our
 # pixels is written. transformers 5 loads "CLIPImageProcessor" as its torchvision backend,

@@ -31,6 +31,7 @@ from vlm_vit import ImageProcessor, VisionTower
 from vlm_vit_llm.batch_types import MultimodalBatch, TiledImage, Video
 from vlm_vit_llm.mrope import (
     batch_positions,
+    context_length,
     generation_inputs,
     image_spans,
     multimodal_rope,
@@ -41,7 +42,8 @@ from vlm_vit_llm.packing import PATHS, check_packed_attention, choose_packed_att
 from vlm_vit_llm.parallel import idle_image_features
 from vlm_vit_llm.peft_helpers import quiet_peft, split_peft
 from vlm_vit_llm.pixels import Pixels, as_pixels, token_count
-from vlm_vit_llm.readers import transformers_reader
+from vlm_vit_llm.qwen_vl_writer import base_writer
+from vlm_vit_llm.readers import READERS, transformers_reader
 from vlm_vit_llm.saving import CONFIG_NAME, LAYOUT, ModelParts, read_folder, write_folder
 
 logger = logging.getLogger(__name__)
@@ -231,7 +233,7 @@ class MultimodalLM(nn.Module):
             for prompt, target in enumerate(targets)]
         sequences, label_rows = expand(prompt_ids, counts, self.image_token_id, labels=labels,
                                        targets=target_ids)
-        limit = getattr(getattr(self.llm, "config", None), "max_position_embeddings", None)
+        limit = context_length(self.llm)
         longest = max(len(s) for s in sequences)
         if limit is not None and longest > limit:
             raise ValueError(f"a sequence of {longest} tokens (image tokens included) is "
@@ -430,7 +432,7 @@ class MultimodalLM(nn.Module):
         """
         parts = ModelParts(self.tower, self.llm, self.tokenizer, self.processor,
                            self.image_token)
-        return write_folder(parts, directory)
+        return write_folder(parts, directory, base_writer=base_writer(self.llm))
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, trainable: bool = False,
@@ -456,7 +458,8 @@ class MultimodalLM(nn.Module):
         directory = hub.locate(directory, patterns=hub.LLM_PATTERNS).directory  # or a name
         reader = transformers_reader(directory)
         parts = reader(directory, dtype=dtype) if reader is not None else \
-            read_folder(directory, trainable=trainable, dtype=dtype, verify=verify)
+            read_folder(directory, trainable=trainable, dtype=dtype, verify=verify,
+                        base_readers=READERS)
         mm = cls(parts.tower, parts.llm, parts.tokenizer, image_token=parts.image_token,
                  processor=parts.processor)
         # transformers' LLaVA folders load for inference, as transformers loads them.

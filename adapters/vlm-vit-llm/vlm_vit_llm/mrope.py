@@ -131,6 +131,17 @@ def multimodal_rope(config) -> bool:
     return False
 
 
+def context_length(llm) -> int | None:
+    """The LLM's `max_position_embeddings`: its config's, or its text config's (where a
+    multimodal class, as Qwen-VL's, keeps it); None when neither has one."""
+    config = getattr(llm, "config", None)
+    for part in (config, getattr(config, "text_config", None)):
+        value = getattr(part, "max_position_embeddings", None)
+        if value is not None:
+            return value
+    return None
+
+
 def token_grid(tower, pixels) -> tuple[int, int, int]:
     """The `(t, h, w)` grid of LLM tokens an image (`[C, H, W]` pixels) or a clip (a `Video`
     of `[T, C, H, W]` pixels) becomes in a tower with a patch merger (its windows of

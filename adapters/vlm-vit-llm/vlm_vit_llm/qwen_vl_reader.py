@@ -34,6 +34,7 @@ from vlm_vit_llm.saving import ModelParts
 
 MODEL_TYPES = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}
 IMAGE_TOKEN = "<|image_pad|>"
+IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>"  # an image in Qwen's prompts
 HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight")
 RESAMPLE = {2: "bilinear", 3: "bicubic"}
 

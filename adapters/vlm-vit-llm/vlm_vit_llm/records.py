@@ -115,10 +115,14 @@ def _has_surrogate(text: str) -> bool:
 
 
 def parse_record(raw: Any, where: str, image_folder: Path, image_token: str = "<image>",
-                 check_files: bool = True, folder_root: Path | None = None) -> Record:
+                 check_files: bool = True, folder_root: Path | None = None,
+                 image_text: str | None = None) -> Record:
     """Checks one parsed record and returns it with roles mapped and paths resolved.
 
     Args:
+        image_text: what each `image_token` becomes in the returned turns, for a model whose
+            prompts wrap an image in its own tokens (Qwen-VL's
+            `<|vision_start|><|image_pad|><|vision_end|>`); None keeps it.
         folder_root: `image_folder` resolved; when given, an image path that resolves
             outside it (`..`, an absolute path, a symbolic link out) is a bad record, with
             `check_files` or not. None: the names are not paths (a shard's records).
@@ -162,6 +166,8 @@ def parse_record(raw: Any, where: str, image_folder: Path, image_token: str = "<
     if placeholders != len(names):
         raise bad(f"{placeholders} {image_token!r} placeholder(s) but {len(names)} image(s)",
                   "placeholders do not match images")
+    if image_text is not None:
+        turns = [Turn(turn.role, turn.text.replace(image_token, image_text)) for turn in turns]
     files = [name for item in names for name in ([item] if isinstance(item, str) else item)]
     if any(_has_surrogate(name) for name in files):
         raise bad(f"an image path holds a lone surrogate: {ascii(files)[:80]}", "lone surrogate")
@@ -219,6 +225,7 @@ class ConversationRecords:
             first non-space character.
         image_folder: where the records' image paths start (LLaVA's `--image_folder`).
         image_token: the placeholder in human turns.
+        image_text: what the placeholder becomes in the model's prompts (`parse_record`).
         strict: refuse the file at its first bad record instead of skipping it.
         check_files: check at indexing that every image exists (one `stat` per image).
 
@@ -235,9 +242,11 @@ class ConversationRecords:
     """
 
     def __init__(self, path: str | Path, image_folder: str | Path, *,
-                 image_token: str = "<image>", strict: bool = False, check_files: bool = True):
+                 image_token: str = "<image>", strict: bool = False, check_files: bool = True,
+                 image_text: str | None = None):
         self.path, self.image_folder = Path(path), Path(image_folder)
         self.image_token, self.check_files = image_token, check_files
+        self.image_text = image_text
         if not self.path.is_file():
             raise FileNotFoundError(f"no conversation file {self.path}")
         if not self.image_folder.is_dir():
@@ -253,7 +262,7 @@ class ConversationRecords:
                 if error is not None:
                     raise BadRecord(where, f"not JSON ({error})", "not JSON")
                 record = parse_record(raw, where, self.image_folder, image_token, check_files,
-                                      self._root)
+                                      self._root, image_text)
             except BadRecord as bad:
                 if strict:
                     raise ValueError(str(bad)) from None
@@ -420,4 +429,4 @@ class ConversationRecords:
                             "after indexing?", "not JSON") from None
         return parse_record(raw, _where(self.path, int(self.lines[index]), raw),
                             self.image_folder, self.image_token, check_files=False,
-                            folder_root=self._root)
+                            folder_root=self._root, image_text=self.image_text)

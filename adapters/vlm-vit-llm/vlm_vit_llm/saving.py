@@ -3,7 +3,8 @@
 
     multimodal_config.json   the image token and which adapters there are
     tower/                   the VisionTower (base weights) and the processor
-    llm/                     the LLM's base weights and config, and the tokenizer
+    llm/                     the LLM's base weights and config, and the tokenizer (for a
+                             Qwen-VL model: transformers' own folder, tower included)
     llm_adapter/             peft's LoRA adapter on the LLM, when there is one
     vision_adapter/          the encoder's LoRA adapter (`vlm_vit.adapt.lora`), likewise
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,9 @@ SAVED_ENTRIES = (*MODEL_FILES, TOWER_DIR, LLM_DIR, LLM_ADAPTER_DIR, VISION_ADAPT
 # The sub-folders hashed in their own `manifest.json` (the tower writes its own).
 HASHED_DIRS = (LLM_DIR, LLM_ADAPTER_DIR, VISION_ADAPTER_DIR)
 UNHASHED_FILES = (MANIFEST_NAME, "README.md")  # a card the user may edit is not a weight
+# An earlier export's files, which an export over it replaces even where it writes no file of
+# that name (a chat template or a SentencePiece model the new tokenizer lacks).
+EXPORT_FILES = (*MODEL_FILES, "*.jinja", "*.model", "*.tiktoken", "merges.txt", "vocab.txt")
 LAYOUT = "vlm_vit_llm"  # the config's "format": this module's folder layout
 
 
@@ -64,28 +69,28 @@ class ModelParts:
     layout: str = LAYOUT
 
 
-def check_writable(llm: Any) -> None:
-    """Refuses an LLM this folder cannot hold: transformers' Qwen-VL models (read by
-    `vlm_vit_llm.qwen_vl_reader`), whose language model has no causal-LM class to be read
-    back as.
+def write_folder(parts: ModelParts, directory: str | Path, *,
+                 base_writer: Callable[[ModelParts, Path], None] | None = None) -> Path:
+    """`MultimodalLM.save_pretrained`: the parts written to `directory` (see there).
+
+    Args:
+        base_writer: for a model transformers holds whole (Qwen-VL: the language model is
+            the multimodal class), what writes the base weights, tower included, into
+            `llm/` as transformers' own folder (`vlm_vit_llm.qwen_vl_writer.base_writer`);
+            `tower/` is not written then and the config records `llm_layout`.
 
     Raises:
-        ValueError: naming the class.
+        ValueError: for a multimodal-RoPE LLM without a `base_writer` (its language model
+            has no causal-LM class to be read back as).
     """
-    base = split_peft(llm)[0]
-    if multimodal_rope(getattr(base, "config", None)):
-        raise ValueError(f"{type(base).__name__} (multimodal RoPE) cannot be saved as a "
-                         "vlm-vit-llm folder yet: read it from its transformers folder for "
-                         "inference; training and saving Qwen-VL models is not supported yet")
-
-
-def write_folder(parts: ModelParts, directory: str | Path) -> Path:
-    """`MultimodalLM.save_pretrained`: the parts written to `directory` (see there)."""
     from vlm_vit.adapt.lora import save_adapter
 
-    check_writable(parts.llm)
     directory = Path(directory)
     llm_base, llm_adapter = split_peft(parts.llm)
+    if base_writer is None and multimodal_rope(getattr(llm_base, "config", None)):
+        raise ValueError(f"{type(llm_base).__name__} (multimodal RoPE) is saved only with "
+                         "its tower, as transformers' own folder: save it through "
+                         "MultimodalLM.save_pretrained")
     encoder_base, encoder_adapter = split_peft(parts.tower.encoder)
     tower = parts.tower
     if encoder_adapter is not None:  # the tower again, on the encoder without LoRA
@@ -95,10 +100,13 @@ def write_folder(parts: ModelParts, directory: str | Path) -> Path:
                             processor=tower.processor, tiling=tower.tiling)
         tower.image_newline = parts.tower.image_newline  # the same parameter, or None
     with atomic_directory(directory, replaces=SAVED_ENTRIES) as temp:
-        tower.save_pretrained(temp / TOWER_DIR)
-        parts.processor.save_pretrained(temp / TOWER_DIR)
-        llm_base.save_pretrained(temp / LLM_DIR, state_dict=base_state(llm_base))
-        parts.tokenizer.save_pretrained(temp / LLM_DIR)
+        if base_writer is not None:
+            base_writer(parts, temp / LLM_DIR)
+        else:
+            tower.save_pretrained(temp / TOWER_DIR)
+            parts.processor.save_pretrained(temp / TOWER_DIR)
+            llm_base.save_pretrained(temp / LLM_DIR, state_dict=base_state(llm_base))
+            parts.tokenizer.save_pretrained(temp / LLM_DIR)
         if llm_adapter is not None:
             llm_adapter.save_pretrained(str(temp / LLM_ADAPTER_DIR))
         if encoder_adapter is not None:
@@ -110,6 +118,8 @@ def write_folder(parts: ModelParts, directory: str | Path) -> Path:
                   "image_token": parts.image_token,
                   "llm_adapter": llm_adapter is not None,
                   "vision_adapter": encoder_adapter is not None}
+        if base_writer is not None:
+            config["llm_layout"] = llm_base.config.model_type
         with atomic_write(temp / CONFIG_NAME, "w") as handle:
             json.dump(config, handle, indent=2)
             handle.write("\n")
@@ -143,21 +153,31 @@ def _model_card(parts: ModelParts, llm: nn.Module) -> str:
 
 
 def read_folder(directory: Path, *, trainable: bool, dtype: torch.dtype | None,
-                verify: bool | None) -> ModelParts:
+                verify: bool | None,
+                base_readers: dict[str, Callable[..., ModelParts]] | None = None) -> ModelParts:
     """The parts of a folder `write_folder` wrote (arguments and errors as
-    `MultimodalLM.from_pretrained`)."""
+    `MultimodalLM.from_pretrained`); `base_readers` read an `llm/` that is transformers' own
+    folder, by the config's `llm_layout` (`vlm_vit_llm.readers.READERS`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = read_json(directory / CONFIG_NAME)
     if config.get("format") != "vlm_vit_llm":
         raise ValueError(f"{directory / CONFIG_NAME} is not a vlm-vit-llm model config")
+    layout = config.get("llm_layout")
+    if layout is not None and layout not in (base_readers or {}):
+        raise ValueError(f"{directory / CONFIG_NAME}: llm_layout {str(layout)[:60]!r} is not "
+                         f"one this version reads ({', '.join(base_readers or {}) or 'none'})")
     for name in HASHED_DIRS:  # all of them, before the LLM is read
         if (directory / name).is_dir():
             _verify_folder(directory / name, verify)
-    tower = VisionTower.from_pretrained(directory / TOWER_DIR, verify=verify)
-    processor = ImageProcessor.from_pretrained(directory / TOWER_DIR)
-    llm = AutoModelForCausalLM.from_pretrained(directory / LLM_DIR, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(directory / LLM_DIR)
+    if layout is not None:
+        base = base_readers[layout](directory / LLM_DIR, dtype=dtype)
+        tower, processor, llm, tokenizer = base.tower, base.processor, base.llm, base.tokenizer
+    else:
+        tower = VisionTower.from_pretrained(directory / TOWER_DIR, verify=verify)
+        processor = ImageProcessor.from_pretrained(directory / TOWER_DIR)
+        llm = AutoModelForCausalLM.from_pretrained(directory / LLM_DIR, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(directory / LLM_DIR)
     if config.get("llm_adapter"):
         from peft import PeftModel
 
