@@ -216,18 +216,6 @@ def test_the_path_is_chosen_once_and_the_cache_is_refused(tokenizer, monkeypatch
         mm.run(prepared, use_cache=True)
 
 
-def test_multimodal_rope_is_refused_by_name():
-    class Config:
-        rope_parameters = {"rope_type": "default", "mrope_section": [16, 24, 24]}
-        _attn_implementation = "sdpa"
-
-    class Qwen2VLLike(torch.nn.Module):
-        config = Config()
-
-    with pytest.raises(ValueError, match="Qwen2VLLike uses multimodal RoPE"):
-        choose_packed_attention(Qwen2VLLike())
-
-
 @pytest.mark.parametrize("reduction", ["token", "record"])
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
 def test_gradient_accumulation_is_exact(tokenizer, pack, reduction):

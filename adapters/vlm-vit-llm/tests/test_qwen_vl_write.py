@@ -125,7 +125,7 @@ def test_a_multimodal_rope_family_without_a_writer_is_refused_before_writing(qwe
 @pytest.mark.filterwarnings("ignore:The tied weights mapping")
 def test_a_qwen_folder_continues_in_stage_2_on_llava_records_then_writes_back(qwen, tmp_path,
                                                                               capsys):
-    """`llm train THEIR_FOLDER --stage 2` on records whose `<image>` becomes Qwen's
+    """`llm train THEIR_FOLDER --stage 2 --packing` on records whose `<image>` becomes Qwen's
     vision-start, image-pad, vision-end; `llm merge`, `llm export`: transformers loads the
     export strictly and greedily generates our tokens."""
     from vlm_vit.cli import main
@@ -138,12 +138,14 @@ def test_a_qwen_folder_continues_in_stage_2_on_llava_records_then_writes_back(qw
         {"from": "human", "value": "<image>\nwhat is in the image"},
         {"from": "gpt", "value": f"a red square {index}"}]} for index in range(3)]
     (tmp_path / "data.json").write_text(json.dumps(records))
-    assert main(["llm", "train", str(folder), "--stage", "2", "--lora-r", "4", "--data-format",
+    assert main(["llm", "train", str(folder), "--stage", "2", "--lora-r", "4", "--packing",
+                 "--data-format",
                  "llava", "--data", str(tmp_path / "data.json"), "--image-folder",
                  str(tmp_path / "images"), "--steps", "2", "--batch-size", "2",
                  "--num-workers", "0", "--device", "cpu", "--quiet", "--lr", "1e-2",
                  "--out", str(tmp_path / "s2")]) == 0
-    assert "trained stage 2 for 2 steps" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "trained stage 2 for 2 steps" in out and "packing: attention varlen_sdpa" in out
     trained = MultimodalLM.from_pretrained(tmp_path / "s2" / "model")
     assert not torch.equal(_logits(trained.eval()), _logits(MultimodalLM.from_pretrained(folder)))
     assert main(["llm", "merge", str(tmp_path / "s2" / "model"), "--out",

@@ -21,7 +21,9 @@ class MultimodalBatch:
     Attributes:
         input_ids: `[B, L]`; image positions hold the image token's id, padding the pad id.
         attention_mask: `[B, L]`, 0 on padding.
-        position_ids: `[B, L]`, counting real tokens only (so left padding shifts nothing).
+        position_ids: `[B, L]`, counting real tokens only (so left padding shifts nothing);
+            for a multimodal-RoPE LLM `[3, B, L]` (padded) or `[4, R, L]` (packed: the text
+            positions first), as `vlm_vit_llm.mrope` gives them.
         image_mask: `[B, L]` bool, True where an image token goes.
         image_features: `[total image tokens, D]`, in the order of the True positions.
         labels: `[B, L]` target ids, `IGNORE_INDEX` on prompt, image and pad positions; None

@@ -23,7 +23,7 @@ from vlm_vit.processor import Tiling
 from vlm_vit.processor.anyres import num_image_tokens as tiled_tokens
 from vlm_vit_llm.batch_types import TiledImage, Video
 from vlm_vit_llm.model import MultimodalLM
-from vlm_vit_llm.mrope import context_length
+from vlm_vit_llm.mrope import context_length, token_side
 from vlm_vit_llm.packing import LOSS_REDUCTIONS, loss_terms, loss_units, pack_rows, split_rows
 from vlm_vit_llm.pixels import Pixels
 
@@ -64,32 +64,52 @@ class ImageTokens:
         tile_side: a tile's tokens per side after the pooler (`VisionTower.tile_side`).
         temporal: frames per temporal patch (a clip of T frames counts ceil(T / temporal)
             images), or None for a tower without temporal patches.
+        native_side: for a processor that keeps each image's own size (native resolution,
+            as Qwen-VL's), the pixels a side of one LLM token covers: each image counts by
+            its pixels (`fixed` is only an estimate then); 0 otherwise.
+        native_least: the fewest tokens such an image takes (its processor's
+            `min_output_pixels`).
     """
 
     fixed: int
     tiling: Tiling | None = None
     tile_side: int = 0
     temporal: int | None = None
+    native_side: int = 0
+    native_least: int = 1
 
     @classmethod
     def of(cls, mm: MultimodalLM, image_size: tuple[int, int] | None = None) -> ImageTokens:
         """The counts of `mm`'s tower, untiled at `image_size` (default: the processor's)."""
         tiling = mm.tower.tiling
+        temporal = mm.tower.encoder.config.temporal_patch_size
+        if tiling is None and image_size is None and mm.processor.resize_mode == "native":
+            side = token_side(mm.tower)
+            estimate = mm.tower.num_image_tokens(mm.processor.size)  # never above the bound
+            most = mm.processor.max_output_pixels
+            return cls(estimate if most is None else min(estimate, max(1, most // side ** 2)),
+                       temporal=temporal, native_side=side,
+                       native_least=max(1, (mm.processor.min_output_pixels or 0) // side ** 2))
         if tiling is None:
             return cls(mm.tower.num_image_tokens(image_size or mm.processor.size),
-                       temporal=mm.tower.encoder.config.temporal_patch_size)
+                       temporal=temporal)
         side = tiling.tile_size
         return cls(mm.tower.num_image_tokens((side, side)), tiling, mm.tower.tile_side)
 
     def __call__(self, pixels: Pixels) -> int:
         """The tokens of one image (or clip) as `load_pixels` gives it."""
-        if isinstance(pixels, Video):
+        frames = pixels.frames if isinstance(pixels, Video) else None
+        one = self.fixed
+        if self.native_side:
+            height, width = (frames if frames is not None else pixels).shape[-2:]
+            one = (height // self.native_side) * (width // self.native_side)
+        if frames is not None:
             if self.temporal is None:
                 raise ValueError("a clip needs a tower with temporal patches "
                                  "(temporal_patch_size); this one has none")
-            return -(-len(pixels.frames) // self.temporal) * self.fixed
+            return -(-len(frames) // self.temporal) * one
         if self.tiling is None:
-            return self.fixed
+            return one
         return tiled_tokens(self.tiling, tuple(pixels.size), self.tile_side)
 
     @property
@@ -98,7 +118,7 @@ class ImageTokens:
         tiled image has at least its base view's; its grid and newlines can shrink away, and
         without a base view an image still takes a token)."""
         if self.tiling is None:
-            return self.fixed
+            return self.native_least if self.native_side else self.fixed
         return max(1, self.tile_side ** 2 * self.tiling.base_image)
 
 

@@ -35,6 +35,7 @@ from vlm_vit_llm.mrope import (
     generation_inputs,
     image_spans,
     multimodal_rope,
+    packed_batch_positions,
     token_grid,
 )
 from vlm_vit_llm.multimodal_batch import build_batch, checked_arguments, expand, token_ids
@@ -247,11 +248,15 @@ class MultimodalLM(nn.Module):
             with_labels=targets is not None or token_labels is not None,
             padding_side=padding_side, pack=pack,
             packing=None if pack is None else self.packed_attention(), device=self.device)
-        if pack is None and multimodal_rope(getattr(self.llm, "config", None)):
-            # Qwen-VL's 3-D positions (M-RoPE; packed rows are refused by packed_attention)
-            spans = image_spans(batch.image_mask, batch.attention_mask,
-                                [token_grid(self.tower, one) for one in pixels], owners)
-            batch = replace(batch, position_ids=batch_positions(batch.attention_mask, spans))
+        if multimodal_rope(getattr(self.llm, "config", None)):  # Qwen-VL's 3-D positions
+            grids = [token_grid(self.tower, one) for one in pixels]
+            if pack is None:
+                spans = image_spans(batch.image_mask, batch.attention_mask, grids, owners)
+                positions = batch_positions(batch.attention_mask, spans)
+            else:
+                positions = packed_batch_positions(batch.position_ids, batch.record_index,
+                                                   batch.image_mask, grids, owners)
+            batch = replace(batch, position_ids=positions)
         return replace(batch, idle_features=idle)
 
     def _prompt_ids(self, text: str | Sequence[int], prompt: int) -> list[int]:

@@ -11,7 +11,8 @@ t = 1. These are the ids transformers' `get_rope_index` gives, which tests check
 prompts with left padding.
 
 Packed rows (several records in one row) restart the ids at 0 for each record, so every
-record sees the positions it would see alone.
+record sees the positions it would see alone; `packed_batch_positions` puts the 1-D text
+positions before them (`[4, R, L]`), as transformers' Qwen-VL models take packed input.
 """
 
 from __future__ import annotations
@@ -112,6 +113,37 @@ def packed_positions(lengths: Sequence[int], spans: Sequence[Sequence[VisionSpan
     return positions
 
 
+def packed_batch_positions(position_ids: torch.Tensor, record_index: torch.Tensor,
+                           image_mask: torch.Tensor, grids: Sequence[tuple[int, int, int]],
+                           owners: Sequence[int]) -> torch.Tensor:
+    """`[4, R, L]` ids for packed rows, as transformers' Qwen-VL models read packed input:
+    the 1-D text positions first (restarting per record: what its packed-sequence detection
+    and our varlen path read), then each record's own 3-D ids, restarting at 0, as it has
+    them alone. Padding and text-only records count on as text.
+
+    Args:
+        position_ids: `[R, L]`, restarting at every record (`packing.layout_rows`).
+        record_index: `[R, L]`, each token's record (-1 on padding).
+        image_mask: `[R, L]`, True on image tokens.
+        grids: each image's `(t, h, w)` LLM-token grid, in the batch's image order.
+        owners: each image's record.
+
+    Raises:
+        ValueError: when a record's image positions do not hold its images' tokens.
+    """
+    out = position_ids.unsqueeze(0).repeat(4, 1, 1)
+    for record in sorted(set(owners)):
+        rows, columns = torch.nonzero(record_index == record, as_tuple=True)
+        row, start, end = int(rows[0]), int(columns[0]), int(columns[-1]) + 1
+        mine = [index for index, owner in enumerate(owners) if owner == record]
+        length = end - start
+        spans = image_spans(image_mask[row, start:end][None],
+                            torch.ones(1, length, dtype=torch.long),
+                            [grids[index] for index in mine], [0] * len(mine))[0]
+        out[1:, row, start:end] = record_positions(length, spans).to(out.device)
+    return out
+
+
 def rope_delta(positions: torch.Tensor, length: int) -> int:
     """How far a record's next text id is from its length (`max id + 1 - length`): what
     generation adds to each new token's position, as transformers' `rope_deltas`."""
@@ -142,15 +174,21 @@ def context_length(llm) -> int | None:
     return None
 
 
+def token_side(tower) -> int:
+    """The pixels a side of one LLM token covers: the patch, times the patch merger's
+    `merge_size` (1 without one)."""
+    side = tower.encoder.config.patch_size
+    side = side[0] if isinstance(side, (tuple, list)) else side
+    return side * getattr(tower.pooler, "merge_size", 1)
+
+
 def token_grid(tower, pixels) -> tuple[int, int, int]:
     """The `(t, h, w)` grid of LLM tokens an image (`[C, H, W]` pixels) or a clip (a `Video`
     of `[T, C, H, W]` pixels) becomes in a tower with a patch merger (its windows of
     `merge_size` patches a side; 1 without one)."""
     frames = getattr(pixels, "frames", None)
     shape = tuple((frames if frames is not None else pixels).shape[-2:])
-    side = tower.encoder.config.patch_size
-    side = side[0] if isinstance(side, (tuple, list)) else side
-    side *= getattr(tower.pooler, "merge_size", 1)
+    side = token_side(tower)
     temporal = tower.encoder.config.temporal_patch_size or 1
     count = 1 if frames is None else -(-len(frames) // temporal)
     return count, shape[0] // side, shape[1] // side

@@ -28,8 +28,9 @@ confined to each record by one of four paths, chosen once per model and logged:
 
 The chosen path is checked once against two records run separately
 (`check_packed_attention`); a mismatch is an error naming the model class, so a transformers
-release that changes the detection cannot leak silently. A model whose positions are not 1-D
-(multimodal RoPE, as Qwen2-VL's 3-D positions) is refused by name.
+release that changes the detection cannot leak silently. A multimodal-RoPE LLM (Qwen2-VL,
+Qwen2.5-VL) takes `[4, R, L]` positions: the restarting text positions, which every path
+reads as above, then each record's own 3-D ids (`vlm_vit_llm.mrope.packed_batch_positions`).
 """
 
 from __future__ import annotations
@@ -153,12 +154,7 @@ def explain_packed_attention(llm: nn.Module) -> tuple[str, str]:
         ValueError: as `choose_packed_attention`.
     """
     base = _base_model(llm)
-    config = getattr(base, "config", None)
-    if multimodal_rope(config):
-        raise ValueError(f"{type(base).__name__} uses multimodal RoPE (3-D positions, "
-                         "mrope_section in its rope settings): packed rows restart 1-D "
-                         "positions per record and cannot give it per-record 3-D positions; "
-                         "train it without packing")
+    config = _language_config(getattr(base, "config", None))
     implementation = str(getattr(config, "_attn_implementation", None) or "eager")
     if "flash" in implementation:  # transformers' flash_attention_2 / hub flash kernels
         return "flash_attention_2", (f"the LLM runs {implementation}: records kept apart by "
@@ -183,7 +179,8 @@ def packed_llm_inputs(path: str, position_ids: torch.Tensor, record_index: torch
     """The keyword arguments that confine the LLM's attention to each record, for `path`.
 
     Args:
-        position_ids: `[R, L]`, restarting at every record.
+        position_ids: `[R, L]`, restarting at every record; for a multimodal-RoPE LLM
+            `[4, R, L]`, those text positions first (`mrope.packed_batch_positions`).
         record_index: `[R, L]`, the record of every token (-1 on padding).
         dtype: the dtype of the LLM's activations (for the block mask).
     """
@@ -194,7 +191,8 @@ def packed_llm_inputs(path: str, position_ids: torch.Tensor, record_index: torch
     if path == "block_mask":
         inputs["attention_mask"] = block_causal_mask(record_index, dtype)
     if path == "varlen_sdpa":
-        inputs.update(varlen_attention.record_boundaries(position_ids))
+        text = position_ids[0] if position_ids.dim() == 3 else position_ids
+        inputs.update(varlen_attention.record_boundaries(text))
     return inputs
 
 
@@ -255,7 +253,10 @@ def check_packed_attention(llm: nn.Module, path: str, lengths: tuple[int, int] =
     try:
         with torch.no_grad():
             embeds = embeddings(layout["input_ids"].to(weight.device))
-            packed = run_packed(llm, embeds, layout["position_ids"].to(weight.device),
+            positions = layout["position_ids"]
+            if multimodal_rope(getattr(_base_model(llm), "config", None)):  # text: all 4 alike
+                positions = positions.expand(4, -1, -1)
+            packed = run_packed(llm, embeds, positions.to(weight.device),
                                 layout["record_index"].to(weight.device), path).logits
             worst, scale = 0.0, 1.0
             for index, ids in enumerate(sequences):
@@ -289,11 +290,19 @@ def _set_implementation(llm: nn.Module, path: str) -> None:
     checkpointing recomputes the forward after this call has returned."""
     base = _base_model(llm)
     config = getattr(base, "config", None)
-    current = getattr(config, "_attn_implementation", None)
+    language = _language_config(config)
+    current = getattr(language, "_attn_implementation", None)
     wanted = varlen_attention.register() if path == "varlen_sdpa" else \
         "sdpa" if current == varlen_attention.NAME else current
-    if wanted != current:
-        base.set_attn_implementation(wanted)
+    if wanted != current:  # a multimodal class: its language model only (its tower is ours)
+        base.set_attn_implementation(wanted if language is config else {"text_config": wanted})
+
+
+def _language_config(config: Any) -> Any:
+    """The config whose attention packing acts on: a multimodal-RoPE class's text config
+    (Qwen-VL: the LLM is the multimodal class, its vision tower dropped), else `config`."""
+    text = getattr(config, "text_config", None)
+    return text if text is not None and multimodal_rope(config) else config
 
 
 def _full_attention_only(config: Any) -> bool:
