@@ -88,6 +88,12 @@ BENCHMARKS = {
          ">= 1.5"),
         ("stage1_memory_packed_over_padded", "stage-1 peak memory vs padded", "<= 1.0"),
         ("stage2_memory_packed_over_padded", "stage-2 peak memory vs padded", "<= 1.0")]),
+    "qwen-vl packed step": ("qwen_vl_packed_step.py", [
+        ("speed_packed_over_hf_padded", "stage-2 speed, packed vs HF Qwen2.5-VL padded",
+         ">= 1.5"),
+        ("memory_packed_over_hf_padded", "stage-2 peak memory vs HF Qwen2.5-VL padded",
+         "<= 0.5"),
+        ("speed_packed_over_padded", "stage-2 speed, packed vs ours padded", "")]),
     "fsdp memory": ("fsdp_memory.py", [
         ("memory_ratio_fsdp_over_ddp", "weights+grads+AdamW per rank, FSDP2 vs DDP", "<= 0.55"),
         ("peak_memory_ratio_fsdp_over_ddp", "peak process memory per rank, FSDP2 vs DDP", ""),
@@ -148,6 +154,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "export cpu clip-vit-l/14-336": ["--variant", "clip-vit-l/14-336", "--batch-size", "1",
                                          "--repeats", "3"],
         "llava packed step": [],
+        "qwen-vl packed step": [],
         # 10 of vit-l/16's 24 blocks: DDP's two ranks then peak at ~7.7 GB together (all 24
         # would take ~14 GB); bytes per parameter do not depend on the depth.
         "fsdp memory": ["--depth", "10"],
@@ -172,6 +179,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "shards vs folder": ["--images", "1000", "--per-shard", "125", "--repeats", "2"],
         "export cpu": ["--variant", "vit-s/16", "--batch-size", "1", "--repeats", "3"],
         "llava packed step": ["--quick"],
+        "qwen-vl packed step": ["--quick"],
         "fsdp memory": ["--quick"],
         "window attention": ["--depth", "4", "--repeats", "5"],
         "encode dinov2-l/14": ["--depth", "6", "--batch-size", "1", "--repeats", "3"],
@@ -206,6 +214,9 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                        "--batch-size", "2", "--repeats", "1", "--warmup", "0"],
         "llava packed step": ["--quick", "--llm-width", "64", "--llm-layers", "1",
                               "--batches", "1", "--batch-size", "2", "--repeats", "1"],
+        "qwen-vl packed step": ["--quick", "--vision-depth", "4", "--llm-layers", "1",
+                                "--llm-width", "64", "--batches", "1", "--batch-size", "2",
+                                "--repeats", "1"],
         "fsdp memory": ["--tiny"],
         "window attention": ["--width", "64", "--depth", "2", "--heads", "2", "--mlp-width",
                              "96", "--height", "56", "--image-width", "112",

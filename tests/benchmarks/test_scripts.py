@@ -52,17 +52,19 @@ def run_script(benchmarks, monkeypatch, tmp_path, name: str, extra: tuple = ()) 
                                   "export cpu", "window attention",
                                   "encode dinov2-l/14", "anyres",
                                   pytest.param("llava packed step", marks=pytest.mark.slow),
+                                  pytest.param("qwen-vl packed step", marks=pytest.mark.slow),
                                   "ibot step", "ibot native vs square", "ijepa step",
                                   "capi step"])
 def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
-    if name in ("llava step", "llava packed step"):
+    if name in ("llava step", "llava packed step", "qwen-vl packed step"):
         pytest.importorskip("vlm_vit_llm")
     if name == "export cpu":
         pytest.importorskip("onnxruntime")
     if name.startswith(("ibot", "ijepa", "capi")):  # scikit-image's photos; lightly is the anchor
         for module in ("lightly", "skimage", "torchvision"):
             pytest.importorskip(module)
-    memory_children = ("mae step", "lora step", "llava step", "llava packed step", "anyres",
+    memory_children = ("mae step", "lora step", "llava step", "llava packed step",
+                       "qwen-vl packed step", "anyres",
                        "ibot step", "ijepa step", "capi step")
     extra = ("--no-memory",) if name in memory_children else ()  # children: below
     result = run_script(benchmarks, monkeypatch, tmp_path, name, extra)
@@ -77,6 +79,8 @@ def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
         assert max(result["max_abs_difference"].values()) < 1e-4  # truly the same weights
     if name == "llava features":
         assert result["max_abs_difference"] < 1e-4
+    if name == "qwen-vl packed step":  # the same weights and records on both sides
+        assert result["loss_difference_packed_vs_hf"] < 1e-4
     if name == "window attention":  # the same weights, windows cut at the grid's edge
         assert result["settings"]["grid"] == [4, 8]
         assert max(result["max_abs_difference"].values()) < 1e-4

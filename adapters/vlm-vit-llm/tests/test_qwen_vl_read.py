@@ -43,9 +43,10 @@ def qwen_tokenizer():
                                                 pad_token="<|endoftext|>")
 
 
-def qwen_folder(folder, family: str):
+def qwen_folder(folder, family: str, tie: tuple[bool, bool] = (False, False)):
     """`save_pretrained` of a tiny random model of the family (every weight off its init)
-    and its processor; returns transformers' reading of it and its processor (PIL)."""
+    and its processor, `tie_word_embeddings` at the top level and in the text config as
+    `tie` says; returns transformers' reading of it and its processor (PIL)."""
     tokenizer = qwen_tokenizer()
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL}
     config = getattr(transformers, FAMILIES[family] + "Config")(
@@ -54,11 +55,12 @@ def qwen_folder(folder, family: str):
         text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2,
                          vocab_size=len(tokenizer) + 4, eos_token_id=0, bos_token_id=0,
-                         max_position_embeddings=512,
+                         max_position_embeddings=512, tie_word_embeddings=tie[1],
                          rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
                                           "rope_theta": 10000.0}),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=tie[0])
     model_class = getattr(transformers, FAMILIES[family] + "ForConditionalGeneration")
     torch.manual_seed(0)
     model = model_class(config)
@@ -103,6 +105,24 @@ def test_the_logits_are_transformers_on_its_own_processor_s_input(qwen):
         real, kept = encoded["attention_mask"][row].bool(), batch.attention_mask[row].bool()
         assert encoded["input_ids"][row][real].tolist() == batch.input_ids[row][kept].tolist()
         torch.testing.assert_close(mine[row][kept], theirs[row][real], rtol=0, atol=LOGITS_ATOL)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("tie", [(True, False), (False, True)], ids=["top", "text"])
+def test_the_tie_is_transformers_s_at_either_config_level(tmp_path, family, tie):
+    """Tied at either level, transformers ties (its config carries the text level's up) and
+    saves no head; ours reads the same head and logits."""
+    hf, processor = qwen_folder(tmp_path, family, tie)
+    assert hf.lm_head.weight.data_ptr() == hf.get_input_embeddings().weight.data_ptr()
+    ours = MultimodalLM.from_pretrained(tmp_path)
+    images = pictures()
+    encoded = processor(text=PROMPTS, images=images, return_tensors="pt", padding=True)
+    batch = ours.prepare(PROMPTS, [images[:1], images[1:], []])
+    with torch.no_grad():
+        theirs, mine = hf(**encoded).logits, ours.run(batch).logits
+    kept = batch.attention_mask.bool()
+    torch.testing.assert_close(mine[kept], theirs[encoded["attention_mask"].bool()], rtol=0,
+                               atol=LOGITS_ATOL)
 
 
 @pytest.mark.parametrize("padding_side", ["left", "right"])
@@ -201,3 +221,15 @@ def test_what_cannot_be_read_is_one_line_before_any_weight_is(qwen_copy, file, c
     line = str(caught.value)
     assert line.startswith(str(qwen_copy)) and message in line, line
     assert "\n" not in line and len(line) < MAX_LINE, len(line)
+
+
+def test_an_untied_head_the_weights_lack_is_refused_before_any_weight_is(qwen_copy):
+    from safetensors.torch import load_file, save_file
+
+    weights = qwen_copy / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["lm_head.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="tie_word_embeddings is off but the weights hold no "
+                                         "lm_head.weight"):
+        MultimodalLM.from_pretrained(qwen_copy)
