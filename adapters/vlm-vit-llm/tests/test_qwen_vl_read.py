@@ -233,3 +233,30 @@ def test_an_untied_head_the_weights_lack_is_refused_before_any_weight_is(qwen_co
     with pytest.raises(ValueError, match="tie_word_embeddings is off but the weights hold no "
                                          "lm_head.weight"):
         MultimodalLM.from_pretrained(qwen_copy)
+
+
+@pytest.mark.parametrize("fps", [None, 2.0])
+def test_a_video_gives_transformers_logits_and_positions(qwen, fps):
+    """A clip: transformers' `<|video_pad|>` prompt with its video processor against ours,
+    the clip a `Video` at an image placeholder (the positions are the video's: Qwen2.5-VL
+    spaces its temporal patches by `tokens_per_second * temporal_patch / fps`)."""
+    from vlm_vit_llm import Video
+
+    folder, hf, processor, ours = qwen
+    frames = [Image.fromarray(array) for array in photos(4, size=48)]  # no resize: see below
+    theirs_prompt = "<|vision_start|><|video_pad|><|vision_end|>what happens"
+    settings = {} if fps is None else {"video_metadata": [{"fps": fps, "total_num_frames": 4}]}
+    encoded = processor(text=[theirs_prompt], videos=[frames], return_tensors="pt",
+                        do_sample_frames=False, **settings)
+    batch = ours.prepare([f"{IMAGE}what happens"], [[Video(frames, fps)]])
+    video = encoded["input_ids"] == hf.config.video_token_id
+    assert torch.equal(batch.image_mask, video)  # the same clip size, the same tokens
+    theirs_ids, _ = hf.model.get_rope_index(
+        encoded["input_ids"], encoded["mm_token_type_ids"],
+        video_grid_thw=encoded["video_grid_thw"], attention_mask=encoded["attention_mask"],
+        **({"second_per_grid_ts": encoded["second_per_grid_ts"]}
+           if "second_per_grid_ts" in encoded else {}))
+    assert torch.equal(batch.position_ids, theirs_ids)
+    with torch.no_grad():
+        theirs, mine = hf(**encoded).logits, ours.run(batch).logits
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=LOGITS_ATOL)

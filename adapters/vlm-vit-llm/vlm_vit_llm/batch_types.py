@@ -71,6 +71,10 @@ class Video:
     Attributes:
         frames: the frames in time order (PIL images, files, arrays, `[C, H, W]` tensors),
             or their pixels `[T, C, H, W]`.
+        fps: the frames' rate, for a model whose positions follow time (Qwen2.5-VL's M-RoPE
+            spaces a clip's temporal patches by `tokens_per_second * temporal_patch / fps`);
+            None: transformers' default for frames without metadata, 24.
     """
 
     frames: Sequence[Any] | torch.Tensor
+    fps: float | None = None

@@ -36,6 +36,7 @@ from vlm_vit_llm.mrope import (
     image_spans,
     multimodal_rope,
     packed_batch_positions,
+    time_step,
     token_grid,
 )
 from vlm_vit_llm.multimodal_batch import build_batch, checked_arguments, expand, token_ids
@@ -248,14 +249,16 @@ class MultimodalLM(nn.Module):
             with_labels=targets is not None or token_labels is not None,
             padding_side=padding_side, pack=pack,
             packing=None if pack is None else self.packed_attention(), device=self.device)
-        if multimodal_rope(getattr(self.llm, "config", None)):  # Qwen-VL's 3-D positions
+        config = getattr(self.llm, "config", None)
+        if multimodal_rope(config):  # Qwen-VL's 3-D positions
             grids = [token_grid(self.tower, one) for one in pixels]
+            steps = [time_step(config, self.tower, one) for one in pixels]
             if pack is None:
-                spans = image_spans(batch.image_mask, batch.attention_mask, grids, owners)
+                spans = image_spans(batch.image_mask, batch.attention_mask, grids, owners, steps)
                 positions = batch_positions(batch.attention_mask, spans)
             else:
                 positions = packed_batch_positions(batch.position_ids, batch.record_index,
-                                                   batch.image_mask, grids, owners)
+                                                   batch.image_mask, grids, owners, steps)
             batch = replace(batch, position_ids=positions)
         return replace(batch, idle_features=idle)
 

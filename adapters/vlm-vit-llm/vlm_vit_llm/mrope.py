@@ -115,7 +115,8 @@ def packed_positions(lengths: Sequence[int], spans: Sequence[Sequence[VisionSpan
 
 def packed_batch_positions(position_ids: torch.Tensor, record_index: torch.Tensor,
                            image_mask: torch.Tensor, grids: Sequence[tuple[int, int, int]],
-                           owners: Sequence[int]) -> torch.Tensor:
+                           owners: Sequence[int],
+                           time_steps: Sequence[float] | None = None) -> torch.Tensor:
     """`[4, R, L]` ids for packed rows, as transformers' Qwen-VL models read packed input:
     the 1-D text positions first (restarting per record: what its packed-sequence detection
     and our varlen path read), then each record's own 3-D ids, restarting at 0, as it has
@@ -127,6 +128,7 @@ def packed_batch_positions(position_ids: torch.Tensor, record_index: torch.Tenso
         image_mask: `[R, L]`, True on image tokens.
         grids: each image's `(t, h, w)` LLM-token grid, in the batch's image order.
         owners: each image's record.
+        time_steps: each image's temporal id step (`time_step`; default 1).
 
     Raises:
         ValueError: when a record's image positions do not hold its images' tokens.
@@ -137,9 +139,10 @@ def packed_batch_positions(position_ids: torch.Tensor, record_index: torch.Tenso
         row, start, end = int(rows[0]), int(columns[0]), int(columns[-1]) + 1
         mine = [index for index, owner in enumerate(owners) if owner == record]
         length = end - start
+        steps = [1.0 if time_steps is None else time_steps[index] for index in mine]
         spans = image_spans(image_mask[row, start:end][None],
                             torch.ones(1, length, dtype=torch.long),
-                            [grids[index] for index in mine], [0] * len(mine))[0]
+                            [grids[index] for index in mine], [0] * len(mine), steps)[0]
         out[1:, row, start:end] = record_positions(length, spans).to(out.device)
     return out
 
@@ -192,6 +195,24 @@ def token_grid(tower, pixels) -> tuple[int, int, int]:
     temporal = tower.encoder.config.temporal_patch_size or 1
     count = 1 if frames is None else -(-len(frames) // temporal)
     return count, shape[0] // side, shape[1] // side
+
+
+DEFAULT_FPS = 24.0  # transformers' rate for video frames given without metadata
+
+
+def time_step(config, tower, pixels) -> float:
+    """The temporal id step between a clip's temporal patches: Qwen2.5-VL's
+    `tokens_per_second * temporal_patch_size / fps` (its vision config has
+    `tokens_per_second`); 1 for an image, and for Qwen2-VL's clips."""
+    vision = getattr(config, "vision_config", None)
+    per_second = getattr(vision, "tokens_per_second", None)
+    frames = getattr(pixels, "frames", None)
+    if frames is None or per_second is None:
+        return 1.0
+    fps = pixels.fps or DEFAULT_FPS
+    if not fps > 0:
+        raise ValueError(f"a Video's fps must be a positive number, got {fps!r}")
+    return per_second * (tower.encoder.config.temporal_patch_size or 1) / fps
 
 
 def image_spans(image_mask: torch.Tensor, attention_mask: torch.Tensor,

@@ -29,7 +29,7 @@ def as_pixels(image: Any, tower: VisionTower, processor: ImageProcessor, prompt:
             image), or a `Video` on a tower without temporal patches.
     """
     if isinstance(image, Video):
-        return Video(_clip(image.frames, tower, processor, prompt))
+        return Video(_clip(image.frames, tower, processor, prompt), image.fps)
     if isinstance(image, (list, tuple)):
         raise ValueError(f"prompt {prompt}: a {type(image).__name__} of {len(image)} is not "
                          "an image: give each image in the prompt's list, or a clip as "
