@@ -1,7 +1,8 @@
 """One process of the bridge's multi-process tests: `torchrun ... llm_fsdp_worker.py SPEC.json`.
 
 SPEC names the tokenizer and a list of runs; each run names its conversations file and image
-folder ("data", "images"), trains a tiny bridge (`conftest.tiny_tower`, `tiny_llm`) on them
+folder ("data", "images"), trains a tiny bridge (`conftest.tiny_tower`, `tiny_llm`; or with
+"model", a transformers Qwen-VL folder read by `MultimodalLM.from_pretrained`) on them
 with `ConversationObjective` and writes RUN_DIR/model/ (the export) and, from rank 0,
 RUN_DIR/losses.json. A run with "split" trains that many steps first, then resumes from that
 run's distributed checkpoint on a model built afresh, up to "steps". "packing" packs each
@@ -58,17 +59,37 @@ def bridge(tokenizer, stage: str, llm_seed: int = 0, tiled: bool = False
     return ConversationObjective(mm, loss_reduction="record")
 
 
+def read_bridge(folder: str) -> ConversationObjective:
+    """A model read from a transformers folder (Qwen-VL), LoRA on its LLM and encoder."""
+    mm = MultimodalLM.from_pretrained(folder)
+    torch.manual_seed(0)
+    mm.add_lora(r=4, encoder_targets="attn_qv")
+    perturb_lora(mm, hold_key_rows=True)
+    return ConversationObjective(mm.train(), loss_reduction="record")
+
+
 def train(spec: dict, run: dict, steps: int, resume: bool) -> list[float]:
-    """Trains (or resumes) one run of `spec` for `steps` steps in total; its losses."""
+    """Trains (or resumes) one run of `spec` for `steps` steps in total; its losses. A run
+    with "model" reads that transformers folder (stage 2) instead of the tiny bridge."""
     from transformers import LlamaTokenizer
 
-    objective = bridge(LlamaTokenizer.from_pretrained(spec["tokenizer"]),
-                       "projector" if run["stage"] == 1 else "lora", tiled=run.get("tiled",
-                                                                                   False))
+    from vlm_vit_llm.readers import record_placeholder
+
+    if run.get("model"):
+        objective = read_bridge(run["model"])
+        placeholder, image_text = record_placeholder(Path(run["model"]))
+    else:
+        objective = bridge(LlamaTokenizer.from_pretrained(spec["tokenizer"]),
+                           "projector" if run["stage"] == 1 else "lora",
+                           tiled=run.get("tiled", False))
+        placeholder, image_text = "<image>", None
     mm = objective.mm
-    dataset = ConversationDataset(ConversationRecords(run["data"], run["images"]),
-                                  mm.processor, image_tokens=mm.tower.num_image_tokens())
     collate = ConversationCollate(mm, template="vicuna_v1", packing=run.get("packing", False))
+    dataset = ConversationDataset(ConversationRecords(run["data"], run["images"],
+                                                      image_token=placeholder,
+                                                      image_text=image_text),
+                                  mm.processor, image_tokens=collate.image_tokens,
+                                  least_image_tokens=collate.least_image_tokens)
     lr = run["lr"]  # constant (min_lr = lr): a split run follows the whole one
     config = TrainConfig(steps=steps, batch_size=4, lr=lr, min_lr=lr, warmup_steps=0,
                          weight_decay=0.0, num_workers=0, checkpoint_every=0, log_every=100,

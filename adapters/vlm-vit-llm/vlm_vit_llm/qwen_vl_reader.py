@@ -50,6 +50,7 @@ def read_qwen_vl(directory: str | Path, *, dtype: torch.dtype | None = None) -> 
     """
     import transformers
     from huggingface_hub.errors import StrictDataclassError
+    from safetensors.torch import save_file
 
     from vlm_vit import load_tower
 
@@ -74,8 +75,12 @@ def read_qwen_vl(directory: str | Path, *, dtype: torch.dtype | None = None) -> 
     model_class = getattr(transformers, MODEL_TYPES[config.model_type]
                           + "ForConditionalGeneration")
     model = model_class.from_pretrained(directory, dtype=dtype)
+    visual = model.model.visual
     with tempfile.TemporaryDirectory(prefix="vlm-vit-qwen-vl-") as folder:
-        model.model.visual.save_pretrained(folder)
+        # Written here, not by save_pretrained, which writes only on rank 0 under torchrun.
+        visual.config.to_json_file(Path(folder) / "config.json")
+        save_file({name: tensor.contiguous() for name, tensor in visual.state_dict().items()},
+                  Path(folder) / "model.safetensors")
         loaded = load_tower(folder)  # the encoder and its patch merger
     tower = VisionTower(loaded.encoder, loaded.pooler, feature_layer=loaded.feature_layer,
                         processor=processor)
