@@ -44,6 +44,7 @@ from vlm_vit_llm.packing import PATHS, check_packed_attention, choose_packed_att
 from vlm_vit_llm.parallel import idle_image_features
 from vlm_vit_llm.peft_helpers import quiet_peft, split_peft
 from vlm_vit_llm.pixels import Pixels, as_pixels, token_count
+from vlm_vit_llm.placeholders import add_image_token
 from vlm_vit_llm.qwen_vl_writer import base_writer
 from vlm_vit_llm.readers import READERS, transformers_reader
 from vlm_vit_llm.saving import CONFIG_NAME, LAYOUT, ModelParts, read_folder, write_folder
@@ -103,34 +104,10 @@ class MultimodalLM(nn.Module):
             raise ValueError(f"the processor tiles by {processor.tiling} but the tower by "
                              f"{tiling}; give both the same tiling")
         self.processor = processor
-        self.image_token_id = self._add_image_token()
+        self.image_token_id = add_image_token(tokenizer, llm, image_token)
         self._packed_attention: str | None = None  # chosen and checked at first use
 
     # -- tokens ------------------------------------------------------------------------------
-
-    def _add_image_token(self) -> int:
-        tokenizer = self.tokenizer
-        if self.image_token not in tokenizer.get_vocab():
-            tokenizer.add_tokens([self.image_token], special_tokens=True)
-            logger.info("added %r to the tokenizer", self.image_token)
-        ids = tokenizer(self.image_token, add_special_tokens=False)["input_ids"]
-        if len(ids) != 1:
-            raise ValueError(f"the tokenizer splits the image token {self.image_token!r} into "
-                             f"{len(ids)} tokens; it must be one")
-        rows = self.llm.get_input_embeddings().num_embeddings
-        if len(tokenizer) > rows:
-            self.llm.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-            # LLaVA's recipe: new rows start at the mean of the old ones, in the input and
-            # the output embeddings. Not random, so every process builds the same model (a
-            # resumed run's frozen base matches its checkpoint's); a tied matrix is one.
-            matrices = {id(m.weight): m.weight for m in (self.llm.get_input_embeddings(),
-                                                         self.llm.get_output_embeddings())
-                        if m is not None}
-            with torch.no_grad():
-                for matrix in matrices.values():  # (V, D)
-                    matrix[rows:] = matrix[:rows].mean(dim=0, keepdim=True)
-            logger.info("resized the LLM's embeddings to %d rows", len(tokenizer))
-        return ids[0]
 
     @property
     def pad_token_id(self) -> int:
