@@ -237,9 +237,10 @@ def test_an_untied_head_the_weights_lack_is_refused_before_any_weight_is(qwen_co
 
 @pytest.mark.parametrize("fps", [None, 2.0])
 def test_a_video_gives_transformers_logits_and_positions(qwen, fps):
-    """A clip: transformers' `<|video_pad|>` prompt with its video processor against ours,
-    the clip a `Video` at an image placeholder (the positions are the video's: Qwen2.5-VL
-    spaces its temporal patches by `tokens_per_second * temporal_patch / fps`)."""
+    """A clip: transformers' `<|video_pad|>` prompt with its video processor against ours on
+    the same prompt (a clip may also stand at the image placeholder); the positions are the
+    video's (Qwen2.5-VL spaces its temporal patches by `tokens_per_second * temporal_patch /
+    fps`)."""
     from vlm_vit_llm import Video
 
     folder, hf, processor, ours = qwen
@@ -248,9 +249,12 @@ def test_a_video_gives_transformers_logits_and_positions(qwen, fps):
     settings = {} if fps is None else {"video_metadata": [{"fps": fps, "total_num_frames": 4}]}
     encoded = processor(text=[theirs_prompt], videos=[frames], return_tensors="pt",
                         do_sample_frames=False, **settings)
-    batch = ours.prepare([f"{IMAGE}what happens"], [[Video(frames, fps)]])
-    video = encoded["input_ids"] == hf.config.video_token_id
-    assert torch.equal(batch.image_mask, video)  # the same clip size, the same tokens
+    for placeholder in ("<|video_pad|>", "<|image_pad|>"):  # a clip may stand at either
+        batch = ours.prepare([f"<|vision_start|>{placeholder}<|vision_end|>what happens"],
+                             [[Video(frames, fps)]])
+        assert torch.equal(batch.image_mask, encoded["input_ids"] == hf.config.video_token_id)
+    batch = ours.prepare([theirs_prompt], [[Video(frames, fps)]])
+    assert torch.equal(batch.input_ids, encoded["input_ids"])  # transformers' prompt, its ids
     theirs_ids, _ = hf.model.get_rope_index(
         encoded["input_ids"], encoded["mm_token_type_ids"],
         video_grid_thw=encoded["video_grid_thw"], attention_mask=encoded["attention_mask"],
@@ -260,3 +264,17 @@ def test_a_video_gives_transformers_logits_and_positions(qwen, fps):
     with torch.no_grad():
         theirs, mine = hf(**encoded).logits, ours.run(batch).logits
     torch.testing.assert_close(mine, theirs, rtol=0, atol=LOGITS_ATOL)
+
+
+def test_an_image_at_the_video_placeholder_is_refused_by_name(qwen):
+    folder, hf, processor, ours = qwen
+    assert ours.video_token == "<|video_pad|>"
+    with pytest.raises(ValueError, match=r"prompt 0: a '<\|video_pad\|>' placeholder takes a "
+                                         r"clip, Video\(frames\), not Image"):
+        ours.prepare(["<|vision_start|><|video_pad|><|vision_end|>what"], [pictures()[:1]])
+
+
+def test_the_video_token_survives_a_save(qwen, tmp_path):
+    folder, hf, processor, ours = qwen
+    ours.save_pretrained(tmp_path / "saved")
+    assert MultimodalLM.from_pretrained(tmp_path / "saved").video_token == "<|video_pad|>"

@@ -44,7 +44,7 @@ from vlm_vit_llm.packing import PATHS, check_packed_attention, choose_packed_att
 from vlm_vit_llm.parallel import idle_image_features
 from vlm_vit_llm.peft_helpers import quiet_peft, split_peft
 from vlm_vit_llm.pixels import Pixels, as_pixels, token_count
-from vlm_vit_llm.placeholders import add_image_token
+from vlm_vit_llm.placeholders import add_image_token, existing_token_id
 from vlm_vit_llm.qwen_vl_writer import base_writer
 from vlm_vit_llm.readers import READERS, transformers_reader
 from vlm_vit_llm.saving import CONFIG_NAME, LAYOUT, ModelParts, read_folder, write_folder
@@ -66,6 +66,8 @@ class MultimodalLM(nn.Module):
         tokenizer: the LLM's tokenizer. `image_token` is added to it as a special token when
             missing, and the LLM's embeddings grow to match.
         image_token: the placeholder string in prompts.
+        video_token: a second placeholder, for clips only (`Video`), which the tokenizer must
+            hold (Qwen-VL's `<|video_pad|>`); a clip may stand at `image_token` too.
         processor: turns PIL images and files into pixels; default: CLIP normalisation at
             the encoder's image size with `crop_rounding="floor"`, as LLaVA's transformers
             processor crops (logged); for a tiled tower, its own processor, else CLIP
@@ -77,7 +79,8 @@ class MultimodalLM(nn.Module):
     """
 
     def __init__(self, tower: VisionTower, llm: nn.Module, tokenizer: Any,
-                 image_token: str = "<image>", processor: ImageProcessor | None = None):
+                 image_token: str = "<image>", processor: ImageProcessor | None = None,
+                 video_token: str | None = None):
         super().__init__()
         if tower.num_image_tokens() is None:
             raise ValueError(f"the tower's {type(tower.pooler).__name__} pooler returns one "
@@ -105,6 +108,8 @@ class MultimodalLM(nn.Module):
                              f"{tiling}; give both the same tiling")
         self.processor = processor
         self.image_token_id = add_image_token(tokenizer, llm, image_token)
+        self.video_token, self.video_token_id = video_token, None if video_token is None else \
+            existing_token_id(tokenizer, video_token, "video token")
         self._packed_attention: str | None = None  # chosen and checked at first use
 
     # -- tokens ------------------------------------------------------------------------------
@@ -210,7 +215,7 @@ class MultimodalLM(nn.Module):
             self.encode_target(target) if isinstance(target, str) else
             token_ids(target, f"targets[{prompt}]", vocabulary, labels=True)
             for prompt, target in enumerate(targets)]
-        sequences, label_rows = expand(prompt_ids, counts, self.image_token_id, labels=labels,
+        sequences, label_rows = expand(prompt_ids, counts, self._placeholders, labels=labels,
                                        targets=target_ids)
         limit = context_length(self.llm)
         longest = max(len(s) for s in sequences)
@@ -221,7 +226,7 @@ class MultimodalLM(nn.Module):
         for owner, tokens in zip(owners, features, strict=True):
             per_prompt[owner].append(tokens)
         batch = build_batch(
-            sequences, label_rows, per_prompt, image_token_id=self.image_token_id,
+            sequences, label_rows, per_prompt, image_token_id=self._placeholders,
             pad_token_id=self.pad_token_id, width=self.llm.get_input_embeddings().embedding_dim,
             with_labels=targets is not None or token_labels is not None,
             padding_side=padding_side, pack=pack,
@@ -245,11 +250,18 @@ class MultimodalLM(nn.Module):
         if not isinstance(text, str):
             return token_ids(text, f"texts[{prompt}]", vocabulary)
         ids = list(self.tokenizer(text)["input_ids"])
-        if ids.count(self.image_token_id) != text.count(self.image_token):
-            raise ValueError(f"prompt {prompt}: the tokenizer reads "
-                             f"{ids.count(self.image_token_id)} image tokens in "
-                             f"{text.count(self.image_token)} placeholders: {text[:80]!r}")
+        for token, token_id in zip((self.image_token, self.video_token), self._placeholders):
+            if ids.count(token_id) != text.count(token):
+                raise ValueError(f"prompt {prompt}: the tokenizer reads {ids.count(token_id)} "
+                                 f"{token!r} tokens in {text.count(token)} placeholders: "
+                                 f"{text[:80]!r}")
         return ids
+
+    @property
+    def _placeholders(self) -> tuple[int, ...]:
+        """The ids an image (or clip) stands at: the image token's, then the video token's."""
+        return (self.image_token_id,) + (() if self.video_token_id is None
+                                         else (self.video_token_id,))
 
     def _pixels_per_image(self, texts: Sequence[str | Sequence[int]],
                           images: list[list[Any]], prompt_ids: list[list[int]]
@@ -259,12 +271,15 @@ class MultimodalLM(nn.Module):
         is refused."""
         pixels, counts, owners = [], [], []
         for prompt, per_prompt in enumerate(images):
-            placeholders = prompt_ids[prompt].count(self.image_token_id)
-            if placeholders != len(per_prompt):
-                raise ValueError(f"prompt {prompt} has {placeholders} {self.image_token!r} "
+            kinds = [token for token in prompt_ids[prompt] if token in self._placeholders]
+            if len(kinds) != len(per_prompt):
+                raise ValueError(f"prompt {prompt} has {len(kinds)} {self.image_token!r} "
                                  f"placeholder(s) but {len(per_prompt)} image(s): "
                                  f"{str(texts[prompt])[:80]!r}")
-            for image in per_prompt:
+            for kind, image in zip(kinds, per_prompt):
+                if kind == self.video_token_id and not isinstance(image, Video):
+                    raise ValueError(f"prompt {prompt}: a {self.video_token!r} placeholder "
+                                     f"takes a clip, Video(frames), not {type(image).__name__}")
                 pixels.append(as_pixels(image, self.tower, self.processor, prompt))
                 counts.append(token_count(self.tower, pixels[-1]))
                 owners.append(prompt)
@@ -416,7 +431,7 @@ class MultimodalLM(nn.Module):
             The directory.
         """
         parts = ModelParts(self.tower, self.llm, self.tokenizer, self.processor,
-                           self.image_token)
+                           self.image_token, video_token=self.video_token)
         return write_folder(parts, directory, base_writer=base_writer(self.llm))
 
     @classmethod
@@ -446,7 +461,7 @@ class MultimodalLM(nn.Module):
             read_folder(directory, trainable=trainable, dtype=dtype, verify=verify,
                         base_readers=READERS)
         mm = cls(parts.tower, parts.llm, parts.tokenizer, image_token=parts.image_token,
-                 processor=parts.processor)
+                 processor=parts.processor, video_token=parts.video_token)
         # transformers' LLaVA folders load for inference, as transformers loads them.
         return mm if parts.layout == LAYOUT else mm.eval()
 

@@ -71,7 +71,8 @@ def images_per_prompt(images: Any, count: int) -> list[list[Any]]:
     return [list(per_prompt or []) for per_prompt in images]
 
 
-def expand(token_ids: Sequence[Sequence[int]], counts: Sequence[int], image_token_id: int,
+def expand(token_ids: Sequence[Sequence[int]], counts: Sequence[int],
+           image_token_id: int | Sequence[int],
            *, labels: Sequence[Sequence[int]] | None = None,
            targets: Sequence[Sequence[int]] | None = None
            ) -> tuple[list[list[int]], list[list[int]]]:
@@ -81,7 +82,8 @@ def expand(token_ids: Sequence[Sequence[int]], counts: Sequence[int], image_toke
     Args:
         token_ids: per prompt, its token ids, one `image_token_id` per image.
         counts: every image's token count, in the order of the image tokens across prompts.
-        image_token_id: the placeholder's id.
+        image_token_id: the placeholder's id, or the ids of several kinds of placeholder
+            (an image's and a clip's).
         labels: per prompt, a label per token (`IGNORE_INDEX` where nothing is learned);
             default: nothing learned. An image's positions are never learned.
         targets: per prompt, the ids learned after it (`IGNORE_INDEX` entries dropped).
@@ -93,11 +95,12 @@ def expand(token_ids: Sequence[Sequence[int]], counts: Sequence[int], image_toke
         ValueError: for a target holding the image token, or a prompt left without a token.
     """
     sequences, label_rows, image_counts = [], [], iter(counts)
+    placeholders = _ids(image_token_id)
     for prompt, ids in enumerate(token_ids):
         expanded, row = [], []
         given = labels[prompt] if labels is not None else [IGNORE_INDEX] * len(ids)
         for token, label in zip(ids, given, strict=True):
-            if token == image_token_id:  # never learned, whatever the label says
+            if token in placeholders:  # never learned, whatever the label says
                 count = next(image_counts)
                 expanded.extend([token] * count)
                 row.extend([IGNORE_INDEX] * count)
@@ -106,8 +109,9 @@ def expand(token_ids: Sequence[Sequence[int]], counts: Sequence[int], image_toke
                 row.append(label)
         if targets is not None:
             target = [t for t in targets[prompt] if t != IGNORE_INDEX]
-            if image_token_id in target:
-                raise ValueError(f"target {prompt} holds the image token (id {image_token_id}); "
+            held = placeholders.intersection(target)
+            if held:
+                raise ValueError(f"target {prompt} holds the image token (id {min(held)}); "
                                  "targets are text only")
             expanded, row = expanded + target, row + target
         if not expanded:
@@ -119,7 +123,8 @@ def expand(token_ids: Sequence[Sequence[int]], counts: Sequence[int], image_toke
 
 
 def build_batch(sequences: Sequence[Sequence[int]], label_rows: Sequence[Sequence[int]],
-                features: Sequence[Sequence[torch.Tensor]], *, image_token_id: int,
+                features: Sequence[Sequence[torch.Tensor]], *,
+                image_token_id: int | Sequence[int],
                 pad_token_id: int, width: int, with_labels: bool = True,
                 padding_side: str = "right", pack: Sequence[Sequence[int]] | None = None,
                 packing: str | None = None,
@@ -130,7 +135,8 @@ def build_batch(sequences: Sequence[Sequence[int]], label_rows: Sequence[Sequenc
     Args:
         sequences, label_rows: per prompt, its expanded ids and their labels.
         features: per prompt, its images' tokens `[M_i, width]` in placeholder order.
-        image_token_id, pad_token_id: the ids of an image position and of padding.
+        image_token_id, pad_token_id: the id (or ids, as `expand`) of an image position and
+            the id of padding.
         width: the LLM's embedding width (the features' second dimension).
         with_labels: keep the labels (else `labels` is None).
         padding_side: "right" or "left", for one prompt per row.
@@ -158,7 +164,8 @@ def build_batch(sequences: Sequence[Sequence[int]], label_rows: Sequence[Sequenc
     return MultimodalBatch(
         input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
         position_ids=layout["position_ids"].to(device),
-        image_mask=((input_ids == image_token_id) & attention_mask.bool()).to(device),
+        image_mask=(torch.isin(input_ids, torch.tensor(sorted(_ids(image_token_id))))
+                    & attention_mask.bool()).to(device),
         image_features=image_features.to(device),
         labels=layout["labels"].to(device) if with_labels else None,
         record_index=layout["record_index"].to(device), packing=packing if pack else None)
@@ -203,3 +210,7 @@ def token_ids(ids: Sequence[int] | torch.Tensor, name: str, vocabulary: int, *,
             raise ValueError(f"{name}[{position}] is token id {value}, outside the "
                              f"vocabulary 0..{rows - 1} of the LLM's embeddings")
     return [int(value) for value in values]
+
+
+def _ids(image_token_id: int | Sequence[int]) -> set[int]:
+    return {image_token_id} if isinstance(image_token_id, int) else set(image_token_id)

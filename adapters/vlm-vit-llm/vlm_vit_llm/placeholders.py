@@ -40,3 +40,18 @@ def add_image_token(tokenizer: Any, llm: nn.Module, image_token: str) -> int:
                 matrix[rows:] = matrix[:rows].mean(dim=0, keepdim=True)
         logger.info("resized the LLM's embeddings to %d rows", len(tokenizer))
     return ids[0]
+
+
+def existing_token_id(tokenizer: Any, token: str, what: str) -> int:
+    """The id of `token`, which the tokenizer must already hold as one token (a clip's
+    placeholder, which the model was trained with).
+
+    Raises:
+        ValueError: naming `what`, when the tokenizer lacks it or splits it.
+    """
+    if not isinstance(token, str) or token not in tokenizer.get_vocab():
+        raise ValueError(f"the {what} {str(token)[:60]!r} is not one token of the tokenizer")
+    ids = tokenizer(token, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        raise ValueError(f"the {what} {token!r} is not one token of the tokenizer")
+    return ids[0]

@@ -86,7 +86,16 @@ def read_qwen_vl(directory: str | Path, *, dtype: torch.dtype | None = None) -> 
                         processor=processor)
     del model.model.visual  # the tower above runs the images; the LLM never does
     return ModelParts(tower.to(model.dtype).eval(), model.eval(), tokenizer, processor,
-                      image_token, layout=config.model_type)
+                      image_token, layout=config.model_type, video_token=_video_token(
+                          tokenizer, config.video_token_id))
+
+
+def _video_token(tokenizer: Any, video_token_id: Any) -> str | None:
+    """The clip placeholder the config names, when the tokenizer holds it (else clips go at
+    the image token only)."""
+    if not is_int(video_token_id) or not 0 <= video_token_id < len(tokenizer):
+        return None
+    return tokenizer.convert_ids_to_tokens(video_token_id)
 
 
 def _our_processor(directory: Path, vision: Any) -> ImageProcessor:

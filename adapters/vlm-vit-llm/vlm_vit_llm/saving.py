@@ -59,6 +59,7 @@ class ModelParts:
         image_token: the placeholder string in prompts.
         layout: the folder's layout: `LAYOUT`, or transformers' model type of a LLaVA folder
             (`vlm_vit_llm.llava_next.MODEL_TYPES`).
+        video_token: a clip's own placeholder string, or None (Qwen-VL's `<|video_pad|>`).
     """
 
     tower: VisionTower
@@ -67,6 +68,7 @@ class ModelParts:
     processor: ImageProcessor
     image_token: str
     layout: str = LAYOUT
+    video_token: str | None = None
 
 
 def write_folder(parts: ModelParts, directory: str | Path, *,
@@ -118,6 +120,8 @@ def write_folder(parts: ModelParts, directory: str | Path, *,
                   "image_token": parts.image_token,
                   "llm_adapter": llm_adapter is not None,
                   "vision_adapter": encoder_adapter is not None}
+        if parts.video_token is not None:
+            config["video_token"] = parts.video_token
         if base_writer is not None:
             config["llm_layout"] = llm_base.config.model_type
         with atomic_write(temp / CONFIG_NAME, "w") as handle:
@@ -189,7 +193,8 @@ def read_folder(directory: Path, *, trainable: bool, dtype: torch.dtype | None,
 
         tower.encoder = load_adapter(tower.encoder, directory / VISION_ADAPTER_DIR,
                                      trainable=trainable)
-    return ModelParts(tower, llm, tokenizer, processor, config["image_token"])
+    return ModelParts(tower, llm, tokenizer, processor, config["image_token"],
+                      video_token=config.get("video_token"))
 
 
 def _hashed_files(folder: Path) -> list[str]:
