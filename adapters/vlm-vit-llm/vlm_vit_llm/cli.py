@@ -15,6 +15,10 @@ from vlm_vit.commands import (
     add_strategy_arguments,
     precision_name,
 )
+from vlm_vit_llm.model_args import existing as _existing
+from vlm_vit_llm.model_args import flagged as _flagged
+from vlm_vit_llm.model_args import load_multimodal
+from vlm_vit_llm.model_args import model_path as _model
 from vlm_vit_llm.packing_args import PackingOptions, add_packing_arguments, packing_from_args
 from vlm_vit_llm.tiling_args import AnyRes, add_anyres_argument, anyres_from_args
 
@@ -157,47 +161,6 @@ def _add_lora_arguments(train: argparse.ArgumentParser) -> None:
                        "o_proj)", default_targets=None, switch=False)
     train.add_argument("--lora-encoder", default=None, metavar="PRESET",
                        help="also LoRA on the encoder: attn, attn_qv, mlp or all")
-
-
-def _existing(path: Path, what: str) -> Path:
-    if not path.exists():
-        raise FileNotFoundError(f"{what} {path} does not exist")
-    return path
-
-
-def _flagged(error: FileNotFoundError, what: str) -> FileNotFoundError:
-    """`error` again, its message led by the flag `what` (a `NotCachedError` keeps its
-    problem and its advice apart)."""
-    from vlm_vit.io import hub
-
-    if isinstance(error, hub.NotCachedError):
-        return hub.NotCachedError(f"{what}: {error.problem}", error.fetch)
-    return type(error)(f"{what}: {error}")
-
-
-def _model(value: str | Path, what: str) -> Path:
-    """A local path, or a model name (`org/name[@revision]`, `hf-hub:org/name`) from the
-    Hugging Face cache, fetched if allowed (`vlm_vit.io.hub`): a multimodal model, an LLM and
-    its tokenizer, or a tower."""
-    from vlm_vit.io import hub
-
-    if Path(value).exists():
-        return Path(value)
-    try:
-        return hub.locate(str(value), patterns=hub.LLM_PATTERNS).directory
-    except FileNotFoundError as error:  # NotCachedError too: one line, naming the flag
-        raise _flagged(error, what) from error
-
-
-def load_multimodal(value: str | Path, what: str, *, trainable: bool = False):
-    """A saved `MultimodalLM` from a path or name; a weight file that would need code to load
-    (a pickled `pytorch_model.bin` or adapter) is refused in one line naming it."""
-    from vlm_vit.commands import refusing_pickles
-    from vlm_vit_llm.model import MultimodalLM
-
-    directory = _model(value, what)
-    with refusing_pickles(directory, what):
-        return MultimodalLM.from_pretrained(directory, trainable=trainable)
 
 
 def build_model(args: argparse.Namespace, anyres: AnyRes | None = None):
