@@ -30,7 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """The entry point: adds `llm` and its subcommands."""
     parser = subparsers.add_parser(
         "llm", help="image tokens into a Hugging Face causal LM (LLaVA): train, generate, "
-        "merge, export", description="A vision tower feeding a causal LM (plugin vlm-vit-llm).")
+        "merge, export, embed",
+        description="A vision tower feeding a causal LM (plugin vlm-vit-llm).")
     commands = parser.add_subparsers(dest="llm_command", required=True, metavar="SUBCOMMAND")
 
     _add_train(commands)
@@ -56,6 +57,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     merge.add_argument("--out", required=True, type=Path, metavar="DIR",
                        help="where the merged model goes (not MODEL, nor a folder holding it)")
     merge.set_defaults(run=run_merge)
+
+    embed = commands.add_parser("embed", help="images' projected tokens in vLLM's "
+                                "precomputed-input layout, to one safetensors file")
+    embed.add_argument("model", type=Path, metavar="MODEL_DIR_OR_NAME")
+    embed.add_argument("images", type=Path, nargs="+", metavar="IMAGE")
+    embed.add_argument("--out", required=True, type=Path, metavar="FILE")
+    embed.set_defaults(run=run_embed)
 
     export = commands.add_parser("export", help="write the Hugging Face LLaVA layout "
                                  "(LLaVA-NeXT or OneVision for a tiled tower; a Qwen2-VL or "
@@ -437,6 +445,14 @@ def run_merge(args: argparse.Namespace) -> int:
         raise ValueError(f"MODEL {model} has no LoRA adapter: nothing to merge")
     merged = merge_adapters(load_multimodal(model, "MODEL"))
     print(f"wrote {merged.save_pretrained(args.out)} (LoRA merged: a plain model)")
+    return 0
+
+
+def run_embed(args: argparse.Namespace) -> int:
+    from vlm_vit_llm.embeddings import write_embeddings
+
+    images = [_existing(path, "IMAGE") for path in args.images]  # before the model loads
+    print(write_embeddings(load_multimodal(args.model, "MODEL").eval(), images, args.out))
     return 0
 
 

@@ -1,0 +1,133 @@
+"""Post-projector embeddings in vLLM's precomputed-input layout (issue 46): for LLaVA-1.5,
+LLaVA-NeXT (images of several sizes) and Qwen2.5-VL folders transformers wrote, each image's
+placeholder count is the processor's, and transformers' language model fed our embeddings as
+`inputs_embeds` at the placeholder positions gives the full model's logits (a real consumer
+of the file, not our own forward)."""
+
+import json
+
+import pytest
+import torch
+from conftest import photos
+from PIL import Image
+from test_llava_next_export import pil_processor
+from test_llava_read import llava_mm, their_llava
+from test_llm_anyres import image, tiled_mm
+from test_qwen_vl_read import IMAGE, pictures, qwen_folder
+
+from vlm_vit_llm import MultimodalLM, export_llava
+from vlm_vit_llm.embeddings import image_embeddings, load_embeddings, save_embeddings
+from vlm_vit_llm.llava_next import model_class
+
+LOGITS_ATOL = 1e-5
+
+
+def language_model_logits(hf, encoded, embeds, image_token_id, **positions):
+    """transformers' language model and head alone: the prompt's token embeddings with our
+    image embeddings at the placeholder positions."""
+    input_ids = encoded["input_ids"]
+    inputs = hf.get_input_embeddings()(input_ids)
+    where = input_ids == image_token_id
+    assert int(where.sum()) == embeds.shape[0]
+    inputs = inputs.masked_scatter(where.unsqueeze(-1), embeds.to(inputs.dtype))
+    hidden = hf.model.language_model(inputs_embeds=inputs,
+                                     attention_mask=encoded["attention_mask"],
+                                     **positions).last_hidden_state
+    return hf.lm_head(hidden)
+
+
+def assert_serves(hf, encoded, embeds, image_token_id, **positions):
+    with torch.no_grad():
+        full = hf(**encoded).logits
+        served = language_model_logits(hf, encoded, embeds, image_token_id, **positions)
+    torch.testing.assert_close(served, full, rtol=0, atol=LOGITS_ATOL)
+
+
+def test_llava_1_5_embeddings_serve_its_language_model(tmp_path, tokenizer):
+    hf = their_llava(llava_mm(tokenizer), tmp_path, False, False)
+    ours = MultimodalLM.from_pretrained(tmp_path / "theirs")
+    pictures_ = photos(2)
+    embedded = image_embeddings(ours, pictures_)
+    assert embedded.layout == "fixed"
+    embeds = embedded.vllm_input()
+    assert embeds.shape == (2, ours.tower.num_image_tokens(), hf.config.text_config.hidden_size)
+    prompt = "<image>\nwhat is it <image> and"
+    encoded = pil_processor(tmp_path / "theirs")(text=[prompt], images=pictures_,
+                                                  return_tensors="pt")
+    per_image = int((encoded["input_ids"] == hf.config.image_token_id).sum()) // 2
+    assert embedded.placeholder_tokens == [per_image, per_image]
+    assert_serves(hf, encoded, embeds.flatten(0, 1), hf.config.image_token_id)
+
+
+def test_llava_next_embeddings_of_several_sizes_serve_its_language_model(tmp_path, tokenizer):
+    mm = tiled_mm(tokenizer)
+    export_llava(mm, tmp_path / "export")
+    hf = model_class(mm.tower.tiling).from_pretrained(tmp_path / "export").eval()
+    ours = MultimodalLM.from_pretrained(tmp_path / "export")
+    sizes = [(90, 120), (33, 33)]
+    pictures_ = [image(*size) for size in sizes]
+    embedded = image_embeddings(ours, pictures_)
+    assert embedded.layout == "per_image"
+    assert embedded.tensors["image_sizes"].tolist() == [list(size) for size in sizes]
+    encoded = pil_processor(tmp_path / "export")(text=["<image> the dog <image>"],
+                                                 images=pictures_, return_tensors="pt")
+    counts = embedded.placeholder_tokens
+    assert counts[0] != counts[1]  # the sizes make different counts
+    assert sum(counts) == int((encoded["input_ids"] == hf.config.image_token_id).sum())
+    assert_serves(hf, encoded, torch.cat(embedded.vllm_input()), hf.config.image_token_id)
+
+
+def test_qwen2_5_vl_embeddings_and_grids_serve_its_language_model(tmp_path):
+    hf, processor = qwen_folder(tmp_path, "qwen2_5_vl")
+    ours = MultimodalLM.from_pretrained(tmp_path)
+    pictures_ = pictures()
+    embedded = image_embeddings(ours, pictures_)
+    assert embedded.layout == "qwen_vl"
+    served = embedded.vllm_input()
+    prompt = f"{IMAGE}what {IMAGE} and {IMAGE}"
+    encoded = processor(text=[prompt], images=pictures_, return_tensors="pt")
+    assert torch.equal(served["image_grid_thw"], encoded["image_grid_thw"])
+    image_token_id = hf.config.image_token_id
+    placed = encoded["input_ids"] == image_token_id
+    assert sum(embedded.placeholder_tokens) == int(placed.sum())
+    positions, _ = hf.model.get_rope_index(encoded["input_ids"], encoded["mm_token_type_ids"],
+                                           image_grid_thw=encoded["image_grid_thw"],
+                                           attention_mask=encoded["attention_mask"])
+    assert_serves(hf, encoded, served["image_embeds"], image_token_id, position_ids=positions)
+
+
+def test_a_file_round_trips_and_a_foreign_file_is_refused(tmp_path, tokenizer):
+    from safetensors.torch import save_file
+
+    hf = their_llava(llava_mm(tokenizer), tmp_path, False, False)
+    ours = MultimodalLM.from_pretrained(tmp_path / "theirs")
+    embedded = image_embeddings(ours, photos(2))
+    read = load_embeddings(save_embeddings(embedded, tmp_path / "embeds.safetensors"))
+    assert (read.layout, read.placeholder_tokens, read.model_class) == (
+        "fixed", embedded.placeholder_tokens, "LlavaForConditionalGeneration")
+    assert torch.equal(read.tensors["image_embeds"], embedded.tensors["image_embeds"])
+    save_file({"x": torch.zeros(1)}, tmp_path / "foreign.safetensors")
+    with pytest.raises(ValueError, match="not an embeddings file vlm-vit-llm wrote"):
+        load_embeddings(tmp_path / "foreign.safetensors")
+    del hf
+
+
+def test_the_command_writes_the_file_and_refuses_a_missing_image(tmp_path, tokenizer, capsys):
+    from vlm_vit.cli import main
+
+    their_llava(llava_mm(tokenizer), tmp_path, False, False)
+    for index, array in enumerate(photos(2)):
+        Image.fromarray(array).save(tmp_path / f"{index}.png")
+    out = tmp_path / "embeds.safetensors"
+    assert main(["llm", "embed", str(tmp_path / "theirs"), str(tmp_path / "0.png"),
+                 str(tmp_path / "1.png"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "2 image(s)" in printed and "fixed" in printed
+    read = load_embeddings(out)
+    assert json.loads(json.dumps(read.placeholder_tokens)) == read.placeholder_tokens
+    assert read.tensors["image_embeds"].shape[0] == 2
+    assert main(["llm", "embed", str(tmp_path / "theirs"), str(tmp_path / "missing.png"),
+                 "--out", str(tmp_path / "other.safetensors")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing.png" in err[0]
+    assert not (tmp_path / "other.safetensors").exists()

@@ -1,0 +1,179 @@
+"""Post-projector image embeddings in the layout vLLM takes as precomputed multimodal input
+(`LLM(..., enable_mm_embeds=True)`; `multi_modal_data={"image": ...}`), so a server can run
+the language model alone on what this encoder computed.
+
+    from vlm_vit_llm import MultimodalLM
+    from vlm_vit_llm.embeddings import image_embeddings, save_embeddings
+
+    mm = MultimodalLM.from_pretrained("llava-hf/llava-1.5-7b-hf")
+    save_embeddings(image_embeddings(mm, ["a.jpg", "b.jpg"]), "embeds.safetensors")
+
+Layouts, by the model's kind (vLLM's documented embedding inputs; facts from its docs):
+
+- `fixed` (LLaVA-1.5 and any untiled tower of a fixed size): `image_embeds`
+  `[images, tokens, hidden]`; vLLM expands each image's one placeholder to `tokens`.
+- `per_image` (LLaVA-NeXT / OneVision: each image's tokens depend on its size):
+  `image_embeds.<i>` `[tokens_i, hidden]` per image and `image_sizes` `[images, 2]`
+  (height, width), the list vLLM takes for images of different sizes.
+- `qwen_vl` (Qwen2-VL, Qwen2.5-VL): `image_embeds` `[all images' tokens, hidden]`, end to end,
+  and `image_grid_thw` `[images, 3]`: each image's temporal, height and width patches (before
+  the merge), as `{"image_embeds": ..., "image_grid_thw": ...}`.
+
+Each image's placeholder count (`placeholder_tokens`) is what the model's processor inserts
+for it. The file's metadata names the layout, the transformers class and those counts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlm_vit.io.files import atomic_write
+from vlm_vit_llm.batch_types import TiledImage
+from vlm_vit_llm.mrope import multimodal_rope, token_grid
+from vlm_vit_llm.peft_helpers import split_peft
+from vlm_vit_llm.pixels import as_pixels
+
+LAYOUTS = ("fixed", "per_image", "qwen_vl")
+MAX_IMAGES = 4096  # per call: the embeddings are held in memory together
+
+
+@dataclass
+class ImageEmbeddings:
+    """Embeddings of several images in one vLLM layout.
+
+    Attributes:
+        layout: one of `LAYOUTS`.
+        tensors: the named tensors of that layout (see the module docstring).
+        placeholder_tokens: per image, the positions it takes in the LLM.
+        model_class: the transformers class the embeddings are for (vLLM's model).
+    """
+
+    layout: str
+    tensors: dict[str, torch.Tensor]
+    placeholder_tokens: list[int]
+    model_class: str
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def vllm_input(self) -> Any:
+        """What goes in `multi_modal_data["image"]`: the tensor (`fixed`), the list of
+        tensors (`per_image`), or the dict of `image_embeds` and `image_grid_thw` (Qwen)."""
+        if self.layout == "fixed":
+            return self.tensors["image_embeds"]
+        if self.layout == "per_image":
+            return [self.tensors[f"image_embeds.{index}"]
+                    for index in range(len(self.placeholder_tokens))]
+        return {"image_embeds": self.tensors["image_embeds"],
+                "image_grid_thw": self.tensors["image_grid_thw"]}
+
+
+@torch.inference_mode()
+def image_embeddings(mm: Any, images: list[Any]) -> ImageEmbeddings:
+    """Each image's post-projector tokens (`MultimodalLM.image_features`, one tower call) in
+    the layout of `mm`'s kind.
+
+    Args:
+        mm: a `MultimodalLM` (ours, or read from transformers).
+        images: files, PIL images, arrays or pixel tensors, as `prepare` takes them.
+
+    Raises:
+        ValueError: for no images, more than `MAX_IMAGES`, or an image `prepare` refuses.
+    """
+    if not images:
+        raise ValueError("no images to embed")
+    if len(images) > MAX_IMAGES:
+        raise ValueError(f"{len(images)} images in one call; at most {MAX_IMAGES}: split them")
+    pixels = [as_pixels(image, mm.tower, mm.processor, index)
+              for index, image in enumerate(images)]
+    features = [tokens.float().cpu() for tokens in mm.image_features(pixels)]
+    counts = [int(tokens.shape[0]) for tokens in features]
+    llm = split_peft(mm.llm)[0]
+    model_class = _served_class(mm, llm)
+    if multimodal_rope(getattr(llm, "config", None)):
+        merge = getattr(mm.tower.pooler, "merge_size", 1)
+        grids = [token_grid(mm.tower, one) for one in pixels]
+        grid_thw = torch.tensor([[t, h * merge, w * merge] for t, h, w in grids])
+        tensors = {"image_embeds": torch.cat(features), "image_grid_thw": grid_thw}
+        layout = "qwen_vl"
+    elif mm.tower.tiling is not None or len(set(counts)) > 1:
+        tensors = {f"image_embeds.{index}": tokens for index, tokens in enumerate(features)}
+        tensors["image_sizes"] = torch.tensor([list(_size(one)) for one in pixels])
+        layout = "per_image"
+    else:
+        tensors = {"image_embeds": torch.stack(features)}
+        layout = "fixed"
+    return ImageEmbeddings(layout, tensors, counts, model_class)
+
+
+def _served_class(mm: Any, llm: Any) -> str:
+    """The transformers class a server runs for `mm`: the folder's own for a Qwen-VL model,
+    else the LLaVA class `llm export` writes for its tower."""
+    if multimodal_rope(getattr(llm, "config", None)):
+        return (getattr(llm.config, "architectures", None) or [type(llm).__name__])[0]
+    if mm.tower.tiling is None:
+        return "LlavaForConditionalGeneration"
+    from vlm_vit_llm.llava_next import model_class
+
+    return model_class(mm.tower.tiling).__name__
+
+
+def _size(pixels: Any) -> tuple[int, int]:
+    """An image's (height, width) as vLLM's `image_sizes` takes it: the original size of a
+    tiled image, else its preprocessed size."""
+    if isinstance(pixels, TiledImage):
+        return tuple(pixels.size)
+    return tuple(pixels.shape[-2:])
+
+
+def save_embeddings(embeddings: ImageEmbeddings, path: str | Path) -> Path:
+    """Writes the tensors and their metadata to one safetensors file, atomically."""
+    from safetensors.torch import save
+
+    metadata = {"layout": embeddings.layout, "model_class": embeddings.model_class,
+                "placeholder_tokens": json.dumps(embeddings.placeholder_tokens),
+                **embeddings.metadata}
+    path = Path(path)
+    data = save({name: tensor.contiguous() for name, tensor in embeddings.tensors.items()},
+                metadata=metadata)
+    with atomic_write(path, "wb") as handle:
+        handle.write(data)
+    return path
+
+
+def write_embeddings(mm: Any, images: list[Any], path: str | Path) -> str:
+    """`image_embeddings` of `images` saved to `path` (`vlm-vit llm embed`); a line saying
+    what was written."""
+    embedded = image_embeddings(mm, images)
+    written = save_embeddings(embedded, path)
+    return (f"wrote {written}: {len(images)} image(s), layout {embedded.layout} for "
+            f"{embedded.model_class}, placeholder tokens {embedded.placeholder_tokens}")
+
+
+def load_embeddings(path: str | Path) -> ImageEmbeddings:
+    """Reads what `save_embeddings` wrote.
+
+    Raises:
+        ValueError: naming the file, for a file without this module's metadata.
+    """
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata() or {})
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+    try:
+        layout, counts = metadata.pop("layout"), json.loads(metadata.pop("placeholder_tokens"))
+        model_class = metadata.pop("model_class")
+    except (KeyError, ValueError):
+        raise ValueError(f"{path}: not an embeddings file vlm-vit-llm wrote (no layout, "
+                         "model_class or placeholder_tokens in its metadata)") from None
+    if layout not in LAYOUTS or not isinstance(counts, list):
+        raise ValueError(f"{path}: layout {layout[:40]!r} is not one of {LAYOUTS}")
+    return ImageEmbeddings(layout, tensors, counts, model_class, metadata)
+
+
+__all__ = ["LAYOUTS", "ImageEmbeddings", "image_embeddings", "load_embeddings",
+           "save_embeddings", "write_embeddings"]
