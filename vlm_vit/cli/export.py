@@ -1,5 +1,6 @@
-"""`vlm-vit export`: an encoder or a tower to an ONNX file or a `torch.export` program,
-checked against eager right after export (`vlm_vit.deploy.export`)."""
+"""`vlm-vit export`: an encoder or a tower to an ONNX file, a `torch.export` program or an
+ExecuTorch program, checked against eager right after export (`vlm_vit.deploy.export`,
+`vlm_vit.deploy.executorch`)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "the maximum difference is printed.")
     parser.add_argument("model", metavar="MODEL", help="a checkpoint or saved tower, a model "
                         "name, or a variant name together with --random-init")
-    parser.add_argument("--format", choices=["onnx", "torch-export"], required=True)
+    parser.add_argument("--format", choices=["onnx", "torch-export", "executorch"],
+                        required=True, help="executorch: a .pte whose vision_encoder method "
+                        "(XNNPACK) takes one image at --image-size, checked in ExecuTorch's "
+                        "runtime (pip install 'vlm-vit[executorch]')")
     parser.add_argument("--out", required=True, type=Path, help="the file to write (written "
                         "beside it under a temporary name, renamed into place when complete)")
     parser.add_argument("--dynamic", action="store_true",
@@ -85,6 +89,17 @@ def _load(args: argparse.Namespace):
         return variant_or_checkpoint(args.model, None)
 
 
+def _executorch(args: argparse.Namespace, model, size, feature_layer):
+    """An ExecuTorch program (`vlm_vit.deploy.executorch`): float32, one frozen size."""
+    from vlm_vit.deploy.executorch import export_executorch
+    from vlm_vit.deploy.export_runtime import ExportError
+
+    if args.dynamic or args.dtype != "float32":
+        raise ExportError("--format executorch writes a float32 program frozen at one size: "
+                          "drop --dynamic and --dtype (give --image-size)")
+    return export_executorch(model, args.out, image_size=size, feature_layer=feature_layer)
+
+
 def run(args: argparse.Namespace) -> int:
     from vlm_vit.deploy.export import check_max_side, check_output, check_size, export_model
 
@@ -98,9 +113,12 @@ def run(args: argparse.Namespace) -> int:
         check_max_side(encoder, size or encoder.config.image_size, args.max_side, "--max-side")
     layers = args.feature_layers
     feature_layer = layers[0] if layers and len(layers) == 1 else layers
-    report = export_model(model, args.out, format=args.format, dtype=args.dtype,
-                          image_size=size, dynamic=args.dynamic, feature_layer=feature_layer,
-                          max_side=args.max_side)
+    if args.format == "executorch":
+        report = _executorch(args, model, size, feature_layer)
+    else:
+        report = export_model(model, args.out, format=args.format, dtype=args.dtype,
+                              image_size=size, dynamic=args.dynamic,
+                              feature_layer=feature_layer, max_side=args.max_side)
     if args.json:
         print(json.dumps({"path": str(report.path), "format": report.format,
                           "dtype": report.dtype, "dynamic": report.dynamic,
