@@ -73,6 +73,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=int, default=4096, metavar="N",
                         help="with --native-resolution: tokens per pack (first-fit "
                         "decreasing), and so at most N minus the prefix tokens per image")
+    parser.add_argument("--cache", type=Path, metavar="DIR",
+                        help="reuse and store each image's outputs in this folder, keyed by "
+                        "the image's bytes and everything that changes them (weights, "
+                        "processor, layers, prefix, dtype, device; vlm_vit.io.encode_cache): "
+                        "never stale; not with --native-resolution or tar shards")
+    parser.add_argument("--cache-max-gb", type=float, metavar="GB",
+                        help="with --cache: evict the least recently used entries beyond GB")
     parser.add_argument("--strict", action="store_true",
                         help="stop at the first image that cannot be decoded (default: skip "
                         "it, name it, and list it in the output's `skipped` metadata)")
@@ -128,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     if _is_shard_job(args.inputs):
+        if args.cache is not None:
+            raise ValueError("--cache is for a folder encode, not tar shards (each shard's "
+                             "output file is already kept and skipped on a rerun)")
         from vlm_vit.cli.encode_shards import run_shards
 
         return run_shards(args)
@@ -136,10 +146,16 @@ def run(args: argparse.Namespace) -> int:
     check_output_apart(args.out, args.model, args.inputs)
     if args.native_resolution and args.image_size:
         raise ValueError("--native-resolution keeps each image's own size; drop --image-size")
+    if args.cache is not None and args.native_resolution:
+        raise ValueError("--cache is for a folder encode at one size, not --native-resolution")
+    if args.cache_max_gb is not None and (args.cache is None or not args.cache_max_gb > 0):
+        raise ValueError(f"--cache-max-gb needs --cache and a size above 0, got "
+                         f"{args.cache_max_gb}")
     files = find_images(args.inputs)
     encoder, processor, layers, names = prepare_encoder(args)
     if args.native_resolution:
         return _run_native(args, files, encoder, processor, layers, names)
+    cached = CachedEncode(args, encoder, processor, layers, names)
     collected: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     grid = None
     skipped = Skipped(args.strict)
@@ -148,15 +164,20 @@ def run(args: argparse.Namespace) -> int:
     with torch.inference_mode():
         for start in tqdm(batches, desc="encoding", unit="batch", disable=args.quiet):
             chunk = files[start:start + args.batch_size]
-            decoded = [(path, skipped.call(processor.preprocess_one, path)) for path in chunk]
+            found = cached.lookup(chunk)
+            decoded = [(path, skipped.call(processor.preprocess_one, path)) for path in chunk
+                       if path not in found]
             kept = [(path, pixels) for path, pixels in decoded if pixels is not None]
-            if not kept:
-                continue
-            pixels = torch.stack([pixels for _, pixels in kept])
-            tensors, grid = encode_batch(args, encoder, pixels, layers, names)
-            for name, tensor in tensors.items():
-                collected[name].append(tensor)
-            encoded.extend(path for path, _ in kept)
+            if kept:
+                pixels = torch.stack([pixels for _, pixels in kept])
+                tensors, grid = encode_batch(args, encoder, pixels, layers, names)
+                found.update(cached.store(kept, tensors, grid))
+            for path in chunk:  # in the files' order, from the cache or computed
+                if path in found:
+                    outputs, grid = found[path]
+                    for name in names:
+                        collected[name].append(outputs[name][None])
+                    encoded.append(path)
     skipped.check_some_left(len(encoded))
     tensors = {name: torch.cat(parts) for name, parts in collected.items()}
     metadata = {
@@ -167,8 +188,59 @@ def run(args: argparse.Namespace) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_safetensors(tensors, args.out, metadata=metadata)
     shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in tensors.items())
-    print(f"wrote {len(encoded)} images to {args.out}: {shapes}{skipped.summary()}")
+    print(f"wrote {len(encoded)} images to {args.out}: {shapes}{skipped.summary()}"
+          f"{cached.summary()}")
     return 0
+
+
+class CachedEncode:
+    """The folder encode's use of `--cache` (`vlm_vit.io.encode_cache`): each image's outputs
+    by its file's bytes, stored with the patch grid; without `--cache`, nothing is found and
+    nothing stored."""
+
+    GRID = "__grid__"
+
+    def __init__(self, args: argparse.Namespace, encoder, processor, layers, names) -> None:
+        self.cache = self.context = None
+        if args.cache is None:
+            return
+        from vlm_vit.io.encode_cache import EncodeCache
+
+        limit = None if args.cache_max_gb is None else max(1, int(args.cache_max_gb * 2**30))
+        self.cache = EncodeCache(args.cache, max_bytes=limit)
+        self.context = self.cache.context(encoder, processor, layers=layers, names=names,
+                                          keep_prefix=args.keep_prefix, dtype=args.dtype)
+
+    def lookup(self, paths: list[Path]) -> dict[Path, tuple[dict, tuple[int, int]]]:
+        """The images of `paths` the cache holds: path -> (outputs by name, grid)."""
+        found = {}
+        for path in paths if self.cache is not None else []:
+            try:
+                hit = self.cache.get(self.context, path.read_bytes())
+            except OSError:
+                continue  # unreadable: decoding names it
+            if hit is not None:
+                found[path] = (hit, tuple(hit.pop(self.GRID).tolist()))
+        return found
+
+    def store(self, kept, tensors, grid) -> dict[Path, tuple[dict, tuple[int, int]]]:
+        """Each computed image's outputs (row i of `tensors`), stored when caching."""
+        import torch
+
+        out = {}
+        for index, (path, _) in enumerate(kept):
+            outputs = {name: tensor[index] for name, tensor in tensors.items()}
+            out[path] = (outputs, tuple(grid))
+            if self.cache is not None:
+                self.cache.put(self.context, path.read_bytes(),
+                               {**outputs, self.GRID: torch.tensor(list(grid))})
+        return out
+
+    def summary(self) -> str:
+        if self.cache is None:
+            return ""
+        return f"; cache {self.cache.directory}: {self.cache.hits} hit(s), " \
+               f"{self.cache.misses} miss(es)"
 
 
 class Skipped:
