@@ -131,3 +131,31 @@ def test_the_command_writes_the_file_and_refuses_a_missing_image(tmp_path, token
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "missing.png" in err[0]
     assert not (tmp_path / "other.safetensors").exists()
+
+
+def test_a_cached_embed_is_bit_identical_and_misses_for_another_tower(tmp_path, tokenizer,
+                                                                     capsys):
+    from vlm_vit.cli import main
+
+    their_llava(llava_mm(tokenizer), tmp_path, False, False)
+    images = []
+    for index, array in enumerate(photos(3)):
+        Image.fromarray(array).save(tmp_path / f"{index}.png")
+        images.append(str(tmp_path / f"{index}.png"))
+    command = ["llm", "embed", str(tmp_path / "theirs"), *images, "--cache",
+               str(tmp_path / "cache")]
+    assert main([*command, "--out", str(tmp_path / "cold.safetensors")]) == 0
+    assert "0 hit(s), 3 miss(es)" in capsys.readouterr().out
+    assert main([*command, "--out", str(tmp_path / "warm.safetensors")]) == 0
+    assert "3 hit(s), 0 miss(es)" in capsys.readouterr().out
+    cold, warm = (load_embeddings(tmp_path / f"{name}.safetensors") for name in ("cold", "warm"))
+    assert torch.equal(cold.tensors["image_embeds"], warm.tensors["image_embeds"])
+    ours = MultimodalLM.from_pretrained(tmp_path / "theirs")
+    with torch.no_grad():
+        ours.tower.pooler[0].bias.add_(1.0)  # another projector: another key
+    from vlm_vit.io.encode_cache import EncodeCache
+
+    cache = EncodeCache(tmp_path / "cache")
+    changed = image_embeddings(ours, images, cache)
+    assert (cache.hits, cache.misses) == (0, 3)
+    assert not torch.equal(changed.tensors["image_embeds"], cold.tensors["image_embeds"])

@@ -63,6 +63,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     embed.add_argument("model", type=Path, metavar="MODEL_DIR_OR_NAME")
     embed.add_argument("images", type=Path, nargs="+", metavar="IMAGE")
     embed.add_argument("--out", required=True, type=Path, metavar="FILE")
+    embed.add_argument("--cache", type=Path, metavar="DIR", help="reuse and store each "
+                       "image's tokens here (vlm_vit.io.encode_cache: never stale)")
     embed.set_defaults(run=run_embed)
 
     export = commands.add_parser("export", help="write the Hugging Face LLaVA layout "
@@ -452,7 +454,8 @@ def run_embed(args: argparse.Namespace) -> int:
     from vlm_vit_llm.embeddings import write_embeddings
 
     images = [_existing(path, "IMAGE") for path in args.images]  # before the model loads
-    print(write_embeddings(load_multimodal(args.model, "MODEL").eval(), images, args.out))
+    print(write_embeddings(load_multimodal(args.model, "MODEL").eval(), images, args.out,
+                           args.cache))
     return 0
 
 

@@ -72,13 +72,16 @@ class ImageEmbeddings:
 
 
 @torch.inference_mode()
-def image_embeddings(mm: Any, images: list[Any]) -> ImageEmbeddings:
+def image_embeddings(mm: Any, images: list[Any], cache: Any = None) -> ImageEmbeddings:
     """Each image's post-projector tokens (`MultimodalLM.image_features`, one tower call) in
     the layout of `mm`'s kind.
 
     Args:
         mm: a `MultimodalLM` (ours, or read from transformers).
         images: files, PIL images, arrays or pixel tensors, as `prepare` takes them.
+        cache: a `vlm_vit.io.encode_cache.EncodeCache`: the tokens of images given as files
+            are taken from it when it holds them for this tower and processor, and stored
+            in it otherwise (the tower then runs on the others only).
 
     Raises:
         ValueError: for no images, more than `MAX_IMAGES`, or an image `prepare` refuses.
@@ -89,7 +92,7 @@ def image_embeddings(mm: Any, images: list[Any]) -> ImageEmbeddings:
         raise ValueError(f"{len(images)} images in one call; at most {MAX_IMAGES}: split them")
     pixels = [as_pixels(image, mm.tower, mm.processor, index)
               for index, image in enumerate(images)]
-    features = [tokens.float().cpu() for tokens in mm.image_features(pixels)]
+    features = _features(mm, images, pixels, cache)
     counts = [int(tokens.shape[0]) for tokens in features]
     llm = split_peft(mm.llm)[0]
     model_class = _served_class(mm, llm)
@@ -107,6 +110,25 @@ def image_embeddings(mm: Any, images: list[Any]) -> ImageEmbeddings:
         tensors = {"image_embeds": torch.stack(features)}
         layout = "fixed"
     return ImageEmbeddings(layout, tensors, counts, model_class)
+
+
+def _features(mm: Any, images: list[Any], pixels: list[Any], cache: Any) -> list[torch.Tensor]:
+    """Each image's tokens on the CPU in float32: from `cache` (files only) or the tower."""
+    files = [Path(image) if isinstance(image, (str, Path)) else None for image in images]
+    context = None if cache is None else cache.context(
+        mm.tower, mm.processor, outputs="post-projector tokens")
+    features: list[torch.Tensor | None] = [None] * len(images)
+    for index, file in enumerate(files):
+        if context is not None and file is not None:
+            hit = cache.get(context, file.read_bytes())
+            features[index] = None if hit is None else hit["tokens"]
+    missing = [index for index, tokens in enumerate(features) if tokens is None]
+    computed = mm.image_features([pixels[index] for index in missing]) if missing else []
+    for index, tokens in zip(missing, computed, strict=True):
+        features[index] = tokens.float().cpu()
+        if context is not None and files[index] is not None:
+            cache.put(context, files[index].read_bytes(), {"tokens": features[index]})
+    return features
 
 
 def _served_class(mm: Any, llm: Any) -> str:
@@ -144,13 +166,20 @@ def save_embeddings(embeddings: ImageEmbeddings, path: str | Path) -> Path:
     return path
 
 
-def write_embeddings(mm: Any, images: list[Any], path: str | Path) -> str:
-    """`image_embeddings` of `images` saved to `path` (`vlm-vit llm embed`); a line saying
-    what was written."""
-    embedded = image_embeddings(mm, images)
+def write_embeddings(mm: Any, images: list[Any], path: str | Path,
+                     cache_dir: str | Path | None = None) -> str:
+    """`image_embeddings` of `images` saved to `path` (`vlm-vit llm embed`), through the
+    cache in `cache_dir` when given; a line saying what was written."""
+    cache = None
+    if cache_dir is not None:
+        from vlm_vit.io.encode_cache import EncodeCache
+
+        cache = EncodeCache(cache_dir)
+    embedded = image_embeddings(mm, images, cache)
     written = save_embeddings(embedded, path)
+    cached = "" if cache is None else f"; cache: {cache.hits} hit(s), {cache.misses} miss(es)"
     return (f"wrote {written}: {len(images)} image(s), layout {embedded.layout} for "
-            f"{embedded.model_class}, placeholder tokens {embedded.placeholder_tokens}")
+            f"{embedded.model_class}, placeholder tokens {embedded.placeholder_tokens}{cached}")
 
 
 def load_embeddings(path: str | Path) -> ImageEmbeddings:
