@@ -104,12 +104,18 @@ def test_packed_loss_and_every_gradient_equal_records_alone(tokenizer, model, st
     mm = build(tokenizer, model, stage)
     batch = packed(batch_of(mm, with_images=with_images), mm, max_length=48)
     assert len(batch.rows) < len(batch)  # rows really hold several records
+    assert_every_path_equals_records_alone(
+        mm, batch, {"tower", "llm"} if with_images else {"llm"})
+
+
+def assert_every_path_equals_records_alone(mm, batch: ConversationBatch, trained: set[str]):
+    """Under both reductions, on each CPU attention path, the packed loss and every gradient
+    against the records run alone (`reference`); `trained`: the parts that get gradients."""
     for reduction in ("token", "record"):
         expected = reference(mm, batch, reduction)
         expected.backward()
         expected_gradients = gradients(mm)
-        trained = {name.split(".")[0] for name in expected_gradients}
-        assert trained == ({"tower", "llm"} if with_images else {"llm"})
+        assert {name.split(".")[0] for name in expected_gradients} == trained
         for path in ("varlen_sdpa", "position_ids", "block_mask"):
             assert mm.set_packed_attention(path) == path
             loss = conversation_loss(mm, batch, reduction).loss

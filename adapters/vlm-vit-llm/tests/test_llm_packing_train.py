@@ -143,6 +143,12 @@ def test_a_packed_token_budget_run_resumes_bit_exactly_mid_epoch(tmp_path, chat_
         collate = ConversationCollate(mm, max_length=256, packing=True)
         return mm, fit(mm, packs, collate, run_dir, steps, resume)
 
+    assert_resumes_bit_exactly(run, tmp_path)
+
+
+def assert_resumes_bit_exactly(run, tmp_path) -> None:
+    """`run(dir, steps, resume)` four steps straight against two then a resume to four: the
+    same losses and weights, bit for bit."""
     straight_mm, straight = run(tmp_path / "straight", 4)
     run(tmp_path / "resumed", 2)
     resumed_mm, resumed = run(tmp_path / "resumed", 4, resume=True)

@@ -7,14 +7,14 @@ leak check runs on these models and catches a leak."""
 import pytest
 import torch
 from conftest import perturb_lora
-from test_llm_packing import assert_close, gradients, reference
+from test_llm_packing import assert_every_path_equals_records_alone
 from test_qwen_vl_read import FAMILIES, IMAGE, pictures, qwen_folder
 
 from vlm_vit_llm import IGNORE_INDEX, MultimodalLM
 from vlm_vit_llm import packing as packing_module
 from vlm_vit_llm.model import target_ids
 from vlm_vit_llm.packing import PackingLeakError, check_packed_attention
-from vlm_vit_llm.train import ConversationBatch, conversation_loss
+from vlm_vit_llm.train import ConversationBatch
 
 # (prompt, answer, images): one image, none, two; 6 to 60 positions with the pictures' sizes.
 RECORDS = [(f"{IMAGE}what is in the image", "two blue dogs", [0]),
@@ -63,21 +63,7 @@ def test_packed_loss_and_every_gradient_equal_records_alone(folder, stage):
     """Under both reductions and the three CPU attention paths, float32 within 2e-5 of the
     largest gradient (as for 1-D LLMs: `test_llm_packing.assert_close`)."""
     mm = build(folder, stage)
-    batch = records_batch(mm)
-    for reduction in ("token", "record"):
-        expected = reference(mm, batch, reduction)  # each alone: transformers' own loss
-        expected.backward()
-        expected_gradients = gradients(mm)
-        assert {name.split(".")[0] for name in expected_gradients} == {"tower", "llm"}
-        for path in ("varlen_sdpa", "position_ids", "block_mask"):
-            assert mm.set_packed_attention(path) == path
-            loss = conversation_loss(mm, batch, reduction).loss
-            loss.backward()
-            torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
-            got = gradients(mm)
-            assert got.keys() == expected_gradients.keys()
-            for name, gradient in expected_gradients.items():
-                assert_close(got[name], gradient, f"{reduction} {path} {name}")
+    assert_every_path_equals_records_alone(mm, records_batch(mm), {"tower", "llm"})
 
 
 def test_packed_ids_restart_per_record_as_each_alone(folder):
@@ -139,7 +125,7 @@ def test_a_packed_token_budget_run_resumes_bit_exactly(folder, tmp_path):
     """Four steps of token-budget packs with LoRA straight, against two then a resume to
     four: the same losses and weights, bit for bit."""
     from test_conversation_data import GOOD, write_images, write_records
-    from test_llm_packing_train import fit
+    from test_llm_packing_train import assert_resumes_bit_exactly, fit
 
     from vlm_vit_llm.chat import adopt_chat_template
     from vlm_vit_llm.readers import record_placeholder
@@ -164,10 +150,4 @@ def test_a_packed_token_budget_run_resumes_bit_exactly(folder, tmp_path):
         assert len(packs) >= 8  # four steps of two packs or more: the resume is mid-epoch
         return mm, fit(mm, packs, collate, run_dir, steps, resume)
 
-    straight_mm, straight = run(tmp_path / "straight", 4)
-    run(tmp_path / "resumed", 2)
-    resumed_mm, resumed = run(tmp_path / "resumed", 4, resume=True)
-    assert resumed.losses == straight.losses  # bit-exact
-    for (name, a), (_, b) in zip(straight_mm.named_parameters(), resumed_mm.named_parameters(),
-                                 strict=True):
-        assert torch.equal(a, b), name
+    assert_resumes_bit_exactly(run, tmp_path)
