@@ -212,6 +212,8 @@ def _edit(path, change):
     ("processor_config.json", lambda raw: raw.pop("image_processor"), "no image processor"),
     ("config.json", lambda raw: raw.update(model_type="qwen3_vl"),
      "model_type 'qwen3_vl' is not a multimodal model vlm-vit-llm reads"),
+    ("config.json", lambda raw: raw["vision_config"].update(out_hidden_size=48, hidden_size=48),
+     "the vision merger gives width 48, but the language model's hidden_size is 64"),
 ])
 def test_what_cannot_be_read_is_one_line_before_any_weight_is(qwen_copy, file, change,
                                                               message):

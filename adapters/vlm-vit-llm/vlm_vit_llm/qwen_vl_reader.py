@@ -68,10 +68,11 @@ def read_qwen_vl(directory: str | Path, *, dtype: torch.dtype | None = None) -> 
     image_token = checked_image_token(tokenizer, directory, config.image_token_id, source,
                                       default=IMAGE_TOKEN)
     processor = _our_processor(directory, config.vision_config)
-    if not config.tie_word_embeddings and not any(
-            name in tensor_shapes(directory) for name in HEAD_NAMES):
+    shapes = tensor_shapes(directory)
+    if not config.tie_word_embeddings and not any(name in shapes for name in HEAD_NAMES):
         raise ValueError(f"{source}: tie_word_embeddings is off but the weights hold no "
                          "lm_head.weight: the output head would be random")
+    _check_widths(config, source)
     model_class = getattr(transformers, MODEL_TYPES[config.model_type]
                           + "ForConditionalGeneration")
     model = model_class.from_pretrained(directory, dtype=dtype)
@@ -88,6 +89,20 @@ def read_qwen_vl(directory: str | Path, *, dtype: torch.dtype | None = None) -> 
     return ModelParts(tower.to(model.dtype).eval(), model.eval(), tokenizer, processor,
                       image_token, layout=config.model_type, video_token=_video_token(
                           tokenizer, config.video_token_id))
+
+
+def _check_widths(config: Any, source: str) -> None:
+    """The merger's output width (`out_hidden_size` in Qwen2.5-VL, the vision `hidden_size`
+    in Qwen2-VL) must be the language model's.
+
+    Raises:
+        ValueError: naming both widths, before any weight is read.
+    """
+    vision, text = config.vision_config, config.get_text_config()
+    merged = vision.out_hidden_size if config.model_type == "qwen2_5_vl" else vision.hidden_size
+    if merged != text.hidden_size:
+        raise ValueError(f"{source}: the vision merger gives width {bounded(merged)}, but the "
+                         f"language model's hidden_size is {bounded(text.hidden_size)}")
 
 
 def _video_token(tokenizer: Any, video_token_id: Any) -> str | None:
