@@ -202,6 +202,7 @@ class CachedEncode:
 
     def __init__(self, args: argparse.Namespace, encoder, processor, layers, names) -> None:
         self.cache = self.context = None
+        self.read: dict[Path, bytes] = {}  # the batch's missed files, read once
         if args.cache is None:
             return
         from vlm_vit.io.encode_cache import EncodeCache
@@ -214,13 +215,17 @@ class CachedEncode:
     def lookup(self, paths: list[Path]) -> dict[Path, tuple[dict, tuple[int, int]]]:
         """The images of `paths` the cache holds: path -> (outputs by name, grid)."""
         found = {}
+        self.read = {}
         for path in paths if self.cache is not None else []:
             try:
-                hit = self.cache.get(self.context, path.read_bytes())
+                data = path.read_bytes()
             except OSError:
                 continue  # unreadable: decoding names it
+            hit = self.cache.get(self.context, data)
             if hit is not None:
                 found[path] = (hit, tuple(hit.pop(self.GRID).tolist()))
+            else:
+                self.read[path] = data
         return found
 
     def store(self, kept, tensors, grid) -> dict[Path, tuple[dict, tuple[int, int]]]:
@@ -231,8 +236,8 @@ class CachedEncode:
         for index, (path, _) in enumerate(kept):
             outputs = {name: tensor[index] for name, tensor in tensors.items()}
             out[path] = (outputs, tuple(grid))
-            if self.cache is not None:
-                self.cache.put(self.context, path.read_bytes(),
+            if self.cache is not None and path in self.read:
+                self.cache.put(self.context, self.read[path],
                                {**outputs, self.GRID: torch.tensor(list(grid))})
         return out
 

@@ -122,16 +122,13 @@ class EncodeCache:
 
     def get(self, context: CacheContext, image: bytes) -> dict[str, torch.Tensor] | None:
         """The outputs stored for `image` (its file's bytes) under `context`, or None."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        from safetensors import SafetensorError, safe_open
 
         path = self._path(context, image)
         try:
-            tensors = load_file(path)
-            from safetensors import safe_open
-
             with safe_open(str(path), framework="pt") as handle:
                 metadata = handle.metadata() or {}
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
         except (FileNotFoundError, SafetensorError, OSError):
             self.misses += 1
             return None
