@@ -186,11 +186,12 @@ def test_everything_the_demo_imports_comes_with_the_train_extra(tmp_path):
             requirement = Requirement(text)
             if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
                 queue.append(canonicalize_name(requirement.name))
-    # Not requirements: joblib (psutil), scikit-learn (rich), torch's inductor (colorama) and
-    # numpy's f2py (charset-normalizer) import these only when they are installed (the dev
-    # extra's docs tools bring the last two); the plugins installed here add their commands
-    # to any CLI run.
-    optional = {"psutil", "rich", "colorama", "charset-normalizer", "vlm-vit-llm",
+    # Not requirements: joblib (psutil), scikit-learn (rich, and pandas in
+    # sklearn.utils.fixes), torch's inductor (colorama) and numpy's f2py (charset-normalizer)
+    # import these only when they are installed (the dev extra's docs tools bring colorama and
+    # charset-normalizer, its executorch pandas); the plugins installed here add their
+    # commands to any CLI run.
+    optional = {"psutil", "rich", "colorama", "charset-normalizer", "pandas", "vlm-vit-llm",
                 "vlm-vit-cabstractor"}
     owners = metadata.packages_distributions()
     outside = {module: owners[module] for module in imported if module in owners
