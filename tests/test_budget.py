@@ -1,6 +1,6 @@
 """Fixed-capacity packed encoding (`vlm_vit.budget.encode_budget`, issue 46): whatever the
 image sizes and the budget, every buffer holds exactly the budget, every image is in one
-buffer, and its tokens equal the unpadded packed call's up to float32 rounding (1e-6; not
+buffer, and its tokens equal the unpadded packed call's up to float32 rounding (1e-5; not
 bit for bit: see the module); what it cannot take is refused by name."""
 
 import hypothesis
@@ -19,9 +19,10 @@ ENCODERS = {
                              window_size=2, full_attention_blocks=(1,)),
 }
 # CPU kernels block matrices of another row count, and window attention batches the windows
-# of one shape across a pass (the padding's too): a few float32 ulps apart, measured up to
-# 2.4e-7 (often 0), as the unpadded packed call is from each image alone.
-ATOL = 1e-6
+# of one shape across a pass (the padding's too): a few float32 ulps apart (often 0; up to
+# 1.0e-6 on outputs near 1 in a few hundred random mixes), as the unpadded packed call is
+# from each image alone.
+ATOL = 1e-5
 
 
 def encoder(kind: str) -> VisionEncoder:

@@ -12,7 +12,7 @@ to end, then one padding segment of zeros up to `tokens`, which attends only to 
 every image's tokens are those of the unpadded packed call (`VisionEncoder.forward_packed`)
 up to float32 rounding: the same operations, but CPU kernels block a matrix of other rows, and
 window attention batches windows of one shape across the pass, in other sums (tested over
-random sizes and budgets within 1e-6; measured up to 2.4e-7, often bit-identical). Not bit for
+random sizes and budgets within 1e-5; measured up to 1.0e-6, often bit-identical). Not bit for
 bit, as the issue asks: that needs kernels whose rows do not depend on the rest of the matrix.
 
 An encoder with 2D RoPE and prefix tokens (class or registers) is refused: each segment's
