@@ -179,7 +179,7 @@ def test_config_stride_is_the_backbones(stages):
     (dict(hybrid_layers=(1, 0)), "hybrid_layers"),
     (dict(hybrid_layers=3), "hybrid_layers"),
     (dict(hybrid_layers=(1, 65)), "hybrid_layers"),
-    (dict(pos_embed="sincos"), "pos_embed 'sincos' is not one of learned, none"),
+    (dict(pos_embed="fourier"), "pos_embed 'fourier' is not one of learned, sincos, none"),
     (dict(rope_theta=0), "rope_theta must be null or a finite number > 0, got 0"),
     (dict(rope_theta="1e4"), "rope_theta"),
     (dict(rope_theta=float("inf")), "rope_theta"),

@@ -19,8 +19,9 @@ ACTIVATIONS = ("gelu", "quick_gelu", "gelu_tanh", "silu")
 POS_RESIZE_MODES = ("bicubic", "bilinear")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("mlp", "swiglu")
-POS_EMBEDS = ("learned", "none")
+POS_EMBEDS = ("learned", "sincos", "none")
 ROPE_FREQUENCIES = ("shared", "alternating")
+ROPE_POSITIONS = ("index", "centered")
 # The hybrid's ResNet (`layers.hybrid_stem`): at most 4 stages (a whole R50), each of at most
 # 64 blocks (the deepest BiT stage, R152's, has 36).
 MAX_HYBRID_STAGES, MAX_HYBRID_BLOCKS = 4, 64
@@ -44,15 +45,17 @@ LIMITS: dict[str, tuple[int, int]] = {
 MAX_GRID_TOKENS = 1024 * 1024  # patches per image at `image_size`: a 1024 x 1024 grid
 MAX_NORM_EPS = 1.0  # LayerNorm eps in (0, 1]; 1e-12 .. 1e-5 in practice
 BOOLEAN_FIELDS = ("class_token", "pre_norm", "final_norm", "qkv_bias", "patch_bias",
-                  "pos_resize_antialias", "mlp_norm")
+                  "pos_resize_antialias", "mlp_norm", "patch_norm")
 CHOICES = {"act": ACTIVATIONS, "pos_resize_mode": POS_RESIZE_MODES, "norm": NORMS, "mlp": MLPS,
-           "pos_embed": POS_EMBEDS, "rope_frequencies": ROPE_FREQUENCIES}
+           "pos_embed": POS_EMBEDS, "rope_frequencies": ROPE_FREQUENCIES,
+           "rope_positions": ROPE_POSITIONS}
 
 
 # The mechanism fields at the paper's block: what a writer of a plain-ViT layout (CLIP,
 # SigLIP, open_clip) needs them to be.
 PAPER_MECHANISMS: dict[str, Any] = dict(layer_scale_init=None, norm="layernorm", mlp="mlp",
-                                        mlp_norm=False, hybrid_layers=None, pos_embed="learned",
+                                        mlp_norm=False, patch_norm=False, hybrid_layers=None,
+                                        pos_embed="learned",
                                         rope_theta=None, rope_reference_grid=None,
                                         temporal_patch_size=None, window_size=None)
 
@@ -163,7 +166,10 @@ class EncoderConfig:
     # The hybrid (paper 3.1): patches cut from a ResNet's feature map, these blocks per stage
     # ((3, 4, 9) for R50+ViT-B/16); patch_size is then the ResNet's stride, `hybrid_stride`.
     hybrid_layers: tuple[int, ...] | None = None
-    pos_embed: str = "learned"  # the learned table E_pos (eq. 1), or none (RoPE-only towers)
+    # The learned table E_pos (eq. 1); sincos: the fixed 2D sin-cos table of MAE computed for
+    # every grid (AIMv2 native, `layers.pos_embed.sincos_2d_pos_embed`); none (RoPE-only).
+    pos_embed: str = "learned"
+    patch_norm: bool = False  # `norm` over each patch embedding before E_pos (AIMv2's)
     # 2D RoPE on q and k in every block, this frequency base (10000 in Pixtral and Qwen2-VL);
     # null for none. Rows and columns turn at the same head_dim/4 frequencies ("shared",
     # Qwen2-VL) or take the even and odd ones of head_dim/2 ("alternating", Pixtral).
@@ -172,6 +178,10 @@ class EncoderConfig:
     # RoPE positions scaled so every image's grid spans this (rows, cols) one, row i at
     # i * ref_rows / rows (EVA-02's ref_feat_shape, its pretraining grid); null: patch indices.
     rope_reference_grid: tuple[int, int] | None = None
+    # Where RoPE puts each patch: "index", its (row, col) index as above; "centered", DINOv3's
+    # patch centres normalised to [-1, 1] over the image's own grid, in turns
+    # (`layers.rope_centered`), with no reference grid.
+    rope_positions: str = "index"
     # A Conv3d patch embedding over this many frames (Qwen2-VL: 2), so images and video share
     # a tower; an image is its frame repeated (`layers.temporal_patch_embed`). null: Conv2d.
     temporal_patch_size: int | None = None
@@ -194,9 +204,11 @@ class EncoderConfig:
         `norm` / `mlp` one of their names; `layer_scale_init` null or a finite number > 0;
         `mlp` swiglu with `act` silu; `mlp_norm` only with swiglu; `hybrid_layers` null or 1
         to 4 stages of 1..64 blocks, with `patch_size` the ResNet's stride; `pos_embed`
-        learned or none; `rope_theta` null or a finite number > 0, with a head dimension
+        learned, none or sincos (with a width divisible by 4); `patch_norm` not with the
+        hybrid or Conv3d patches; `rope_theta` null or a finite number > 0, with a head dimension
         (width / heads) divisible by 4;
         `rope_reference_grid` null or a (rows, cols) of 1..16384, only with `rope_theta`;
+        `rope_positions` index or centered (only with `rope_theta`, without a reference grid);
         `temporal_patch_size` null or 1..16, not with the hybrid; `window_size` null or a
         positive int no larger than the grid at `image_size` on both sides, without class or
         register tokens; `full_attention_blocks` distinct block indices, only with a window.
@@ -281,6 +293,17 @@ class EncoderConfig:
             raise ConfigError("mlp_norm", True, "false unless mlp is swiglu",
                               problem=f"mlp_norm normalises SwiGLU's gated hidden activation: it "
                               f"needs mlp 'swiglu', got mlp {self.mlp!r}")
+        if self.patch_norm and (self.hybrid_layers is not None
+                                or self.temporal_patch_size is not None):
+            raise ConfigError("patch_norm", True, "false with hybrid_layers or "
+                              "temporal_patch_size",
+                              problem="patch_norm normalises the Conv2d patch embedding's "
+                              "output: the hybrid and Conv3d patch embeddings have none")
+        if self.pos_embed == "sincos" and self.width % 4:
+            raise ConfigError("pos_embed", "sincos", "a width divisible by 4",
+                              problem=f"pos_embed 'sincos' splits the width in four (sin and "
+                              f"cos of rows and columns): width {self.width} is not "
+                              "divisible by 4")
         frames = self.temporal_patch_size
         if frames is not None:
             self.temporal_patch_size = check_int("temporal_patch_size", frames, 1,
@@ -309,6 +332,12 @@ class EncoderConfig:
         """`rope_theta`, `rope_reference_grid`, and a head dimension 2D RoPE can split (see
         `validate`)."""
         theta, reference = self.rope_theta, self.rope_reference_grid
+        if self.rope_positions == "centered" and (theta is None or reference is not None):
+            raise ConfigError("rope_positions", "centered", "index without rope_theta or with "
+                              "rope_reference_grid",
+                              problem="rope_positions 'centered' places 2D RoPE's patches at "
+                              "their centres over each image's own grid: it needs rope_theta "
+                              f"(got {theta!r}) and no rope_reference_grid (got {reference!r})")
         if theta is None:
             if reference is not None:
                 raise ConfigError("rope_reference_grid", reference, "null without rope_theta",

@@ -81,7 +81,8 @@ class VisionEncoder(NativeFormat, nn.Module):
         width = config.width
         self.patch_embed = layers.build_patch_embed(
             config.patch_size, config.in_channels, width, config.patch_bias, config.hybrid_layers,
-            config.temporal_patch_size)
+            config.temporal_patch_size,
+            layers.build_norm(config.norm, width, config.norm_eps) if config.patch_norm else None)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, width)) if config.class_token else None
         self.reg_token = (nn.Parameter(torch.zeros(1, config.num_register_tokens, width))
                           if config.num_register_tokens else None)
@@ -91,7 +92,8 @@ class VisionEncoder(NativeFormat, nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, entries, width)) \
             if config.pos_embed == "learned" else None
         self.rope = layers.build_rope(width // config.heads, config.rope_theta,
-                                      config.rope_frequencies, config.rope_reference_grid)
+                                      config.rope_frequencies, config.rope_reference_grid,
+                                      config.rope_positions)
         self.norm_pre = layers.build_norm(config.norm, width, config.norm_eps) if config.pre_norm \
             else None
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
@@ -124,7 +126,12 @@ class VisionEncoder(NativeFormat, nn.Module):
 
     def position_table(self, grid: tuple[int, int]) -> torch.Tensor:
         """E_pos for a patch grid, `[1, class + rows * cols, D]`, resized if needed: cached
-        per grid while not trained, traced under `torch.export` (`resample_pos_embed_cached`)."""
+        per grid while not trained, traced under `torch.export` (`resample_pos_embed_cached`);
+        the fixed sin-cos table (`pos_embed="sincos"`) is computed for the grid."""
+        if self.config.pos_embed == "sincos":
+            return layers.sincos_position_table(grid, self.config.width,
+                                                int(self.config.class_token),
+                                                device=self.blocks[0].attn.qkv.weight.device)
         return resample_pos_embed_cached(
             self.pos_embed, self.config.grid, grid, self._pos_cache,
             num_prefix_tokens=int(self.config.class_token), mode=self.config.pos_resize_mode,
@@ -165,7 +172,7 @@ class VisionEncoder(NativeFormat, nn.Module):
         MAE's `keep` applied, then the class and register tokens in front."""
         batch, _, _ = x.shape  # (B, N, D)
         cls_entries = int(self.cls_token is not None)
-        table = None if self.pos_embed is None else self.position_table(grid).to(x.dtype)
+        table = None if self.config.pos_embed == "none" else self.position_table(grid).to(x.dtype)
         if table is not None:
             x = x + table[:, cls_entries:]
         if keep is not None:

@@ -23,7 +23,11 @@ CLIP_STYLE = dict(image_size=32, patch_size=8, width=128, depth=2, heads=2, mlp_
 TARGETS = {"native": "out", "hf_clip": "out", "timm": "out", "open_clip": "out.safetensors",
            # issue 33: each family written back to its own format
            "hf_dinov2": "out", "hf_pixtral": "out", "hf_qwen2_vl": "out", "hf_qwen2_5_vl": "out",
-           "timm_eva": "out"}
+           "timm_eva": "out",
+           # issue 45: AIMv2 both ways
+           "hf_aimv2": "out", "timm_aimv2": "out",
+           # issue 45: DINOv3 both ways
+           "hf_dinov3": "out", "timm_dinov3": "out"}
 
 
 
@@ -151,6 +155,42 @@ def timm_eva02(folder):
                     ref_feat_shape=(4, 4))[0]
 
 
+def aimv2_hf(folder):
+    """A tiny `Aimv2VisionModel` (RMSNorm, SwiGLU, a patch-embedding norm, an attention-pooling
+    head), saved by transformers."""
+    config = transformers.Aimv2VisionConfig(hidden_size=128, num_hidden_layers=2,
+                                            num_attention_heads=2, intermediate_size=256,
+                                            image_size=32, patch_size=8)
+    perturbed(transformers.Aimv2VisionModel(config)).save_pretrained(folder / "aimv2")
+    return folder / "aimv2"
+
+
+def aimv2_timm(folder):
+    """A tiny `aimv2_large_patch14_224`-shaped timm model, saved as timm's hub layout."""
+    from .test_timm_aimv2 import save_aimv2
+
+    folder.mkdir(parents=True, exist_ok=True)
+    return save_aimv2(folder, img_size=32, patch_size=8, embed_dim=128)[0]
+
+
+def dinov3_hf(folder):
+    """A tiny `DINOv3ViTModel` (RoPE at patch centres, 2 registers, LayerScale, no k bias),
+    saved by transformers."""
+    config = transformers.DINOv3ViTConfig(hidden_size=128, num_hidden_layers=2,
+                                          num_attention_heads=2, intermediate_size=256,
+                                          image_size=32, patch_size=8, num_register_tokens=2)
+    perturbed(transformers.DINOv3ViTModel(config)).save_pretrained(folder / "dinov3")
+    return folder / "dinov3"
+
+
+def dinov3_timm(folder):
+    """A tiny `vit_small_patch16_dinov3_qkvb`-shaped timm Eva, saved as timm's hub layout."""
+    from .test_timm_dinov3 import save_dinov3
+
+    folder.mkdir(parents=True, exist_ok=True)
+    return save_dinov3(folder, "vit_small_patch16_dinov3_qkvb", embed_dim=128, num_heads=2)[0]
+
+
 SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("hf_clip"),
            "timm (ours)": written_by_us("timm"), "open_clip (ours)": written_by_us("open_clip"),
            # the issue's reproduction: a CLIPVisionModel with no projection
@@ -175,7 +215,13 @@ SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("h
            # issue 33: timm's EVA-02 (RoPE, packed SwiGLU, q/v biases)
            "timm eva02": timm_eva02,
            # issue 31: SigLIP 2 NaFlex (a Linear patch embedding, bilinear table resize)
-           "hf Siglip2VisionModel": siglip2}
+           "hf Siglip2VisionModel": siglip2,
+           # issue 45: AIMv2 (a patch-embedding RMSNorm, bias-free Linears, its pooling head)
+           "hf Aimv2VisionModel": aimv2_hf, "timm aimv2": aimv2_timm,
+           # issue 45: DINOv3 (RoPE at patch centres, registers, LayerScale, no position table)
+           "hf DINOv3ViTModel": dinov3_hf, "timm dinov3": dinov3_timm}
+DINOV3 = ("hf DINOv3ViTModel", "timm dinov3")
+AIMV2 = ("hf Aimv2VisionModel", "timm aimv2")
 # Pairs the target's architecture cannot hold, and the reason the refusal must give.
 # (Paper-style towers, with no pre-norm, do not fit CLIP's layouts; the hf-clip writer writes
 # CLIP, not SigLIP.)
@@ -204,6 +250,10 @@ CANNOT.update({("timm eva02", "timm"): "mlp='swiglu'",
 # SigLIP 2 (no class token, no pre-norm, tanh GELU) is SigLIP for the CLIP layouts.
 CANNOT.update({("hf Siglip2VisionModel", target): CANNOT["hf SiglipVisionModel", target]
                for target in ("open_clip", "hf_clip")})
+# AIMv2 (RMSNorm, SwiGLU, no class token, no pre-norm) fits neither timm's ViT nor CLIP's.
+CANNOT.update({(source, target): reason for source in AIMV2
+               for target, reason in (("timm", "norm='rmsnorm'"), ("open_clip", "pre_norm=False"),
+                                      ("hf_clip", "pre_norm=False"))})
 # The families' own formats (issue 33) hold their own family, and DINOv2's the paper-style
 # towers (LayerScale of one); every other pair is refused for a field of the architecture.
 CLIP_SHAPED = ("native", "hf_clip (ours)", "timm (ours)", "open_clip (ours)",
@@ -212,12 +262,16 @@ QWEN = ("hf Qwen2-VL vision", "hf Qwen2.5-VL vision")
 WRITTEN_BACK = {"hf_dinov2": ("google npz", "hf Dinov2Model", "hf ViTMAEModel", "hf ViTModel",
                               "timm dinov2 registers"),
                 "hf_pixtral": ("hf PixtralVisionModel",), "hf_qwen2_vl": (QWEN[0],),
-                "hf_qwen2_5_vl": (QWEN[1],), "timm_eva": ("timm eva02",)}
+                "hf_qwen2_5_vl": (QWEN[1],), "timm_eva": ("timm eva02",),
+                "hf_aimv2": AIMV2, "timm_aimv2": AIMV2,
+                "hf_dinov3": DINOV3, "timm_dinov3": DINOV3}
 REASONS = {
     "hf_dinov2": {**dict.fromkeys(CLIP_SHAPED, "pre_norm=True"),
                   "google npz hybrid": "hybrid_layers", "timm eva02": "final_norm=False",
+                  **dict.fromkeys(DINOV3, "pos_embed='none'"),
                   "default": "class_token=False"},
     "hf_pixtral": {**dict.fromkeys(QWEN, "pre_norm=False"), "timm eva02": "class_token=True",
+                   **dict.fromkeys(DINOV3, "class_token=True"),
                    "default": "rope_theta=None"},
     "hf_qwen2_vl": {QWEN[1]: "norm='rmsnorm'", "default": "temporal_patch_size=None"},
     "hf_qwen2_5_vl": {QWEN[0]: "norm='layernorm'", "default": "temporal_patch_size=None"},
@@ -227,7 +281,12 @@ REASONS = {
                                  "act='gelu_tanh'"),
                  **dict.fromkeys(("hf Dinov2Model", "timm dinov2 registers"), "no k bias"),
                  "google npz hybrid": "hybrid_layers", QWEN[0]: "temporal_patch_size=2",
-                 "default": "norm='rmsnorm'"},  # Pixtral, Qwen2.5-VL
+                 **dict.fromkeys(DINOV3, "rope_positions='centered'"),
+                 "default": "norm='rmsnorm'"},  # Pixtral, Qwen2.5-VL, AIMv2
+    "hf_aimv2": {"default": "patch_norm=False"},
+    "timm_aimv2": {"default": "patch_norm=False"},
+    "hf_dinov3": {"default": "rope_positions='index'"},
+    "timm_dinov3": {"default": "rope_positions='index'"},
 }
 CANNOT.update({(source, target): reasons.get(source, reasons["default"])
                for target, reasons in REASONS.items() for source in SOURCES

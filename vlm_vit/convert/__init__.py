@@ -6,8 +6,10 @@ Each is a pure `state_dict -> state_dict` function built from a declarative key 
 """
 
 from vlm_vit.convert import (  # noqa: F401  (importing registers the formats)
+    hf_aimv2,
     hf_clip,
     hf_dinov2,
+    hf_dinov3,
     hf_pixtral,
     hf_qwen2_5_vl,
     hf_qwen2_vl,
@@ -17,6 +19,8 @@ from vlm_vit.convert import (  # noqa: F401  (importing registers the formats)
     native,
     open_clip,
     timm,
+    timm_aimv2,
+    timm_dinov3,
     timm_eva,
 )
 from vlm_vit.convert.base import (

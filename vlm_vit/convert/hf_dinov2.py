@@ -242,7 +242,8 @@ class HfDinov2Format:
 WRITE_ARCHITECTURE = dict(mlp_norm=False,
                           class_token=True, pre_norm=False, final_norm=True, patch_bias=True,
                           norm="layernorm", hybrid_layers=None, pos_embed="learned",
-                          rope_theta=None, temporal_patch_size=None, window_size=None)
+                          rope_theta=None, temporal_patch_size=None, window_size=None,
+                          patch_norm=False)
 # Native module -> the name `save_pretrained` writes (each has a weight and a bias).
 _WRITE_MODULES = {
     "patch_embed.proj": "embeddings.patch_embeddings.projection",

@@ -207,7 +207,8 @@ WRITE_ARCHITECTURE = dict(rope_reference_grid=None, mlp_norm=False,
                           final_norm=False, qkv_bias=False, patch_bias=False, norm="rmsnorm",
                           mlp="swiglu", norm_eps=NORM_EPS, layer_scale_init=None,
                           hybrid_layers=None, pos_embed="none", rope_frequencies="alternating",
-                          temporal_patch_size=None, window_size=None)
+                          temporal_patch_size=None, window_size=None, patch_norm=False,
+                          rope_positions="index")
 
 
 def pixtral_config(encoder: nn.Module) -> dict[str, Any]:

@@ -214,7 +214,7 @@ QWEN_ARCHITECTURE = dict(rope_reference_grid=None, mlp_norm=False,
                          class_token=False, num_register_tokens=0, pre_norm=False,
                          final_norm=False, qkv_bias=True, patch_bias=False, norm_eps=NORM_EPS,
                          layer_scale_init=None, hybrid_layers=None, pos_embed="none",
-                         rope_frequencies="shared")
+                         rope_frequencies="shared", patch_norm=False, rope_positions="index")
 WRITE_ARCHITECTURE = dict(QWEN_ARCHITECTURE, norm="layernorm", mlp="mlp", window_size=None)
 
 

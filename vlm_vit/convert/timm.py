@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 IGNORED = ("head.", "fc_norm.")
 # timm's Eva (`timm_eva`): q and v biases apart from qkv, or separate q/k/v projections.
 EVA_ATTENTION = ("blocks.0.attn.q_bias", "blocks.0.attn.q_proj.")
+PATCH_NORM = "patch_embed.norm."  # timm_aimv2 reads these (`embed_norm_layer`)
 CONFIG_FILE = "config.json"
 # Where timm's config.json gives an EncoderConfig field, for errors.
 TIMM_FIELDS = {"heads": "model_args.num_heads", "image_size": "model_args.img_size",
@@ -83,7 +84,7 @@ def timm_model_kwargs(config: EncoderConfig) -> dict[str, Any]:
 
 # What only code can give timm's VisionTransformer, so a config file cannot: `write` refuses
 # these, `build_timm_model` builds them.
-CODE_ONLY = dict(norm="layernorm", mlp="mlp", hybrid_layers=None)
+CODE_ONLY = dict(norm="layernorm", mlp="mlp", hybrid_layers=None, patch_norm=False)
 
 
 def _timm_modules(config: EncoderConfig) -> dict[str, Any]:
@@ -182,7 +183,9 @@ class TimmFormat:
 
     def matches(self, checkpoint: Checkpoint) -> bool:
         native = bool(checkpoint.config) and checkpoint.config.get("model_type") == MODEL_TYPE
-        return not native and not checkpoint.has_prefix(*EVA_ATTENTION) and {
+        # A norm on the patch embeddings (AIMv2's) is `timm_aimv2`'s, as Eva's attention is
+        # `timm_eva`'s.
+        return not native and not checkpoint.has_prefix(*EVA_ATTENTION, PATCH_NORM) and {
             "patch_embed.proj.weight", "pos_embed", "blocks.0.attn.qkv.weight"
         } <= set(checkpoint.tensors)
 

@@ -28,7 +28,7 @@ Most of an Eva's architecture is code, not tensors (RoPE, SwiGLU, heads): it com
 from timm's `eva.py`) over `Eva`'s defaults. What our block cannot hold is refused by name:
 the norm inside attention (`scale_attn_inner`: the EVA-02 CLIP towers), a norm inside the GELU
 MLP (`scale_mlp` without SwiGLU), the post-norm block (eva02 enormous), and the other RoPE
-kinds of timm's `Eva` (PE, DINOv3, mixed).
+kinds of timm's `Eva` (PE, mixed; DINOv3's is read by `timm_dinov3`).
 
 `write` goes the other way, to what `timm.create_model("local-dir:DIR", pretrained=True)`
 builds as an `Eva`: the permutation undone, SwiGLU packed again, the qkv bias split into
@@ -66,6 +66,7 @@ from vlm_vit.convert.timm import (
     to_timm_state_dict,
     write_timm_directory,
 )
+from vlm_vit.convert.timm_dinov3 import is_timm_dinov3
 from vlm_vit.io.native import MODEL_TYPE
 from vlm_vit.processor import ImageProcessor
 
@@ -143,7 +144,7 @@ def is_timm_eva(checkpoint: Checkpoint) -> bool:
     ViT's tensors: `format="timm_eva"` settles it)."""
     config = checkpoint.config or {}
     if config.get("model_type") == MODEL_TYPE or "patch_embed.proj.weight" not in \
-            checkpoint.tensors:
+            checkpoint.tensors or is_timm_dinov3(checkpoint):  # DINOv3's RoPE: `timm_dinov3`
         return False
     return checkpoint.has_prefix(*EVA_ATTENTION) or \
         _architecture(config) in ARCHITECTURES
@@ -403,7 +404,8 @@ def _attention_names() -> dict[str, str]:
 
 # What timm's Eva builds from a config file, in EncoderConfig fields; `write` refuses the rest.
 WRITE_ARCHITECTURE = dict(norm="layernorm", norm_eps=1e-6, hybrid_layers=None,
-                          rope_frequencies="shared", temporal_patch_size=None, window_size=None)
+                          rope_frequencies="shared", temporal_patch_size=None, window_size=None,
+                          patch_norm=False, rope_positions="index")
 
 
 def eva_model_args(config: EncoderConfig) -> dict[str, Any]:
@@ -416,6 +418,8 @@ def eva_model_args(config: EncoderConfig) -> dict[str, Any]:
     problems = mismatches(config, WRITE_ARCHITECTURE, "timm's Eva")
     if not swiglu and config.act != "gelu":
         problems.append(f"act={config.act!r} (timm's Eva MLP needs 'gelu')")
+    if config.pos_embed == "sincos":
+        problems.append("pos_embed='sincos' (timm's Eva has a learned table or none)")
     if config.patch_bias == config.pre_norm:
         problems.append(f"patch_bias={config.patch_bias} with pre_norm={config.pre_norm} "
                         "(timm's Eva ties the patch bias to no pre-norm)")

@@ -10,6 +10,7 @@ from vlm_vit.layers.pos_embed import (
     resample_pos_embed,
     resample_pos_embed_cached,
     sincos_2d_pos_embed,
+    sincos_position_table,
 )
 from vlm_vit.layers.residual import add_residual
 from vlm_vit.layers.rope_2d import Rope2D, apply_rope, build_rope
@@ -21,5 +22,6 @@ __all__ = [
     "apply_rope", "build_activation", "build_layer_scale", "build_mlp", "build_norm",
     "build_patch_embed", "Windows", "build_rope", "build_windows", "keep_patches",
     "mask_patches", "resample_pos_embed", "resample_pos_embed_cached", "sincos_2d_pos_embed",
+    "sincos_position_table",
     "varlen_attention",
 ]

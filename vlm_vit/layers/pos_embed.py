@@ -120,3 +120,14 @@ def sincos_2d_pos_embed(
         return torch.cat([angles.sin(), angles.cos()], dim=1)
 
     return torch.cat([encode(x), encode(y)], dim=1).float()
+
+
+def sincos_position_table(grid: tuple[int, int], width: int, num_prefix_tokens: int = 0,
+                          device: torch.device | str | None = None) -> torch.Tensor:
+    """`sincos_2d_pos_embed` as a position table, `[1, prefix + rows * cols, D]` in float32,
+    the prefix entries zero (MAE's class token has no position): the table of
+    `EncoderConfig.pos_embed="sincos"`, which AIMv2's native-resolution towers compute for
+    every grid (their `[sin_w | cos_w | sin_h | cos_h]` is this layout)."""
+    table = sincos_2d_pos_embed(grid, width)
+    prefix = table.new_zeros(num_prefix_tokens, width)
+    return torch.cat([prefix, table]).unsqueeze(0).to(device)

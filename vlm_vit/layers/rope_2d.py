@@ -18,6 +18,8 @@ Positions are patch indices, or, with a reference grid (`Rope2D(reference_grid=)
 `ref_feat_shape`: its pretraining grid), indices scaled so that each image's grid spans the
 reference one: row i of R rows at i / R * ref_rows, the same float32 operations as timm's
 `build_rotary_pos_embed`, for every image's own grid (as timm's Eva with `dynamic_img_size`).
+Or, DINOv3's (`Rope2D(positions="centered")`), each patch's centre normalised to [-1, 1] over
+the image's grid, in turns (`rope_centered.centered_positions`).
 
 Token order: a tower with a 2x2 patch merger (Qwen2-VL's `spatial_merge_size`) lists its
 patches window by window (the four patches of each 2x2 window together, windows row-major),
@@ -29,6 +31,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from vlm_vit.layers.rope_centered import centered_positions
+
+POSITIONS = ("index", "centered")
 
 
 def merge_window_order(grid: tuple[int, int], merge_size: int) -> torch.Tensor:
@@ -82,13 +88,16 @@ class Rope2D(nn.Module):
         frequencies: "shared" or "alternating" (see the module docstring).
         reference_grid: (rows, cols) every image's positions are scaled to span, or None for
             patch indices (see the module docstring).
+        positions: "index" (patch indices, scaled to `reference_grid` if given) or
+            "centered" (DINOv3's patch centres in [-1, 1], in turns).
 
     Raises:
         ValueError: when `head_dim` is not a positive multiple of 4, or for another layout.
     """
 
     def __init__(self, head_dim: int, theta: float = 10000.0, frequencies: str = "shared",
-                 reference_grid: tuple[int, int] | None = None) -> None:
+                 reference_grid: tuple[int, int] | None = None,
+                 positions: str = "index") -> None:
         super().__init__()
         if head_dim <= 0 or head_dim % 4:
             raise ValueError(
@@ -97,6 +106,10 @@ class Rope2D(nn.Module):
             )
         if frequencies not in ("shared", "alternating"):
             raise ValueError(f"RoPE frequencies {frequencies!r} are not shared or alternating")
+        if positions not in POSITIONS or (positions == "centered" and reference_grid):
+            raise ValueError(f"RoPE positions {positions!r} are not index or centered (the "
+                             "latter without a reference grid)")
+        self.position_kind = positions
         self.head_dim, self.theta, self.frequencies = head_dim, theta, frequencies
         self.reference_grid = None if reference_grid is None else tuple(reference_grid)
 
@@ -112,8 +125,10 @@ class Rope2D(nn.Module):
     def positions(self, grid: tuple[int, int],
                   device: torch.device | str | None = None) -> torch.Tensor:
         """(row, col) of every patch of `grid`, row-major, as RoPE turns them: int64 patch
-        indices, or float32 ones scaled to the reference grid (index / grid * reference);
-        `[rows * cols, 2]`."""
+        indices, or float32 ones scaled to the reference grid (index / grid * reference), or
+        float32 patch centres (`centered_positions`); `[rows * cols, 2]`."""
+        if self.position_kind == "centered":
+            return centered_positions(grid, device=device)
         positions = grid_positions(grid, device=device)
         if self.reference_grid is None:
             return positions
@@ -167,15 +182,18 @@ class Rope2D(nn.Module):
     def extra_repr(self) -> str:
         reference = "" if self.reference_grid is None else \
             f", reference_grid={self.reference_grid}"
+        centered = ", positions=centered" if self.position_kind == "centered" else ""
         return f"head_dim={self.head_dim}, theta={self.theta}, frequencies={self.frequencies}" \
-            + reference
+            + reference + centered
 
 
 def build_rope(head_dim: int, theta: float | None, frequencies: str = "shared",
-               reference_grid: tuple[int, int] | None = None) -> Rope2D | None:
+               reference_grid: tuple[int, int] | None = None,
+               positions: str = "index") -> Rope2D | None:
     """The encoder's 2D RoPE (`EncoderConfig.rope_theta`, `rope_frequencies`,
-    `rope_reference_grid`); None when `theta` is None."""
-    return None if theta is None else Rope2D(head_dim, theta, frequencies, reference_grid)
+    `rope_reference_grid`, `rope_positions`); None when `theta` is None."""
+    return None if theta is None else Rope2D(head_dim, theta, frequencies, reference_grid,
+                                             positions)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

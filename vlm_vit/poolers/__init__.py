@@ -2,6 +2,7 @@
 
 from vlm_vit.poolers import (  # noqa: F401
     attention_pool,
+    attentive_probe,
     mlp,
     patch_merger,
     perceiver,
