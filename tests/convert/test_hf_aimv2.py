@@ -16,6 +16,8 @@ from vlm_vit.convert import FORMATS, detect_format
 from vlm_vit.io.loading import read_checkpoint
 from vlm_vit.testing import perturbed
 
+from .refusals import assert_refused_before_building
+
 transformers = pytest.importorskip("transformers")
 
 # aimv2-large-patch14-224's mechanisms at tiny size: a 4 x 4 grid of 7-pixel patches, SwiGLU
@@ -160,11 +162,4 @@ def test_hostile_configs_are_refused_before_a_model_is_built(tmp_path, monkeypat
     folder, _ = save_aimv2(tmp_path)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, key: value}))
-
-    def built(*args, **kwargs):
-        raise AssertionError("a model was built from a hostile config")
-
-    monkeypatch.setattr("vlm_vit.model.VisionEncoder.__init__", built)
-    with pytest.raises(ValueError, match="config.json") as error:
-        load_encoder(folder)
-    assert named in str(error.value)
+    assert_refused_before_building(folder, monkeypatch, named)

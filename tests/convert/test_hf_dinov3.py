@@ -16,6 +16,8 @@ from vlm_vit.convert import FORMATS, detect_format
 from vlm_vit.io.loading import read_checkpoint
 from vlm_vit.testing import perturbed
 
+from .refusals import assert_refused_before_building
+
 transformers = pytest.importorskip("transformers")
 
 # head_dim 8: two RoPE frequencies per axis
@@ -140,14 +142,7 @@ def test_hostile_configs_are_refused_before_a_model_is_built(tmp_path, monkeypat
     folder, _ = save_dinov3(tmp_path)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, key: value}))
-
-    def built(*args, **kwargs):
-        raise AssertionError("a model was built from a hostile config")
-
-    monkeypatch.setattr("vlm_vit.model.VisionEncoder.__init__", built)
-    with pytest.raises(ValueError, match="config.json") as error:
-        load_encoder(folder)
-    assert named in str(error.value)
+    assert_refused_before_building(folder, monkeypatch, named)
 
 
 def test_a_centered_rope_without_theta_or_with_a_reference_grid_is_refused():

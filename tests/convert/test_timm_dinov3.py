@@ -18,6 +18,8 @@ from vlm_vit.io.files import write_safetensors
 from vlm_vit.io.loading import read_checkpoint
 from vlm_vit.testing import perturbed
 
+from .refusals import assert_refused_before_building
+
 timm = pytest.importorskip("timm")
 timm_hub = pytest.importorskip("timm.models._hub")
 
@@ -160,14 +162,7 @@ def test_hostile_or_unheld_model_args_are_refused_before_a_model_is_built(tmp_pa
     meta = json.loads((folder / "config.json").read_text())
     meta["model_args"].update(change)
     (folder / "config.json").write_text(json.dumps(meta))
-
-    def built(*args, **kwargs):
-        raise AssertionError("a model was built from a hostile config")
-
-    monkeypatch.setattr("vlm_vit.model.VisionEncoder.__init__", built)
-    with pytest.raises(ValueError, match="config.json") as error:
-        load_encoder(folder)
-    assert named in str(error.value)
+    assert_refused_before_building(folder, monkeypatch, named)
 
 
 def test_heads_no_config_gives_are_refused_naming_num_heads(tmp_path):
