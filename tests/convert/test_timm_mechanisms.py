@@ -189,3 +189,49 @@ def test_dinov2_converted_to_timm_loads_in_timm(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(theirs.forward_features(x),
                                    load_encoder(source).eval()(x).tokens, atol=1e-5, rtol=1e-5)
+
+
+# vit_intern300m_patch14_448 (InternViT-300M, InternVL 2.5's tower) at tiny size: LayerScale
+# 0.1, a class token, no final norm's change (timm's VisionTransformer), a 4 x 4 grid.
+INTERN = dict(embed_dim=32, depth=2, num_heads=4, img_size=56)
+
+
+@pytest.fixture(scope="module")
+def intern300m(tmp_path_factory):
+    import timm
+
+    torch.manual_seed(0)
+    model = perturbed(timm.create_model("vit_intern300m_patch14_448", pretrained=False,
+                                        num_classes=0, **INTERN)).eval()
+    folder = tmp_path_factory.mktemp("intern300m")
+    write_safetensors(model.state_dict(), folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(
+        {"architecture": "vit_intern300m_patch14_448", "num_classes": 0,
+         "model_args": INTERN}))
+    return folder, model
+
+
+@pytest.mark.parametrize("size", [(56, 56), (42, 70)])
+def test_timm_intern_vit_300m_every_hidden_state(intern300m, size):
+    """InternViT-300M (issue 45) through the generic timm reader: LayerScale read from
+    `ls1.gamma` / `ls2.gamma`, every hidden state and the final tokens within 1e-5, at the
+    native size and another."""
+    folder, theirs = intern300m
+    ours = load_encoder(folder).eval()
+    assert ours.config.layer_scale_init is not None and ours.config.class_token
+    assert_parity(ours, theirs, size)
+
+
+def test_timm_intern_vit_300m_writes_back_and_timm_loads_it_strictly(intern300m, tmp_path):
+    import timm
+
+    from vlm_vit.convert.timm import TimmFormat
+
+    folder, theirs = intern300m
+    ours = load_encoder(folder).eval()
+    TimmFormat().write(ours, tmp_path / "back")
+    back = timm.create_model(f"local-dir:{tmp_path / 'back'}", pretrained=True).eval()
+    x = torch.randn(1, 3, 56, 56, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(back.forward_features(x), theirs.forward_features(x),
+                                   atol=1e-6, rtol=0)
