@@ -27,7 +27,9 @@ TARGETS = {"native": "out", "hf_clip": "out", "timm": "out", "open_clip": "out.s
            # issue 45: AIMv2 both ways
            "hf_aimv2": "out", "timm_aimv2": "out",
            # issue 45: DINOv3 both ways
-           "hf_dinov3": "out", "timm_dinov3": "out"}
+           "hf_dinov3": "out", "timm_dinov3": "out",
+           # issue 45: InternViT both ways
+           "hf_internvl": "out"}
 
 
 
@@ -196,6 +198,8 @@ SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("h
            # the issue's reproduction: a CLIPVisionModel with no projection
            "hf CLIPVisionModel": saved_by_transformers("CLIPVisionModel", "CLIPVisionConfig"),
            # paper-style towers (no pre-norm, patch bias); SigLIP without a class token
+           "hf InternVLVisionModel": saved_by_transformers("InternVLVisionModel",
+                                                           "InternVLVisionConfig"),
            "hf ViTModel": saved_by_transformers("ViTModel", "ViTConfig",
                                                 add_pooling_layer=False),
            "hf SiglipVisionModel": saved_by_transformers("SiglipVisionModel",
@@ -264,7 +268,10 @@ WRITTEN_BACK = {"hf_dinov2": ("google npz", "hf Dinov2Model", "hf ViTMAEModel", 
                 "hf_pixtral": ("hf PixtralVisionModel",), "hf_qwen2_vl": (QWEN[0],),
                 "hf_qwen2_5_vl": (QWEN[1],), "timm_eva": ("timm eva02",),
                 "hf_aimv2": AIMV2, "timm_aimv2": AIMV2,
-                "hf_dinov3": DINOV3, "timm_dinov3": DINOV3}
+                "hf_dinov3": DINOV3, "timm_dinov3": DINOV3,
+                # paper-style towers: LayerScale of one, bicubic resize without antialias
+                "hf_internvl": ("hf InternVLVisionModel", "google npz", "hf Dinov2Model",
+                                "hf ViTMAEModel", "hf ViTModel")}
 REASONS = {
     "hf_dinov2": {**dict.fromkeys(CLIP_SHAPED, "pre_norm=True"),
                   "google npz hybrid": "hybrid_layers", "timm eva02": "final_norm=False",
@@ -287,6 +294,7 @@ REASONS = {
     "timm_aimv2": {"default": "patch_norm=False"},
     "hf_dinov3": {"default": "rope_positions='index'"},
     "timm_dinov3": {"default": "rope_positions='index'"},
+    "hf_internvl": {"default": "(InternVL needs"},
 }
 CANNOT.update({(source, target): reasons.get(source, reasons["default"])
                for target, reasons in REASONS.items() for source in SOURCES

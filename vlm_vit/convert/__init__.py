@@ -10,6 +10,7 @@ from vlm_vit.convert import (  # noqa: F401  (importing registers the formats)
     hf_clip,
     hf_dinov2,
     hf_dinov3,
+    hf_internvl,
     hf_pixtral,
     hf_qwen2_5_vl,
     hf_qwen2_vl,
