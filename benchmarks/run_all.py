@@ -94,6 +94,9 @@ BENCHMARKS = {
         ("memory_packed_over_hf_padded", "stage-2 peak memory vs HF Qwen2.5-VL padded",
          "<= 0.5"),
         ("speed_packed_over_padded", "stage-2 speed, packed vs ours padded", "")]),
+    "stage-1 cache step": ("stage1_cache_step.py", [
+        ("speed_ratio_cache_over_pixels", "stage-1 step, features from the cache vs pixels",
+         "")]),
     "fsdp memory": ("fsdp_memory.py", [
         ("memory_ratio_fsdp_over_ddp", "weights+grads+AdamW per rank, FSDP2 vs DDP", "<= 0.55"),
         ("peak_memory_ratio_fsdp_over_ddp", "peak process memory per rank, FSDP2 vs DDP", ""),
@@ -155,6 +158,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                                          "--repeats", "3"],
         "llava packed step": [],
         "qwen-vl packed step": [],
+        "stage-1 cache step": [],
         # 10 of vit-l/16's 24 blocks: DDP's two ranks then peak at ~7.7 GB together (all 24
         # would take ~14 GB); bytes per parameter do not depend on the depth.
         "fsdp memory": ["--depth", "10"],
@@ -180,6 +184,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "export cpu": ["--variant", "vit-s/16", "--batch-size", "1", "--repeats", "3"],
         "llava packed step": ["--quick"],
         "qwen-vl packed step": ["--quick"],
+        "stage-1 cache step": ["--llm-layers", "2", "--repeats", "3"],
         "fsdp memory": ["--quick"],
         "window attention": ["--depth", "4", "--repeats", "5"],
         "encode dinov2-l/14": ["--depth", "6", "--batch-size", "1", "--repeats", "3"],
@@ -217,6 +222,8 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "qwen-vl packed step": ["--quick", "--vision-depth", "4", "--llm-layers", "1",
                                 "--llm-width", "64", "--batches", "1", "--batch-size", "2",
                                 "--repeats", "1"],
+        "stage-1 cache step": ["--depth", "1", "--image-size", "32", "--llm-width", "64",
+                               "--llm-layers", "1", "--batch-size", "2", "--repeats", "1"],
         "fsdp memory": ["--tiny"],
         "window attention": ["--width", "64", "--depth", "2", "--heads", "2", "--mlp-width",
                              "96", "--height", "56", "--image-width", "112",

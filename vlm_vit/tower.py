@@ -80,6 +80,7 @@ class VisionTower(nn.Module):
         self.feature_layer = list(feature_layer) if isinstance(feature_layer, (list, tuple)) \
             else feature_layer
         self.keep_prefix = check_bool("keep_prefix", keep_prefix)
+        self.feature_cache = None  # vlm_vit.io.feature_cache.cache_tower_features sets it
         for layer in self._layers or []:
             encoder.layer_index(layer)  # a bad index fails here, not at the first batch
         if getattr(pooler, "requires_class_token", False):
@@ -149,6 +150,11 @@ class VisionTower(nn.Module):
 
     def select(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         """The tokens handed to the pooler, `[B, prefix? + N, feature_dim]`, and the grid."""
+        if self.feature_cache is not None:
+            return self.feature_cache.select(self, pixel_values, self._select)
+        return self._select(pixel_values)
+
+    def _select(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         with no_graph_if_frozen(self.encoder):
             out = self.encoder(pixel_values, feature_layers=self._layers)
         tokens = out.tokens if self._layers is None else torch.cat(out.features, dim=-1)
@@ -162,6 +168,13 @@ class VisionTower(nn.Module):
         """For a list of `[C, H_i, W_i]` images (or clips), encoded in one packed pass: the
         tokens handed to the pooler `[total, feature_dim]`, tokens and grid per segment,
         and segments per input (a clip's temporal slices; `PackedOutput.frames`)."""
+        if self.feature_cache is not None:
+            return self.feature_cache.select_packed(self, images, self._select_packed)
+        return self._select_packed(images)
+
+    def _select_packed(self, images: list[torch.Tensor] | tuple[torch.Tensor, ...]
+                       ) -> tuple[torch.Tensor, tuple[int, ...], tuple[tuple[int, int], ...],
+                                  tuple[int, ...]]:
         with no_graph_if_frozen(self.encoder):
             out = self.encoder(list(images), feature_layers=self._layers)
         tokens = out.tokens if self._layers is None else torch.cat(out.features, dim=-1)

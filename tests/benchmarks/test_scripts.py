@@ -54,9 +54,9 @@ def run_script(benchmarks, monkeypatch, tmp_path, name: str, extra: tuple = ()) 
                                   pytest.param("llava packed step", marks=pytest.mark.slow),
                                   pytest.param("qwen-vl packed step", marks=pytest.mark.slow),
                                   "ibot step", "ibot native vs square", "ijepa step",
-                                  "capi step"])
+                                  "capi step", "stage-1 cache step"])
 def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
-    if name in ("llava step", "llava packed step", "qwen-vl packed step"):
+    if name in ("llava step", "llava packed step", "qwen-vl packed step", "stage-1 cache step"):
         pytest.importorskip("vlm_vit_llm")
     if name == "export cpu":
         pytest.importorskip("onnxruntime")
@@ -86,6 +86,8 @@ def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
         assert max(result["max_abs_difference"].values()) < 1e-4
     if name == "llava step":
         assert result["max_abs_logit_difference"] < 1e-4
+    if name == "stage-1 cache step":  # every timed step hit, on the bytes a miss computed
+        assert result["loss_difference"] == 0.0 and result["entry_kib"] > 0
     if name == "encode dinov2-l/14":  # the same weights in all three libraries
         assert max(result["max_abs_difference"].values()) < 1e-4
     if name == "anyres":  # the same weights and pixels, packed alike

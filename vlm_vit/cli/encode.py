@@ -148,14 +148,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--native-resolution keeps each image's own size; drop --image-size")
     if args.cache is not None and args.native_resolution:
         raise ValueError("--cache is for a folder encode at one size, not --native-resolution")
-    if args.cache_max_gb is not None and (args.cache is None or not args.cache_max_gb > 0):
-        raise ValueError(f"--cache-max-gb needs --cache and a size above 0, got "
-                         f"{args.cache_max_gb}")
+    from vlm_vit.io.encode_cache import open_cache
+
+    cache = open_cache(args.cache, args.cache_max_gb)
     files = find_images(args.inputs)
     encoder, processor, layers, names = prepare_encoder(args)
     if args.native_resolution:
         return _run_native(args, files, encoder, processor, layers, names)
-    cached = CachedEncode(args, encoder, processor, layers, names)
+    cached = CachedEncode(args, cache, encoder, processor, layers, names)
     collected: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     grid = None
     skipped = Skipped(args.strict)
@@ -200,15 +200,12 @@ class CachedEncode:
 
     GRID = "__grid__"
 
-    def __init__(self, args: argparse.Namespace, encoder, processor, layers, names) -> None:
-        self.cache = self.context = None
+    def __init__(self, args: argparse.Namespace, cache, encoder, processor, layers,
+                 names) -> None:
+        self.cache, self.context = cache, None
         self.read: dict[Path, bytes] = {}  # the batch's missed files, read once
-        if args.cache is None:
+        if cache is None:
             return
-        from vlm_vit.io.encode_cache import EncodeCache
-
-        limit = None if args.cache_max_gb is None else max(1, int(args.cache_max_gb * 2**30))
-        self.cache = EncodeCache(args.cache, max_bytes=limit)
         self.context = self.cache.context(encoder, processor, layers=layers, names=names,
                                           keep_prefix=args.keep_prefix, dtype=args.dtype)
 

@@ -76,6 +76,22 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def open_cache(directory: str | os.PathLike | None, max_gb: float | None = None
+               ) -> EncodeCache | None:
+    """The commands' `--cache DIR` and `--cache-max-gb GB`: the cache, or None without a
+    directory.
+
+    Raises:
+        ValueError: for `max_gb` without a directory, or not above 0.
+    """
+    if max_gb is not None and (directory is None or not max_gb > 0):
+        raise ValueError(f"--cache-max-gb needs --cache and a size above 0, got {max_gb}")
+    if directory is None:
+        return None
+    return EncodeCache(directory, max_bytes=None if max_gb is None
+                       else max(1, int(max_gb * 2**30)))
+
+
 class EncodeCache:
     """A folder of cached encoder outputs (see the module).
 

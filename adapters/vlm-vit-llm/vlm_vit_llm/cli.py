@@ -121,6 +121,12 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
                         help="replace an earlier run's files in the run directory")
     train.add_argument("--quiet", action="store_true",
                        help="no progress bars (training's and transformers' loading bars)")
+    train.add_argument("--cache", type=Path, metavar="DIR",
+                       help="stage 1: reuse and store the frozen tower's features of each "
+                       "image here (vlm_vit.io.feature_cache: keyed by the pixels, weights, "
+                       "processor, layers and precision; never stale)")
+    train.add_argument("--cache-max-gb", type=float, metavar="GB",
+                       help="with --cache: evict the least recently used entries beyond GB")
     _add_lora_arguments(train)
     train.set_defaults(run=run_train)
 
@@ -234,8 +240,9 @@ def _train(args: argparse.Namespace) -> int:
     from vlm_vit_llm.packing import explain_packed_attention
     from vlm_vit_llm.qwen_vl_writer import base_writer
 
+    cache = _feature_cache(args)  # bad flags fail before the LLM loads
     shards = _check_data(args)
-    packing = packing_from_args(args, shards=shards)  # bad flags fail before the LLM loads
+    packing = packing_from_args(args, shards=shards)
     anyres = anyres_from_args(args)
     if args.model is not None:
         args.model = _model(args.model, "MODEL")  # once: the records read its image token
@@ -248,6 +255,10 @@ def _train(args: argparse.Namespace) -> int:
     dataset, collate, objective_class = _data(args, mm, records, shards, packing)
     if args.stage == 1:
         mm.train_projector_only()
+        if cache is not None:
+            from vlm_vit.io.feature_cache import cache_tower_features
+
+            cache_tower_features(mm.tower, cache)  # the encoder is frozen and final now
     else:
         mm.add_lora(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                     llm_targets=args.lora_targets or DEFAULT_LLM_LORA_TARGETS,
@@ -272,9 +283,21 @@ def _train(args: argparse.Namespace) -> int:
         print(f"skipped {result.undecodable_images} bad sample(s) of the shards "
               f"({len(result.undecodable_paths)} distinct; first: "
               f"{result.undecodable_paths[0]}); each is named in the log", file=sys.stderr)
+    if cache is not None:
+        print(f"feature cache {args.cache}: {cache.hits} hit(s), {cache.misses} miss(es)")
     print(f"trained stage {args.stage} for {result.step} steps, final loss "
           f"{result.losses[-1]:.4f}; model in {args.out / MODEL_DIR}")
     return 0
+
+
+def _feature_cache(args: argparse.Namespace):
+    """`--cache` and `--cache-max-gb` checked: the `EncodeCache`, or None."""
+    from vlm_vit.io.encode_cache import open_cache
+
+    if args.cache is not None and args.stage != 1:
+        raise ValueError("--cache is for stage 1, where the tower is frozen; stage 2 trains "
+                         "through it (drop --cache)")
+    return open_cache(args.cache, args.cache_max_gb)
 
 
 def _refuse_adapters(model: Path) -> None:
