@@ -94,6 +94,11 @@ BENCHMARKS = {
         ("memory_packed_over_hf_padded", "stage-2 peak memory vs HF Qwen2.5-VL padded",
          "<= 0.5"),
         ("speed_packed_over_padded", "stage-2 speed, packed vs ours padded", "")]),
+    "encode towers 2026": ("towers_encode.py", [
+        ("ratio_dinov3_l_vlm_vit_over_timm", "DINOv3-L encode speed vs timm", ">= 1.0"),
+        ("ratio_aimv2_l_vlm_vit_over_timm", "AIMv2-L encode speed vs timm", ">= 1.0"),
+        ("ratio_internvit_300m_vlm_vit_over_timm", "InternViT-300M encode speed vs timm",
+         ">= 1.0")]),
     "stage-1 cache step": ("stage1_cache_step.py", [
         ("speed_ratio_cache_over_pixels", "stage-1 step, features from the cache vs pixels",
          "")]),
@@ -159,6 +164,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "llava packed step": [],
         "qwen-vl packed step": [],
         "stage-1 cache step": [],
+        "encode towers 2026": [],
         # 10 of vit-l/16's 24 blocks: DDP's two ranks then peak at ~7.7 GB together (all 24
         # would take ~14 GB); bytes per parameter do not depend on the depth.
         "fsdp memory": ["--depth", "10"],
@@ -185,6 +191,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "llava packed step": ["--quick"],
         "qwen-vl packed step": ["--quick"],
         "stage-1 cache step": ["--llm-layers", "2", "--repeats", "3"],
+        "encode towers 2026": ["--depth", "6", "--repeats", "3"],
         "fsdp memory": ["--quick"],
         "window attention": ["--depth", "4", "--repeats", "5"],
         "encode dinov2-l/14": ["--depth", "6", "--batch-size", "1", "--repeats", "3"],
@@ -224,6 +231,8 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                                 "--repeats", "1"],
         "stage-1 cache step": ["--depth", "1", "--image-size", "32", "--llm-width", "64",
                                "--llm-layers", "1", "--batch-size", "2", "--repeats", "1"],
+        "encode towers 2026": ["--depth", "1", "--width", "64", "--image-size", "112",
+                               "--repeats", "1", "--warmup", "0"],
         "fsdp memory": ["--tiny"],
         "window attention": ["--width", "64", "--depth", "2", "--heads", "2", "--mlp-width",
                              "96", "--height", "56", "--image-width", "112",
