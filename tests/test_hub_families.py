@@ -1,7 +1,8 @@
-"""Issue 33's families load by Hub name from an offline cache exactly as by path: HF Dinov2,
-Pixtral, Qwen2-VL's and Qwen2.5-VL's vision towers and SigLIP 2 (NaFlex) saved by
-transformers, timm's DINOv2 with registers, timm's EVA-02 and the paper's hybrid (R50+ViT) in
-timm's hub layout (config.json with the architecture and model_args)."""
+"""Issue 33's and issue 45's families load by Hub name from an offline cache exactly as by
+path: HF Dinov2, Pixtral, Qwen2-VL's and Qwen2.5-VL's vision towers, SigLIP 2 (NaFlex),
+AIMv2, DINOv3 and InternVL's vision tower saved by transformers; timm's DINOv2 with
+registers, EVA-02, AIMv2, DINOv3 and the paper's hybrid (R50+ViT) in timm's hub layout
+(config.json with the architecture and model_args)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ from vlm_vit.io.files import write_safetensors
 from vlm_vit.io.loading import read_checkpoint
 from vlm_vit.testing import perturbed
 
+from .convert import test_hf_aimv2 as hf_aimv2
+from .convert import test_hf_dinov3 as hf_dinov3
+from .convert import test_hf_internvl as hf_internvl
+from .convert import test_timm_aimv2 as timm_aimv2
+from .convert import test_timm_dinov3 as timm_dinov3
 from .test_hub import cache, put_in_cache  # noqa: F401  (cache is a fixture)
 
 transformers = pytest.importorskip("transformers")
@@ -121,7 +127,16 @@ FAMILIES = {"hf_dinov2": ("facebook/dinov2-tiny", save_dinov2),
             "hf_siglip2": ("google/siglip2-naflex-tiny", save_siglip2),
             "timm_hybrid": ("timm/vit_base_r50_s16_384.tiny", save_timm_hybrid),
             "timm": ("timm/vit_small_patch14_reg4_dinov2.tiny", save_timm_dinov2_registers),
-            "timm_eva": ("timm/eva02_tiny_patch14_224.tiny", save_timm_eva02)}
+            "timm_eva": ("timm/eva02_tiny_patch14_224.tiny", save_timm_eva02),
+            # issue 45's families, saved by their own tests' savers (folder, model)
+            "hf_aimv2": ("apple/aimv2-tiny", lambda f: hf_aimv2.save_aimv2(f)[0]),
+            "hf_dinov3": ("facebook/dinov3-vit-tiny", lambda f: hf_dinov3.save_dinov3(f)[0]),
+            "hf_internvl": ("OpenGVLab/internvit-tiny",
+                            lambda f: hf_internvl.save_internvl(f)[0]),
+            "timm_aimv2": ("timm/aimv2_large_patch14_224.tiny",
+                           lambda f: timm_aimv2.save_aimv2(f)[0]),
+            "timm_dinov3": ("timm/vit_small_patch16_dinov3.tiny",
+                            lambda f: timm_dinov3.save_dinov3(f, "vit_small_patch16_dinov3")[0])}
 
 
 FORMATS = {"timm_hybrid": "timm"}  # the reader, where it is not the family's key
@@ -132,8 +147,8 @@ def test_a_new_family_loads_by_name_as_by_path(tmp_path, cache, family):  # noqa
     repo_id, save = FAMILIES[family]
     snapshot = put_in_cache(cache, repo_id, save(tmp_path / family))
     assert detect_format(read_checkpoint(snapshot)).name == FORMATS.get(family, family)
-    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     by_path = load_encoder(snapshot).eval()
+    x = torch.randn(2, 3, *by_path.config.image_size, generator=torch.Generator().manual_seed(1))
     for name in (repo_id, f"hf-hub:{repo_id}", f"{repo_id}@main"):
         by_name = load_encoder(name).eval()
         assert by_name.config == by_path.config
