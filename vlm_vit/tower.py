@@ -202,15 +202,8 @@ class VisionTower(nn.Module):
                              "image's (height, width): ImageProcessor.tile gives both)")
         if isinstance(pixel_values, (list, tuple)):
             tokens, lengths, grids, frames = self.select_packed(pixel_values)
-            pooled = pool_packed(self.pooler, tokens, lengths=lengths, grids=grids,
-                                 num_prefix_tokens=self.num_prefix_tokens)
-            if len(frames) == len(pooled):  # no clip
-                return pooled
-            if pooled[0].ndim != 2:
-                raise ValueError("a pooler that returns one vector per image cannot pool a "
-                                 "clip's slices into one sequence")
-            starts = [0, *itertools.accumulate(frames)]
-            return [torch.cat(pooled[start:stop]) for start, stop in itertools.pairwise(starts)]
+            return join_clips(pool_packed(self.pooler, tokens, lengths=lengths, grids=grids,
+                                          num_prefix_tokens=self.num_prefix_tokens), frames)
         tokens, grid = self.select(pixel_values)
         return self.pooler(tokens, num_prefix_tokens=self.num_prefix_tokens, grid=grid)
 
@@ -395,6 +388,22 @@ class VisionTower(nn.Module):
             raise ValueError(f"{path} holds {shapes}; the tower's tiling needs {expected}")
         newline = state["image_newline"]  # as stored, bit for bit, unless a dtype is asked
         self.image_newline.data = newline if dtype is None else newline.to(dtype)
+
+
+def join_clips(pooled: list[torch.Tensor], frames: tuple[int, ...]) -> list[torch.Tensor]:
+    """Per input, its segments' pooled tokens end to end (a clip's temporal slices; an image
+    is one segment).
+
+    Raises:
+        ValueError: for a pooler that gives one vector per segment and a clip among them.
+    """
+    if len(frames) == len(pooled):  # no clip
+        return pooled
+    if pooled[0].ndim != 2:
+        raise ValueError("a pooler that returns one vector per image cannot pool a clip's "
+                         "slices into one sequence")
+    starts = [0, *itertools.accumulate(frames)]
+    return [torch.cat(pooled[start:stop]) for start, stop in itertools.pairwise(starts)]
 
 
 TOWER_KEYS = ("feature_layer", "keep_prefix", "pooler", "tiling")
