@@ -16,7 +16,7 @@ from typing import Any
 from vlm_vit.registry import unknown_name_error
 
 ACTIVATIONS = ("gelu", "quick_gelu", "gelu_tanh", "silu")
-POS_RESIZE_MODES = ("bicubic", "bilinear")
+POS_RESIZE_MODES = ("bicubic", "bilinear", "bilinear_corners")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("mlp", "swiglu")
 POS_EMBEDS = ("learned", "sincos", "none")
@@ -154,7 +154,8 @@ class EncoderConfig:
     patch_bias: bool = True  # CLIP's patch convolution has no bias
     # How the learned position table is resized to another grid (paper section 3.2).
     # bicubic with antialias matches timm and open_clip; Hugging Face uses bicubic without
-    # antialias; the JAX code uses bilinear.
+    # antialias; the JAX code uses bilinear; Qwen3-VL bilinear with the corners aligned
+    # ("bilinear_corners", `layers.pos_resize_corners`).
     pos_resize_mode: str = "bicubic"
     pos_resize_antialias: bool = True
     # Mechanisms beyond the paper's block, each a module in `vlm_vit.layers`; the defaults are

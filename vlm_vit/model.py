@@ -26,9 +26,10 @@ from vlm_vit.io.native import MODEL_TYPE as MODEL_TYPE
 from vlm_vit.io.native import WEIGHTS_NAME as WEIGHTS_NAME
 from vlm_vit.io.native import NativeFormat
 from vlm_vit.io.native import check_state_dict as check_state_dict
-from vlm_vit.layers import Attention, Segments, resample_pos_embed
+from vlm_vit.layers import Attention, Segments
 from vlm_vit.layers.patch_masking import keep_patches, mask_patches
 from vlm_vit.layers.pos_embed import resample_pos_embed_cached
+from vlm_vit.layers.pos_resize_corners import resample_position_table
 from vlm_vit.layers.residual import add_residual
 from vlm_vit.outputs import BlocksOutput, BlocksRecorder, EncoderOutput, PackedOutput
 from vlm_vit.packing import encode_packed
@@ -132,10 +133,12 @@ class VisionEncoder(NativeFormat, nn.Module):
             return layers.sincos_position_table(grid, self.config.width,
                                                 int(self.config.class_token),
                                                 device=self.blocks[0].attn.qkv.weight.device)
-        return resample_pos_embed_cached(
-            self.pos_embed, self.config.grid, grid, self._pos_cache,
-            num_prefix_tokens=int(self.config.class_token), mode=self.config.pos_resize_mode,
-            antialias=self.config.pos_resize_antialias)
+        resize = dict(num_prefix_tokens=int(self.config.class_token),
+                      mode=self.config.pos_resize_mode, antialias=self.config.pos_resize_antialias)
+        if self.config.pos_resize_mode == "bilinear_corners":  # Qwen3-VL's, not cached
+            return resample_position_table(self.pos_embed, self.config.grid, grid, **resize)
+        return resample_pos_embed_cached(self.pos_embed, self.config.grid, grid, self._pos_cache,
+                                         **resize)
 
     def prepare_tokens(
         self,
@@ -352,7 +355,7 @@ class VisionEncoder(NativeFormat, nn.Module):
             self.config = new
             return
         with torch.no_grad():
-            table = resample_pos_embed(
+            table = resample_position_table(
                 self.pos_embed.data, self.config.grid, new.grid,
                 num_prefix_tokens=int(new.class_token), mode=new.pos_resize_mode,
                 antialias=new.pos_resize_antialias,

@@ -20,7 +20,7 @@ pytest.importorskip("open_clip")
 # CLIP-shaped (pre-norm, no patch bias, eps 1e-5, head width 64): every writer can hold it.
 CLIP_STYLE = dict(image_size=32, patch_size=8, width=128, depth=2, heads=2, mlp_width=256,
                   pre_norm=True, act="quick_gelu", norm_eps=1e-5, patch_bias=False)
-TARGETS = {"native": "out", "hf_clip": "out", "timm": "out", "open_clip": "out.safetensors",
+TARGETS = {"native": "out", "hf_clip": "out", "timm": "out", "open_clip": "out",
            # issue 33: each family written back to its own format
            "hf_dinov2": "out", "hf_pixtral": "out", "hf_qwen2_vl": "out", "hf_qwen2_5_vl": "out",
            "timm_eva": "out",
@@ -29,7 +29,9 @@ TARGETS = {"native": "out", "hf_clip": "out", "timm": "out", "open_clip": "out.s
            # issue 45: DINOv3 both ways
            "hf_dinov3": "out", "timm_dinov3": "out",
            # issue 45: InternViT both ways
-           "hf_internvl": "out"}
+           "hf_internvl": "out",
+           # Qwen3-VL's vision tower both ways
+           "hf_qwen3_vl": "out"}
 
 
 
@@ -138,6 +140,19 @@ def qwen2_5_vl(folder):
     return folder / "qwen25"
 
 
+def qwen3_vl(folder):
+    """A tiny `Qwen3VLVisionModel` (a 4x4 table resized with the corners aligned and 2D RoPE,
+    Conv3d patches with a bias, a 2x2 merger, a DeepStack merger), saved by transformers."""
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    config = Qwen3VLVisionConfig(depth=2, hidden_size=128, intermediate_size=256,
+                                 out_hidden_size=64, num_heads=2, patch_size=8,
+                                 num_position_embeddings=16, deepstack_visual_indexes=[0])
+    perturbed(Qwen3VLVisionModel(config)).save_pretrained(folder / "qwen3")
+    return folder / "qwen3"
+
+
 def siglip2(folder):
     """A tiny `Siglip2VisionModel` (NaFlex: a Linear patch embedding, a 4x4 table resized
     per image), saved by transformers."""
@@ -216,6 +231,8 @@ SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("h
            "hf Qwen2-VL vision": qwen2_vl,
            # issue 33: Qwen2.5-VL's (window attention, RMSNorm, SwiGLU, an RMSNorm merger)
            "hf Qwen2.5-VL vision": qwen2_5_vl,
+           # Qwen3-VL's (a learned table and 2D RoPE, Conv3d patches with a bias)
+           "hf Qwen3-VL vision": qwen3_vl,
            # issue 33: timm's EVA-02 (RoPE, packed SwiGLU, q/v biases)
            "timm eva02": timm_eva02,
            # issue 31: SigLIP 2 NaFlex (a Linear patch embedding, bilinear table resize)
@@ -248,6 +265,9 @@ CANNOT["hf Qwen2-VL vision", "timm"] = "temporal_patch_size=2"  # timm has no Co
 CANNOT.update({("hf Qwen2.5-VL vision", "timm"): "norm='rmsnorm'",
                **{("hf Qwen2.5-VL vision", target): "rope_theta=10000.0"
                   for target in ("open_clip", "hf_clip")}})
+CANNOT.update({("hf Qwen3-VL vision", "timm"): "temporal_patch_size=2",
+               **{("hf Qwen3-VL vision", target): "rope_theta=10000.0"
+                  for target in ("open_clip", "hf_clip")}})
 CANNOT.update({("timm eva02", "timm"): "mlp='swiglu'",
                **{("timm eva02", target): "rope_theta=10000.0"
                   for target in ("open_clip", "hf_clip")}})
@@ -262,11 +282,12 @@ CANNOT.update({(source, target): reason for source in AIMV2
 # towers (LayerScale of one); every other pair is refused for a field of the architecture.
 CLIP_SHAPED = ("native", "hf_clip (ours)", "timm (ours)", "open_clip (ours)",
                "hf CLIPVisionModel")
-QWEN = ("hf Qwen2-VL vision", "hf Qwen2.5-VL vision")
+QWEN = ("hf Qwen2-VL vision", "hf Qwen2.5-VL vision", "hf Qwen3-VL vision")
 WRITTEN_BACK = {"hf_dinov2": ("google npz", "hf Dinov2Model", "hf ViTMAEModel", "hf ViTModel",
                               "timm dinov2 registers"),
                 "hf_pixtral": ("hf PixtralVisionModel",), "hf_qwen2_vl": (QWEN[0],),
-                "hf_qwen2_5_vl": (QWEN[1],), "timm_eva": ("timm eva02",),
+                "hf_qwen2_5_vl": (QWEN[1],), "hf_qwen3_vl": (QWEN[2],),
+                "timm_eva": ("timm eva02",),
                 "hf_aimv2": AIMV2, "timm_aimv2": AIMV2,
                 "hf_dinov3": DINOV3, "timm_dinov3": DINOV3,
                 # paper-style towers: LayerScale of one, bicubic resize without antialias
@@ -280,14 +301,19 @@ REASONS = {
     "hf_pixtral": {**dict.fromkeys(QWEN, "pre_norm=False"), "timm eva02": "class_token=True",
                    **dict.fromkeys(DINOV3, "class_token=True"),
                    "default": "rope_theta=None"},
-    "hf_qwen2_vl": {QWEN[1]: "norm='rmsnorm'", "default": "temporal_patch_size=None"},
-    "hf_qwen2_5_vl": {QWEN[0]: "norm='layernorm'", "default": "temporal_patch_size=None"},
+    "hf_qwen2_vl": {QWEN[1]: "norm='rmsnorm'", QWEN[2]: "pos_embed='learned'",
+                    "default": "temporal_patch_size=None"},
+    "hf_qwen2_5_vl": {**dict.fromkeys(QWEN[::2], "norm='layernorm'"),
+                      "default": "temporal_patch_size=None"},
+    "hf_qwen3_vl": {**dict.fromkeys(QWEN[:2], "patch_bias=False"),
+                    "default": "temporal_patch_size=None"},
     "timm_eva": {**dict.fromkeys(CLIP_SHAPED, "norm_eps=1e-05"),
                  **dict.fromkeys(("hf ViTModel", "hf ViTMAEModel"), "norm_eps=1e-12"),
                  **dict.fromkeys(("hf SiglipVisionModel", "hf Siglip2VisionModel", "google npz"),
                                  "act='gelu_tanh'"),
                  **dict.fromkeys(("hf Dinov2Model", "timm dinov2 registers"), "no k bias"),
-                 "google npz hybrid": "hybrid_layers", QWEN[0]: "temporal_patch_size=2",
+                 "google npz hybrid": "hybrid_layers",
+                 **dict.fromkeys(QWEN[::2], "temporal_patch_size=2"),
                  **dict.fromkeys(DINOV3, "rope_positions='centered'"),
                  "default": "norm='rmsnorm'"},  # Pixtral, Qwen2.5-VL, AIMv2
     "hf_aimv2": {"default": "patch_norm=False"},

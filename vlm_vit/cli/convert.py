@@ -39,8 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "replaced")
     parser.add_argument("--to", required=True, metavar="FORMAT",
                         help="native, hf-clip, hf-dinov2, hf-pixtral, hf-qwen2-vl, "
-                        "hf-qwen2-5-vl, hf-aimv2, hf-dinov3, hf-internvl, timm, timm-eva, "
-                        "timm-aimv2, timm-dinov3 or open_clip (dashes or underscores)")
+                        "hf-qwen2-5-vl, hf-qwen3-vl, hf-aimv2, hf-dinov3, hf-internvl, timm, "
+                        "timm-eva, timm-aimv2, timm-dinov3 or open_clip (dashes or underscores)")
     parser.add_argument("--from", dest="source_format", metavar="FORMAT",
                         help="read SRC as this format instead of detecting it")
     parser.add_argument("--image-size", type=int, nargs="+", metavar="SIDE",

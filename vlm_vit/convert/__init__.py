@@ -14,6 +14,7 @@ from vlm_vit.convert import (  # noqa: F401  (importing registers the formats)
     hf_pixtral,
     hf_qwen2_5_vl,
     hf_qwen2_vl,
+    hf_qwen3_vl,
     hf_siglip2,
     hf_vit,
     jax_npz,
