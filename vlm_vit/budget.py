@@ -53,15 +53,43 @@ class BudgetOutput:
         return [self.capacity - sum(self.lengths[i] for i in buffer) for buffer in self.buffers]
 
 
-def encode_budget(encoder, images: list[torch.Tensor] | tuple[torch.Tensor, ...], *,
-                  tokens: int, backend: str = "auto") -> BudgetOutput:
-    """Encodes `images` (`[C, H_i, W_i]`, sides multiples of the patch) in buffers of exactly
-    `tokens` tokens (see the module).
+@dataclass(frozen=True)
+class BudgetPlan:
+    """Where `encode_budget` puts each image, before anything is encoded: shared with the
+    exported program's inputs (`vlm_vit.deploy.budget_export`), so both lay out a buffer
+    alike.
+
+    Attributes:
+        grids: per image, its patch grid (rows, cols).
+        lengths: per image, its token count (prefix included).
+        buffers: per buffer, the indices of the images it holds, in their order there.
+        capacity: the tokens every buffer has.
+    """
+
+    grids: list[tuple[int, int]]
+    lengths: list[int]
+    buffers: list[list[int]]
+    capacity: int
+
+    def layout(self, buffer: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """The segments of buffer `buffer`: their lengths and grids, its images' in order,
+        then the padding's (one segment of grid `(1, pad)`) where the images leave room."""
+        indices = self.buffers[buffer]
+        sizes = [self.lengths[i] for i in indices]
+        grids = [self.grids[i] for i in indices]
+        pad = self.capacity - sum(sizes)
+        if pad:  # a segment of its own: no image attends to it
+            sizes.append(pad)
+            grids.append((1, pad))
+        return sizes, grids
+
+
+def plan_budget(encoder, images: list[torch.Tensor] | tuple[torch.Tensor, ...], *,
+                tokens: int) -> BudgetPlan:
+    """Checks `encode_budget`'s arguments and groups the images into buffers (see the module).
 
     Raises:
-        ValueError: for a budget out of 1 to `MAX_BUDGET`, a clip (images only), a bad image
-            list (`vlm_vit.packing.check_images`), or an image of more tokens than the budget
-            (naming it).
+        ValueError: as `encode_budget`.
     """
     if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_BUDGET:
         raise ValueError(f"tokens must be an integer from 1 to {MAX_BUDGET}, got {tokens!r}")
@@ -73,25 +101,35 @@ def encode_budget(encoder, images: list[torch.Tensor] | tuple[torch.Tensor, ...]
         raise ValueError("encode_budget takes images [C, H, W]; encode clips with "
                          "forward_packed")
     grids = check_images(encoder, images)
-    parts = [encoder.prepare_tokens(image[None])[0] for image in images]  # (1, L_i, D)
-    lengths = [part.shape[1] for part in parts]
+    lengths = [encoder.num_prefix_tokens + rows * cols for rows, cols in grids]
     for index, length in enumerate(lengths):
         if length > tokens:
             raise ValueError(f"image {index} ({tuple(images[index].shape[-2:])}) takes "
                              f"{length} tokens, more than the budget of {tokens}")
-    buffers = first_fit_decreasing(lengths, tokens)
+    return BudgetPlan(grids, lengths, first_fit_decreasing(lengths, tokens), tokens)
+
+
+def encode_budget(encoder, images: list[torch.Tensor] | tuple[torch.Tensor, ...], *,
+                  tokens: int, backend: str = "auto") -> BudgetOutput:
+    """Encodes `images` (`[C, H_i, W_i]`, sides multiples of the patch) in buffers of exactly
+    `tokens` tokens (see the module).
+
+    Raises:
+        ValueError: for a budget out of 1 to `MAX_BUDGET`, a clip (images only), a bad image
+            list (`vlm_vit.packing.check_images`), or an image of more tokens than the budget
+            (naming it).
+    """
+    plan = plan_budget(encoder, images, tokens=tokens)
+    parts = [encoder.prepare_tokens(image[None])[0] for image in images]  # (1, L_i, D)
     out: list[torch.Tensor | None] = [None] * len(images)
-    for buffer in buffers:
-        pad = tokens - sum(lengths[i] for i in buffer)
+    for number, buffer in enumerate(plan.buffers):
+        sizes, buffer_grids = plan.layout(number)
         pieces = [parts[i] for i in buffer]
-        sizes, buffer_grids = [lengths[i] for i in buffer], [grids[i] for i in buffer]
-        if pad:  # zeros, a segment of their own: no image attends to them
-            pieces.append(parts[0].new_zeros(1, pad, parts[0].shape[-1]))
-            sizes.append(pad)
-            buffer_grids.append((1, pad))
+        if len(sizes) > len(buffer):  # the padding: zeros
+            pieces.append(parts[0].new_zeros(1, sizes[-1], parts[0].shape[-1]))
         run = encoder.run_blocks(torch.cat(pieces, dim=1),
                                  segments=Segments(tuple(sizes), backend=backend),
                                  grids=buffer_grids)
         for index, piece in zip(buffer, run.tokens[0].split(sizes)[:len(buffer)], strict=True):
             out[index] = piece
-    return BudgetOutput(out, buffers, lengths, tokens)
+    return BudgetOutput(out, plan.buffers, plan.lengths, tokens)

@@ -51,6 +51,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "dynamic quantization of the block Linears (onnx)")
     parser.add_argument("--random-init", action="store_true",
                         help="allow a variant name: export random weights (for testing)")
+    parser.add_argument("--budget", type=int, metavar="N", help="with --format onnx: a "
+                        "fixed-capacity packed program over buffers of exactly N tokens "
+                        "(vlm_vit.budget.encode_budget), whose patches, positions, RoPE "
+                        "angles and segments are inputs (described beside it in OUT + .json), "
+                        "checked in ONNX Runtime against eager on three packings")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(run=run)
 
@@ -100,10 +105,47 @@ def _executorch(args: argparse.Namespace, model, size, feature_layer):
     return export_executorch(model, args.out, image_size=size, feature_layer=feature_layer)
 
 
+def _budget(args: argparse.Namespace) -> int:
+    """`--budget N`: the fixed-capacity packed program (`vlm_vit.deploy.budget_export`)."""
+    from vlm_vit.deploy.budget_export import check_budget, export_budget_onnx
+    from vlm_vit.deploy.export_runtime import ExportError
+
+    given = [flag for flag, value in (("--dynamic", args.dynamic),
+                                      ("--image-size", args.image_size),
+                                      ("--feature-layer", args.feature_layers),
+                                      ("--pooler", args.pooler),
+                                      ("--dtype", args.dtype != "float32")) if value]
+    if args.format != "onnx":
+        raise ExportError(f"--budget writes an ONNX program: use --format onnx, not "
+                          f"{args.format}")
+    if given:
+        raise ExportError(f"--budget writes one float32 program of an encoder's final tokens "
+                          f"for buffers of N tokens: drop {', '.join(given)}")
+    model = _load(args).float().eval()
+    if hasattr(model, "encoder"):
+        raise ExportError(f"--budget exports an encoder's tokens; {args.model} is a tower "
+                          "(export its encoder's checkpoint)")
+    report = export_budget_onnx(model, args.out, tokens=check_budget(model, args.budget))
+    if args.json:
+        print(json.dumps({"path": str(report.path), "metadata": str(report.sidecar),
+                          "tokens": report.tokens, "checks": report.checks}, indent=2))
+        return 0
+    print(f"wrote {report.path} (onnx, float32, buffers of {report.tokens} tokens; inputs "
+          f"described in {report.sidecar})")
+    for check in report.checks:
+        sizes = ", ".join(f"{height}x{width}" for height, width in check["sizes"])
+        print(f"  {sizes}: max |difference| vs eager encode_budget "
+              f"{check['max_abs_difference']:.3g}")
+    print(f"maximum difference: {report.max_abs_difference:.3g}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from vlm_vit.deploy.export import check_max_side, check_output, check_size, export_model
 
     check_output(args.out)
+    if args.budget is not None:
+        return _budget(args)
     size = image_size(args.image_size)
     model = _load(args).float().eval()
     encoder = getattr(model, "encoder", model)
