@@ -124,3 +124,62 @@ def test_info_prints_the_family_line(tmp_path, capsys):
     assert report["mechanisms"] == ["hybrid R50 (3,4,9) stem"]
     assert main(["info", "vit-b/16"]) == 0
     assert "\n  paper ViT\n" in capsys.readouterr().out
+
+
+def test_info_plan_prints_tokens_and_the_predicted_peaks(tmp_path, capsys):
+    """Issue 46: `--plan` prints what `vlm_vit.plan.encode_plan` predicts, per size and budget."""
+    from vlm_vit.cli.info import _bytes
+    from vlm_vit.plan import encode_plan
+
+    config = tiny_config()
+    VisionEncoder(config).save_pretrained(tmp_path)
+    assert main(["info", str(tmp_path), "--plan", "--image-size", "32", "--image-size", "64",
+                 "96", "--budget", "100", "--budget", "400", "--batch", "3"]) == 0
+    out = capsys.readouterr().out
+    first, second = encode_plan(config, [(32, 32), (64, 96)], budgets=[100, 400], batch=3)
+    assert "  plan: batch 3, float32;" in out
+    for row, size in [(first, "32x32"), (second, "64x96")]:
+        plan_lines = out.split("  plan: ")[1].splitlines()
+        line = next(line for line in plan_lines if line.startswith(f"  {size}  "))
+        cells = [f"{plan.buffers:>8} x {_bytes(plan.peak_bytes):>11}" for plan in row.budgets]
+        assert line == (f"  {size:<12}{size:<12}{row.tokens:>8}"
+                        f"{_bytes(row.padded_peak_bytes):>14}" + "".join(cells)), line
+    assert main(["info", str(tmp_path), "--plan", "--json", "--image-size", "64", "96",
+                 "--budget", "100"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["plan"]["rows"]
+    (expected,) = encode_plan(config, [(64, 96)], budgets=[100])
+    assert row["tokens"] == expected.tokens == 97
+    assert row["padded_peak_bytes"] == expected.padded_peak_bytes
+    assert row["budgets"][0]["peak_bytes"] == expected.budgets[0].peak_bytes
+
+
+def test_info_plan_reads_the_checkpoints_processor_and_says_what_it_cannot_predict(
+        tmp_path, capsys):
+    from vlm_vit.processor import ImageProcessor
+
+    VisionEncoder(tiny_config()).save_pretrained(tmp_path)
+    ImageProcessor(resize_mode="native", patch_multiple=8,
+                   max_output_pixels=64 * 64).save_pretrained(tmp_path)
+    assert main(["info", str(tmp_path), "--plan", "--image-size", "1080", "1920"]) == 0
+    assert f"  {'1080x1920':<12}{'48x80':<12}{61:>8}" in capsys.readouterr().out  # 6 x 10 + 1
+    window = tiny_config(window_size=2, pos_embed="none", rope_theta=100.0, class_token=False)
+    VisionEncoder(window).save_pretrained(tmp_path / "window")
+    assert main(["info", str(tmp_path / "window"), "--plan", "--image-size", "32",
+                 "--budget", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "  memory not predicted for window attention\n" in out
+    assert "  32x32       32x32             16             -       1 x           -" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--plan", "--image-size", "0", "32"], "image size 0x32 is not positive"),
+    (["--plan", "--image-size", "-16"], "image size -16x-16 is not positive"),
+    (["--plan", "--image-size", "64", "--budget", "16"],
+     "an image of 64x64 takes 17 tokens, more than the budget of 16"),
+    (["--plan", "--batch", "0"], "--batch must be at least 1, got 0"),
+    (["--budget", "100"], "--budget, --batch and --dtype go with --plan"),
+])
+def test_info_plan_user_errors_are_one_line(capsys, argv, message):
+    assert main(["info", "vit-b/16", *argv]) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -24,7 +24,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         metavar="SIDE", help="a resolution to report: SIDE or HEIGHT WIDTH "
                         "(repeatable; default: native plus common sizes)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan = parser.add_argument_group("token and memory plan (vlm_vit.plan)")
+    plan.add_argument("--plan", action="store_true",
+                      help="per image size: the tokens an image becomes and the predicted peak "
+                      "activation memory of a padded encode and of encode_budget (a "
+                      "checkpoint's processor, if it has one, resizes the sizes first)")
+    plan.add_argument("--budget", type=int, action="append", default=None, metavar="N",
+                      help="with --plan: encode_budget buffers of N tokens (repeatable)")
+    plan.add_argument("--batch", type=int, default=None, metavar="B",
+                      help="with --plan: images of each size encoded together (default 1)")
+    plan.add_argument("--dtype", choices=PLAN_DTYPES, default=None,
+                      help="with --plan: the encoder's dtype (default float32)")
     parser.set_defaults(run=run)
+
+
+PLAN_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def resolve_config(model: str) -> EncoderConfig:
@@ -166,9 +180,99 @@ def describe(config: EncoderConfig, sizes: list[tuple[int, int]]) -> dict:
             "mechanisms": mechanisms(config), "parameters": parameters, "resolutions": rows}
 
 
+def _processor_of(model: str):
+    """The processor saved beside a checkpoint folder's encoder, or None."""
+    from vlm_vit.processor import PROCESSOR_CONFIG_NAME, ImageProcessor
+
+    if not (Path(model) / PROCESSOR_CONFIG_NAME).is_file():
+        return None
+    return ImageProcessor.from_pretrained(model)
+
+
+def plan_report(config: EncoderConfig, model: str, args: argparse.Namespace) -> dict:
+    """`vlm_vit.plan.encode_plan` of the sizes and budgets asked, and the budgets for all
+    the sizes together, as JSON-ready values."""
+    import dataclasses
+
+    import torch
+
+    from vlm_vit.plan import budget_peak_bytes, encode_plan
+
+    batch = 1 if args.batch is None else args.batch
+    budgets = args.budget or []
+    dtype = getattr(torch, args.dtype or "float32")
+    processor = _processor_of(model)
+    sizes = [image_size(size) for size in args.image_size] if args.image_size \
+        else _sizes(config, None)
+    rows = encode_plan(config, sizes, processor=processor, budgets=budgets, batch=batch,
+                       dtype=dtype)
+    together = []
+    if len(rows) > 1:
+        lengths = [row.tokens for row in rows for _ in range(batch)]
+        encoded = [row.encoded_size for row in rows for _ in range(batch)]
+        for plan in rows[0].budgets:
+            buffers, peak = budget_peak_bytes(config, lengths, encoded, plan.capacity, dtype)
+            predicted = plan.peak_bytes is not None
+            together.append({"capacity": plan.capacity, "buffers": buffers,
+                             "peak_bytes": peak if predicted else None})
+    return {"batch": batch, "dtype": args.dtype or "float32",
+            "processor": processor is not None,
+            "rows": [dataclasses.asdict(row) for row in rows], "together": together}
+
+
+def _bytes(count: int | None) -> str:
+    if count is None:
+        return "-"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} B"
+
+
+def print_plan(plan: dict) -> None:
+    """The plan as a table: one line per size, a column per budget (buffers x peak)."""
+    rows = plan["rows"]
+    first = rows[0]
+    print(f"  plan: batch {plan['batch']}, {plan['dtype']}; peak = the float32 pixels given and"
+          f" every tensor the encode allocates (vlm_vit.plan)")
+    budgets = [budget["capacity"] for budget in first["budgets"]]
+    head = f"  {'image':<12}{'encoded':<12}{'tokens':>8}{'padded peak':>14}"
+    print(head + "".join(f"{f'budget {n}':>22}" for n in budgets))
+    for row in rows:
+        cells = [f"{row['image_size'][0]}x{row['image_size'][1]}",
+                 f"{row['encoded_size'][0]}x{row['encoded_size'][1]}"]
+        line = f"  {cells[0]:<12}{cells[1]:<12}{row['tokens']:>8}" \
+               f"{_bytes(row['padded_peak_bytes']):>14}"
+        for budget in row["budgets"]:
+            line += f"{budget['buffers']:>8} x {_bytes(budget['peak_bytes']):>11}"
+        print(line)
+    if plan["together"]:
+        tokens = sum(row["tokens"] for row in rows) * plan["batch"]
+        line = f"  {'all sizes':<24}{tokens:>8}{'-':>14}"
+        for budget in plan["together"]:
+            line += f"{budget['buffers']:>8} x {_bytes(budget['peak_bytes']):>11}"
+        print(line)
+    if budgets:
+        print("  (budget N: buffers of N tokens x the peak of encode_budget)")
+    if first["unpredicted"]:
+        print(f"  memory not predicted for {first['unpredicted']}")
+    refused = first["budgets"][0]["refused"] if first["budgets"] else None
+    if refused:
+        print(f"  encode_budget refuses this encoder ({refused})")
+
+
 def run(args: argparse.Namespace) -> int:
+    if not args.plan and (args.budget or args.batch is not None or args.dtype):
+        raise ValueError("--budget, --batch and --dtype go with --plan")
+    if args.plan and args.batch is not None and args.batch < 1:
+        raise ValueError(f"--batch must be at least 1, got {args.batch}")
     config = resolve_config(args.model)
-    report = describe(config, _sizes(config, args.image_size))
+    plan = plan_report(config, args.model, args) if args.plan else None
+    report = describe(config, [(row["encoded_size"][0], row["encoded_size"][1])
+                               for row in plan["rows"]] if plan
+                      else _sizes(config, args.image_size))
+    if plan:
+        report["plan"] = plan
     if args.json:
         print(json.dumps({"model": args.model, **report}, indent=2))
         return 0
@@ -185,4 +289,6 @@ def run(args: argparse.Namespace) -> int:
         size = "x".join(map(str, row["image_size"]))
         grid = "x".join(map(str, row["grid"]))
         print(f"  {size:<12}{grid:<9}{row['tokens']:>8}{row['gflops']:>10.1f}")
+    if plan:
+        print_plan(plan)
     return 0
