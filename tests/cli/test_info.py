@@ -41,8 +41,10 @@ def test_info_of_another_family_reads_its_config(tmp_path, capsys):
     from vlm_vit.io.files import write_safetensors
 
     encoder = VisionEncoder(tiny_config(width=64, heads=1, mlp_width=128))
-    write_safetensors(encoder.state_dict(), tmp_path / "timm.safetensors")  # a timm state dict
-    assert main(["info", str(tmp_path / "timm.safetensors"), "--json"]) == 0
+    (tmp_path / "timm").mkdir()  # timm's hub layout: a bare state dict does not record heads
+    write_safetensors(encoder.state_dict(), tmp_path / "timm" / "model.safetensors")
+    (tmp_path / "timm" / "config.json").write_text('{"model_args": {"num_heads": 1}}')
+    assert main(["info", str(tmp_path / "timm"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["parameters"] == sum(p.numel() for p in encoder.parameters())
 
@@ -93,6 +95,17 @@ FAMILIES = [
           rope_reference_grid=(16, 16)), "EVA-02-style",
      ["RoPE (shared, θ=10000, reference grid 16x16)", "SwiGLU with sub-LN"]),
     (dict(rope_theta=100), "RoPE ViT", ["RoPE (shared, θ=100)"]),
+    # issue 45's families
+    (dict(rope_theta=100, rope_positions="centered", layer_scale_init=1.0,
+          num_register_tokens=4), "DINOv3-style",
+     ["RoPE (shared, θ=100, at patch centres)", "LayerScale", "4 registers"]),
+    (dict(patch_norm=True, norm="rmsnorm", mlp="swiglu", act="silu", pos_embed="sincos",
+          class_token=False), "AIMv2-style",
+     ["RMSNorm", "SwiGLU", "normed patch embeddings", "sin-cos positions per grid"]),
+    (dict(rope_theta=10000, temporal_patch_size=2, class_token=False,
+          pos_resize_mode="bilinear_corners", pos_resize_antialias=False), "Qwen3-VL-style",
+     ["Conv3d over 2 frames", "RoPE (shared, θ=10000)",
+      "position table resized with corners aligned"]),
     (dict(norm="rmsnorm"), "ViT", ["RMSNorm"]),
     (dict(hybrid_layers=(3, 4, 9), patch_size=16), "hybrid ViT (paper 3.1)",
      ["hybrid R50 (3,4,9) stem"]),
@@ -111,6 +124,18 @@ def test_info_names_the_family_and_its_mechanisms(fields, family, mechanisms):
     assert (report["family"], report["mechanisms"]) == (family, mechanisms)
     assert family_line(config) == (f"{family}: {', '.join(mechanisms)}" if mechanisms
                                    else family)
+
+
+def test_info_says_which_format_a_checkpoint_was_read_as(tmp_path, capsys):
+    from tests.convert.test_hf_dinov3 import save_dinov3
+
+    folder, _ = save_dinov3(tmp_path / "dinov3")
+    assert main(["info", str(folder), "--image-size", "32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{folder}: ") and ", read as hf_dinov3\n" in out
+    assert "  DINOv3-style: RoPE (shared, θ=100, at patch centres)" in out
+    assert main(["info", "vit-b/16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] is None
 
 
 def test_info_prints_the_family_line(tmp_path, capsys):

@@ -45,13 +45,19 @@ def resolve_config(model: str) -> EncoderConfig:
     """The config of a variant name, a checkpoint or a model name (see `is_variant`); for a
     folder that holds none but has encoders inside (a run directory, a multimodal model),
     the error names them."""
+    return resolve(model)[0]
+
+
+def resolve(model: str) -> tuple[EncoderConfig, str | None]:
+    """`resolve_config`, and the checkpoint format it was read as (None for a variant)."""
     if is_variant(model):
-        return EncoderConfig.from_name(model)
+        return EncoderConfig.from_name(model), None
     from vlm_vit.io.loading import convert_checkpoint
 
     try:
         with reading_checkpoint(model):
-            return convert_checkpoint(model).config
+            converted = convert_checkpoint(model)
+            return converted.config, converted.format
     except (FileNotFoundError, ValueError) as error:
         hint = where_the_encoders_are(Path(model))
         if hint:
@@ -113,6 +119,7 @@ def mechanisms(config: EncoderConfig) -> list[str]:
         reference = config.rope_reference_grid
         found.append(f"RoPE ({config.rope_frequencies}, θ={config.rope_theta:g}"
                      + (f", reference grid {reference[0]}x{reference[1]}" if reference else "")
+                     + (", at patch centres" if config.rope_positions == "centered" else "")
                      + ")")
     if config.window_size is not None:
         full = config.full_attention_blocks
@@ -127,18 +134,30 @@ def mechanisms(config: EncoderConfig) -> list[str]:
         found.append("RMSNorm")
     if config.mlp == "swiglu":
         found.append("SwiGLU" + (" with sub-LN" if config.mlp_norm else ""))
+    if config.patch_norm:
+        found.append("normed patch embeddings")
     if config.pos_embed == "none":
         found.append("no position table")
+    elif config.pos_embed == "sincos":
+        found.append("sin-cos positions per grid")
+    elif config.pos_resize_mode == "bilinear_corners":
+        found.append("position table resized with corners aligned")
     return found
 
 
 def family(config: EncoderConfig) -> str:
     """The family whose mechanisms `config` has, in words ("DINOv2-style", "paper ViT"),
     judged from the fields (never a model name): the first rule that holds of the hybrid,
-    a temporal patch embedding, RoPE's frequency layout, LayerScale, pre-norm."""
+    a temporal patch embedding (with a table: Qwen3-VL), RoPE at patch centres (DINOv3), a
+    normed patch embedding with SwiGLU (AIMv2), RoPE's frequency layout, LayerScale,
+    pre-norm."""
     rules = [
         (config.hybrid_layers is not None, "hybrid ViT (paper 3.1)"),
+        (config.temporal_patch_size is not None and config.pos_embed == "learned",
+         "Qwen3-VL-style"),
         (config.temporal_patch_size is not None, "Qwen2-VL-style"),
+        (config.rope_positions == "centered", "DINOv3-style"),
+        (config.patch_norm and config.mlp == "swiglu", "AIMv2-style"),
         (config.rope_theta is not None and config.rope_frequencies == "alternating",
          "Pixtral-style"),
         (config.rope_theta is not None and config.pos_embed == "learned"
@@ -266,18 +285,20 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--budget, --batch and --dtype go with --plan")
     if args.plan and args.batch is not None and args.batch < 1:
         raise ValueError(f"--batch must be at least 1, got {args.batch}")
-    config = resolve_config(args.model)
+    config, read_as = resolve(args.model)
     plan = plan_report(config, args.model, args) if args.plan else None
     report = describe(config, [(row["encoded_size"][0], row["encoded_size"][1])
                                for row in plan["rows"]] if plan
                       else _sizes(config, args.image_size))
+    report["format"] = read_as
     if plan:
         report["plan"] = plan
     if args.json:
         print(json.dumps({"model": args.model, **report}, indent=2))
         return 0
     c = config
-    print(f"{args.model}: {report['parameters']:,} parameters")
+    print(f"{args.model}: {report['parameters']:,} parameters"
+          + (f", read as {read_as}" if read_as else ""))
     print(f"  {family_line(c)}")
     print(f"  width {c.width}, depth {c.depth}, heads {c.heads}, mlp {c.mlp_width}, "
           f"patch {c.patch_size}, native {c.image_size[0]}x{c.image_size[1]}")
