@@ -17,6 +17,8 @@ from .conftest import tiny_config
 
 @pytest.fixture
 def timm_file(tmp_path):
+    """A bare timm-layout state dict, width 64 with 1 head: no known architecture's sizes, so
+    every load gives heads=1 (a bare state dict does not record its heads)."""
     torch.manual_seed(0)
     encoder = VisionEncoder(tiny_config(width=64, heads=1, mlp_width=128))
     path = tmp_path / "weights.safetensors"
@@ -27,7 +29,7 @@ def timm_file(tmp_path):
 def test_format_comes_from_content_not_the_name(tmp_path, timm_file):
     disguised = tmp_path / "model.npz"  # a misleading extension
     disguised.write_bytes(timm_file.read_bytes())
-    assert load_encoder(disguised).config.width == 64
+    assert load_encoder(disguised, heads=1).config.width == 64
 
 
 def test_truncated_file_is_named(tmp_path, timm_file):
@@ -45,7 +47,7 @@ def test_wrong_shape_tensor_is_listed_and_nothing_loads(tmp_path, timm_file):
     write_safetensors(state, tmp_path / "bad.safetensors")
     with pytest.raises(ValueError, match=r"blocks\.0\.mlp\.fc2\.weight \(checkpoint \[64, 100\], "
                                          r"model \[64, 128\]\)"):
-        load_encoder(tmp_path / "bad.safetensors")
+        load_encoder(tmp_path / "bad.safetensors", heads=1)
 
 
 class RunsCode:
@@ -130,7 +132,7 @@ def test_unknown_content_names_the_formats(tmp_path):
 
 
 def test_format_override_and_unknown_format(timm_file):
-    assert load_encoder(timm_file, format="timm").config.depth == 3
+    assert load_encoder(timm_file, format="timm", heads=1).config.depth == 3
     with pytest.raises(UnknownNameError, match="did you mean timm"):
         load_encoder(timm_file, format="tim")
 
@@ -141,7 +143,7 @@ def test_directory_without_weights(tmp_path):
 
 
 def test_config_override_and_resolution_change_at_load(timm_file):
-    encoder = load_encoder(timm_file, act="quick_gelu", image_size=(48, 32))
+    encoder = load_encoder(timm_file, heads=1, act="quick_gelu", image_size=(48, 32))
     assert encoder.config.act == "quick_gelu" and encoder.pos_embed.shape == (1, 1 + 24, 64)
 
 

@@ -12,14 +12,16 @@ from vlm_vit.io.files import read_safetensors, write_safetensors
 from vlm_vit.io.loading import convert_checkpoint, read_checkpoint
 from vlm_vit.poolers import build_pooler
 from vlm_vit.processor import NORMALIZATION
-from vlm_vit.tower import VisionTower
 
 open_clip_model = pytest.importorskip("open_clip.model")
 
 TEXT_CFG = dict(context_length=8, vocab_size=100, width=32, heads=2, layers=1)
 CONFIG_FILE = "open_clip_config.json"
-# A file alone: no config, so the documented rules apply (heads = width // 64, QuickGELU).
+# A file alone: no config, and width 64 with depth 2 is no known architecture, so heads= and
+# act= are given (a bare state dict records neither).
 # A hub directory: open_clip_config.json decides (head width 32 there, to prove it is read).
+# What a bare state dict of make_clip's default tower does not record (a QuickGELU one).
+BARE = {"heads": 1, "act": "quick_gelu"}
 CONTAINERS = ["pt-training-checkpoint", "safetensors", "visual-only", "hub-safetensors",
               "hub-bin"]
 
@@ -114,8 +116,8 @@ def test_loads_like_open_clip(tmp_path, container, quick_gelu):
     path = save(model, model_cfg, tmp_path, container)
     assert detect_format(read_checkpoint(path)).name == "open_clip"
 
-    # Without a config the act rule says QuickGELU; GELU weights must say so.
-    overrides = {} if has_config or quick_gelu else {"act": "gelu"}
+    # Without a config heads and act are refused unless given (test_bare_state_dicts.py).
+    overrides = {} if has_config else {"heads": 1, "act": "quick_gelu" if quick_gelu else "gelu"}
     encoder = load_encoder(path, **overrides)
     config = encoder.config
     assert (config.width, config.depth, config.mlp_width, config.patch_size) == (64, 2, 256, 8)
@@ -124,10 +126,7 @@ def test_loads_like_open_clip(tmp_path, container, quick_gelu):
     assert (config.image_size, config.pre_norm, config.norm_eps) == ((32, 32), True, 1e-5)
     assert_same_function(encoder, model)
 
-    tower = load_tower(path)
-    if overrides:  # load_tower takes no encoder overrides: pair its pooler with our encoder
-        tower = VisionTower(encoder, tower.pooler, keep_prefix=True)
-    assert_same_embedding(tower, model)
+    assert_same_embedding(load_tower(path, **overrides), model)
 
 
 def test_openai_layout_float16_with_scalars(tmp_path):
@@ -141,13 +140,13 @@ def test_openai_layout_float16_with_scalars(tmp_path):
     torch.save(state, path := tmp_path / "ViT-tiny.pt")
     model.float()  # the float16 values, upcast: what the converter gives
 
-    converted = convert_checkpoint(path)
-    assert any("quick_gelu" in rule and "act='gelu'" in rule for rule in converted.rules)
-    encoder = load_encoder(path)
+    converted = convert_checkpoint(path, given=BARE)
+    assert "act='quick_gelu' as given" in converted.rules
+    encoder = load_encoder(path, **BARE)
     assert {p.dtype for p in encoder.parameters()} == {torch.float32}
     assert encoder.config.act == "quick_gelu"
     assert_same_function(encoder, model)
-    assert_same_embedding(load_tower(path), model)
+    assert_same_embedding(load_tower(path, **BARE), model)
 
 
 EXPRESSIBLE = {
@@ -177,7 +176,7 @@ def test_non_square_input_matches_timm_dynamic_img_size(tmp_path):
     build_timm_model = pytest.importorskip("vlm_vit.convert.timm").build_timm_model
     pytest.importorskip("timm")
     model, model_cfg = make_clip(quick_gelu=True)
-    encoder = load_encoder(save(model, model_cfg, tmp_path, "safetensors")).eval()
+    encoder = load_encoder(save(model, model_cfg, tmp_path, "safetensors"), **BARE).eval()
     timm_model = build_timm_model(encoder.config, dynamic_img_size=True).eval()
     timm_model.load_state_dict(encoder.state_dict())
     x = pixels((32, 48))
@@ -188,7 +187,8 @@ def test_non_square_input_matches_timm_dynamic_img_size(tmp_path):
 
 def test_processor_from_config_and_defaults(tmp_path):
     model, model_cfg = make_clip()
-    bare = convert_checkpoint(save(model, model_cfg, tmp_path, "safetensors")).processor
+    bare = convert_checkpoint(save(model, model_cfg, tmp_path, "safetensors"),
+                              given=BARE).processor
     assert bare == ImageProcessor.for_family("clip", size=(32, 32), resample="bicubic",
                                              resize_mode="shortest_edge")
     preprocess_cfg = dict(mean=[0.5, 0.5, 0.5], std=[0.25, 0.25, 0.25],
@@ -210,18 +210,19 @@ def test_processor_without_equivalent_is_none_with_a_rule(tmp_path):
 def test_round_trip_through_open_clip_file(tmp_path):
     model, model_cfg = make_clip(quick_gelu=True)
     source = save(model, model_cfg, tmp_path, "safetensors")
-    encoder, tower = load_encoder(source), load_tower(source)
+    encoder, tower = load_encoder(source, **BARE), load_tower(source, **BARE)
     written = FORMATS.get("open_clip").write(encoder, tmp_path / "out" / "visual.safetensors",
                                              pooler=tower.pooler)
     tensors = read_safetensors(written)
     assert all(name.startswith("visual.") for name in tensors)
 
-    back = load_encoder(written)
+    back = load_encoder(written, **BARE)
     assert back.config == encoder.config
     assert back.state_dict().keys() == encoder.state_dict().keys()
     for name, tensor in encoder.state_dict().items():
         assert torch.equal(back.state_dict()[name], tensor), name
-    assert torch.equal(load_tower(written).pooler.proj.weight, tower.pooler.proj.weight)
+    assert torch.equal(load_tower(written, **BARE).pooler.proj.weight,
+                       tower.pooler.proj.weight)
 
     fresh, _ = make_clip(quick_gelu=True, seed=1)
     fresh.visual.load_state_dict({k.removeprefix("visual."): v for k, v in tensors.items()})
@@ -241,12 +242,12 @@ def test_native_round_trip_without_pooler_is_bit_exact(tmp_path):
     encoder = VisionEncoder(clip_like())
     written = FORMATS.get("open_clip").write(encoder, tmp_path / "visual.safetensors")
     assert "visual.proj" not in read_safetensors(written)  # no pooler, no projection
-    back = load_encoder(written)
+    back = load_encoder(written, **BARE)
     assert back.config == encoder.config
     for name, tensor in encoder.state_dict().items():
         assert torch.equal(back.state_dict()[name], tensor), name
     with pytest.raises(ValueError, match="no pooling head"):
-        load_tower(written)
+        load_tower(written, **BARE)
 
 
 @pytest.mark.parametrize("overrides, field", [
@@ -334,14 +335,14 @@ def test_unknown_tensors_are_listed(tmp_path, extra, message):
     model, _ = make_clip()
     write_safetensors({**model.state_dict(), **extra}, path := tmp_path / "clip.safetensors")
     with pytest.raises(ValueError, match=message):
-        load_encoder(path)
+        load_encoder(path, **BARE)
 
 
 def test_non_square_table_without_config_is_refused(tmp_path):
     model, _ = make_clip(image_size=(32, 48))
     write_safetensors(model.state_dict(), path := tmp_path / "clip.safetensors")
-    with pytest.raises(ValueError, match="open_clip_config.json"):
-        load_encoder(path)
+    with pytest.raises(ValueError, match="not 1 \\+ a .*open_clip_config.json"):
+        load_encoder(path, **BARE)
 
 
 def test_default_mean_std_are_open_clips():

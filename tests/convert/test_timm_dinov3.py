@@ -173,5 +173,5 @@ def test_heads_no_config_gives_are_refused_naming_num_heads(tmp_path):
         {"architecture": "my_dinov3", "model_args": dict(
             rope_type="dinov3", use_rot_pos_emb=True, use_abs_pos_emb=False,
             rope_rotate_half=True, use_fc_norm=False, img_size=32, rope_temperature=100)}))
-    with pytest.raises(ValueError, match=r"heads are not recorded.*model_args\.num_heads"):
+    with pytest.raises(ValueError, match=r"does not record heads.*pass heads=.*num_heads"):
         load_encoder(tmp_path / "custom")

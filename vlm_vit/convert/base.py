@@ -39,12 +39,15 @@ class Checkpoint:
         config: the source's `config.json` (Hugging Face and native directories), if any.
         files: other JSON files found beside the weights, by file name
             (`preprocessor_config.json`, `open_clip_config.json`, ...).
+        given: `EncoderConfig` fields the caller gave (`load_encoder(path, heads=3)`):
+            what a reader takes where the tensors and config do not say (`bare.resolve`).
     """
 
     path: Path
     tensors: dict[str, torch.Tensor]
     config: dict[str, Any] | None = None
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    given: dict[str, Any] = field(default_factory=dict)
 
     def has_prefix(self, *prefixes: str) -> bool:
         """Whether any tensor name starts with one of `prefixes`."""

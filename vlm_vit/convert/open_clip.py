@@ -10,12 +10,12 @@ The text tower is ignored.
 The architecture comes from the shapes; the rest from `open_clip_config.json` (as on the
 Hugging Face hub) when it is there:
 
-- heads: `width // vision_cfg.head_width`; without a config `width // 64`, the head width
-  open_clip and OpenAI use for every ViT.
-- activation: `model_cfg.quick_gelu`; without a config QuickGELU, because the checkpoints that
-  come without one are OpenAI's (trained with QuickGELU), while open_clip's own releases ship
-  `open_clip_config.json`. A bare open_clip state dict trained with GELU (most LAION ones)
-  needs ``load_encoder(path, act="gelu")``.
+- heads: `width // vision_cfg.head_width`; without a config, `heads=` when given, else
+  `KNOWN_HEADS` when the width, depth and MLP width are an open_clip model config's (ViT-H/14
+  has 16 heads of 80, not 20 of 64), else refused, naming `heads=` (`bare.resolve`).
+- activation: `model_cfg.quick_gelu`; without a config, `act=` when given, else refused: no
+  shape tells QuickGELU (OpenAI's, MetaCLIP's weights) from GELU (LAION's, DataComp's), as
+  every shape was trained with both.
 - preprocessing: `preprocess_cfg`; without a config open_clip's defaults (OpenAI mean and std,
   bicubic, shortest edge then centre crop, at the image size).
 - pre-norm: whether `ln_pre` is there (open_clip's vision_cfg.no_ln_pre drops it).
@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from vlm_vit.config import PAPER_MECHANISMS, ConfigError, EncoderConfig, is_int
+from vlm_vit.convert.bare import resolve
 from vlm_vit.convert.base import (
     Checkpoint,
     Converted,
@@ -95,7 +96,15 @@ KEY_MAP = {
 }
 PROJECTION = "proj"  # [D, E], becomes the cls_linear pooler's weight (transposed)
 REQUIRED = ("conv1.weight", "positional_embedding", "transformer.resblocks.0.mlp.c_fc.weight")
-CONFIGLESS_ACT = "quick_gelu"  # the rule for a state dict without a config (module docstring)
+# The head counts of open_clip 3.3's model configs (`model_configs/*.json`, OpenAI's shapes
+# among them) by what their tensors prove: (width, depth, MLP width) -> (heads, a config).
+KNOWN_HEADS: dict[tuple[int, int, int], tuple[int, str]] = {
+    (384, 12, 1536): (6, "ViT-S-16"), (512, 12, 2048): (8, "ViT-M-16"),
+    (768, 12, 3072): (12, "ViT-B-16"), (896, 12, 3584): (14, "ViT-B-16-plus"),
+    (1024, 24, 4096): (16, "ViT-L-14"), (1280, 32, 5120): (16, "ViT-H-14"),
+    (1408, 40, 6144): (16, "ViT-g-14"), (1664, 48, 8192): (16, "ViT-bigG-14"),
+    (1792, 56, 15360): (16, "ViT-e-14")}
+RECORDED_BY = f"an {CONFIG_FILE} beside it (open_clip's hub layout)"
 
 # Native tensors whose layout differs beyond the name: (to native, to open_clip).
 Reshape = Callable[[torch.Tensor], torch.Tensor]
@@ -186,6 +195,31 @@ def _check_vision_cfg(vision_cfg: dict[str, Any], source: object) -> None:
         raise ValueError(f"{source}: open_clip vision_cfg settings vlm-vit's encoder cannot "
                          f"express: {', '.join(unsupported)}")
 
+
+
+def _heads_and_act(checkpoint: Checkpoint, model_cfg: dict | bool, vision_cfg: dict,
+                   sizes: tuple[int, int, int], rules: list[str], config_source: object
+                   ) -> tuple[int, str]:
+    """The head count and activation: from the config (`model_cfg`, False without one), else
+    by the bare-state-dict rule (`vlm_vit.convert.bare.resolve`: given, or a known shape)."""
+    width, depth, mlp_width = sizes
+    if model_cfg is False:
+        source = checkpoint.path
+        heads = resolve("heads", {"width": width, "depth": depth, "mlp_width": mlp_width},
+                        KNOWN_HEADS, checkpoint.given, rules, source=source,
+                        family="open_clip / OpenAI CLIP", recorded_by=RECORDED_BY)
+        act = resolve("act", {}, {}, checkpoint.given, rules, source=source,
+                      family="open_clip / OpenAI CLIP", recorded_by=RECORDED_BY,
+                      example="act='quick_gelu' for OpenAI's and MetaCLIP's weights, "
+                      "act='gelu' for LAION's and DataComp's")
+        return heads, act
+    head_width = vision_cfg.get("head_width", OPENAI_HEAD_WIDTH)
+    quick_gelu = model_cfg.get("quick_gelu", False)
+    if not (is_int(head_width) and head_width > 0) or not isinstance(quick_gelu, bool):
+        raise ValueError(f"{config_source}: vision_cfg.head_width must be a positive int "
+                         f"and quick_gelu true or false, got {head_width!r} and {quick_gelu!r}")
+    # open_clip leaves quick_gelu out of configs trained with GELU.
+    return width // head_width, "quick_gelu" if quick_gelu else "gelu"
 
 def _grid(positions: int, vision_cfg: dict[str, Any], patch: int, source: object) -> tuple:
     """The patch grid: from vision_cfg.image_size when given, else the square T - 1 = g^2."""
@@ -294,25 +328,19 @@ class OpenClipFormat:
             raise ValueError(f"{config_source}: model_cfg and its vision_cfg must be JSON "
                              f"objects")
         _check_vision_cfg(vision_cfg, config_source)
-        head_width = vision_cfg.get("head_width", OPENAI_HEAD_WIDTH)
-        quick_gelu = model_cfg.get("quick_gelu", False)
-        if not (is_int(head_width) and head_width > 0) or not isinstance(quick_gelu, bool):
-            raise ValueError(f"{config_source}: vision_cfg.head_width must be a positive int "
-                             f"and quick_gelu true or false, got {head_width!r} and "
-                             f"{quick_gelu!r}")
-        # open_clip leaves quick_gelu out of configs trained with GELU.
-        act = CONFIGLESS_ACT if settings is None else ("quick_gelu" if quick_gelu else "gelu")
-
         width, channels, patch, patch_cols = visual["conv1.weight"].shape  # [D, C, P, P]
+        depth = count_blocks(visual, r"transformer\.resblocks\.(\d+)\.")
+        mlp_width = visual["transformer.resblocks.0.mlp.c_fc.weight"].shape[0]
+        rules: list[str] = []
+        heads, act = _heads_and_act(checkpoint, settings is not None and model_cfg,
+                                    vision_cfg, (width, depth, mlp_width), rules, config_source)
         if patch != patch_cols:
             raise ValueError(f"{source}: non-square patches {patch}x{patch_cols} are not supported")
         grid = _grid(visual["positional_embedding"].shape[0], vision_cfg, patch, config_source)
         try:
             config = EncoderConfig(
                 image_size=(grid[0] * patch, grid[1] * patch), patch_size=patch, width=width,
-                depth=count_blocks(visual, r"transformer\.resblocks\.(\d+)\."),
-                heads=width // head_width,
-                mlp_width=visual["transformer.resblocks.0.mlp.c_fc.weight"].shape[0],
+                depth=depth, heads=heads, mlp_width=mlp_width,
                 in_channels=channels, class_token=True, pre_norm="ln_pre.weight" in visual,
                 final_norm=True, act=act,
                 norm_eps=(vision_cfg.get("norm_kwargs") or {}).get("eps", NORM_EPS),
@@ -320,12 +348,9 @@ class OpenClipFormat:
             )
         except ConfigError as error:
             raise error.located(config_source, OPEN_CLIP_FIELDS.get(error.field)) from None
-        rules = [] if settings is not None else [
-            f"no {CONFIG_FILE}: heads = width // {OPENAI_HEAD_WIDTH} = {config.heads} (the head "
-            f"width of open_clip and OpenAI); act = {CONFIGLESS_ACT}, as OpenAI's CLIP (the "
-            "checkpoints without a config) was trained; an open_clip model trained with GELU "
-            "needs load_encoder(path, act='gelu'); preprocessing is open_clip's default "
-            "(OpenAI mean/std, bicubic, shortest edge + centre crop)"]
+        rules += [] if settings is not None else [
+            f"no {CONFIG_FILE}: preprocessing is open_clip's default (OpenAI mean/std, "
+            "bicubic, shortest edge + centre crop)"]
 
         rename(others, {}, 0, ignore=TEXT_TOWER, source=source)  # only the text tower is left
         visual = _widen_mixed_floats(visual)

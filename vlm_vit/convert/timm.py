@@ -6,9 +6,10 @@ architecture, which a timm state dict only partly records:
 - sizes, class token, registers, pre-norm, final norm and biases come from the tensors;
   `model_args` that contradict them (`embed_dim`, `depth`, `in_chans`) are refused, naming
   the field and both values (`check_model_args`): the weights would decide without a word;
-- heads cannot be read from shapes: `config.json`'s `model_args.num_heads` when present
-  (timm's hub layout), else the variant table's entry for that width and depth, else the
-  rule heads = width // 64 (every ViT in the paper but ViT-H/14, which the table covers);
+- heads cannot be read from shapes: `heads=` when given, else `config.json`'s
+  `model_args.num_heads`, else `KNOWN_HEADS` when the width, depth, MLP width and class
+  token are those of timm's registrations with one head count, else refused, naming
+  `heads=` (`bare.resolve`; a width alone decides nothing: ViT-H/14 is 1280 wide with 16);
 - act is exact GELU (timm's default) and eps 1e-6, unless overridden by keyword;
 - LayerScale (`blocks.N.ls1.gamma`, DINOv2), SwiGLU (`mlp.fc1_g`, act SiLU), RMSNorm (norms
   without a bias) and the hybrid's ResNet (`patch_embed.backbone.*`, its stages counted from
@@ -31,13 +32,13 @@ import torch
 from torch import nn
 
 from vlm_vit.config import (
-    VARIANTS,
     ConfigError,
     EncoderConfig,
     hybrid_stride,
     is_int,
     is_real,
 )
+from vlm_vit.convert.bare import resolve
 from vlm_vit.convert.base import (
     Checkpoint,
     Converted,
@@ -150,16 +151,51 @@ def check_model_args(model_args: dict[str, Any], held: dict[str, tuple[int, str]
                              f"{value} ({tensor})")
 
 
-def _heads(width: int, depth: int, model_args: dict[str, Any], rules: list[str]) -> Any:
-    if "num_heads" in model_args:
+# The head counts of timm 1.0.31's `vision_transformer.py` registrations in this layout, by
+# what their tensors prove: (width, depth, MLP width, class token) -> (heads, one of them).
+# Left out, so refused: 768 wide, 12 deep, MLP 3072, no class token (vit_base_patch16_gap_224
+# has 16 heads, the SigLIP bases 12).
+KNOWN_HEADS: dict[tuple[int, int, int, bool], tuple[int, str]] = {
+    (192, 12, 768, True): (3, "vit_tiny_patch16_224"),
+    (256, 10, 1024, True): (4, "vit_xsmall_patch16_clip_224"),
+    (256, 14, 1280, False): (4, "vit_wee_patch16_reg1_gap_256"),
+    (320, 14, 1792, False): (5, "vit_little_patch16_reg1_gap_256"),
+    (384, 12, 1536, True): (6, "vit_small_patch16_224"),
+    (384, 36, 1536, True): (6, "vit_small_patch16_36x1_224"),
+    (512, 12, 2048, False): (8, "vit_medium_patch16_gap_256"),
+    (512, 12, 2048, True): (8, "vit_medium_patch16_clip_224"),
+    (512, 20, 2048, False): (8, "vit_mediumd_patch16_reg4_gap_256"),
+    (640, 12, 2560, False): (10, "vit_betwixt_patch16_gap_256"),
+    (640, 12, 2560, True): (10, "vit_betwixt_patch32_clip_224"),
+    (768, 12, 3072, True): (12, "vit_base_patch16_224"),
+    (832, 21, 2176, False): (13, "vit_so150m2_patch16_reg1_gap_256"),
+    (896, 12, 3584, True): (14, "vit_base_patch16_plus_240"),
+    (896, 18, 2304, False): (14, "vit_so150m_patch16_reg4_gap_256"),
+    (1024, 24, 4096, False): (16, "vit_large_patch16_siglip_256"),
+    (1024, 24, 4096, True): (16, "vit_large_patch16_224"),
+    (1152, 27, 4304, False): (16, "vit_so400m_patch14_siglip_224"),
+    (1152, 27, 4304, True): (16, "vit_so400m_patch16_radio_v4"),
+    (1280, 32, 5120, False): (16, "vit_huge_patch14_gap_224"),
+    (1280, 32, 5120, True): (16, "vit_huge_patch14_224"),
+    (1408, 40, 6144, False): (16, "vit_giant_patch16_gap_224"),
+    (1408, 40, 6144, True): (16, "vit_giant_patch14_224"),
+    (1536, 40, 6144, False): (16, "vit_giantopt_patch16_siglip_256"),
+    (1536, 40, 6144, True): (24, "vit_giant_patch16_radio_v3"),
+    (1536, 40, 8192, True): (24, "vit_giant_patch14_dinov2"),
+    (1664, 48, 8192, True): (16, "vit_gigantic_patch14_224"),
+}
+
+
+def _heads(state: dict[str, torch.Tensor], width: int, depth: int, model_args: dict[str, Any],
+           given: dict[str, Any], rules: list[str], source: object) -> Any:
+    """`heads=`, else `model_args.num_heads`, else `bare.resolve` over `KNOWN_HEADS`."""
+    if "num_heads" in model_args and "heads" not in given:
         return model_args["num_heads"]  # EncoderConfig checks it is an int dividing width
-    for variant, sizes in VARIANTS.items():
-        if (sizes["width"], sizes["depth"]) == (width, depth):
-            rules.append(f"heads {sizes['heads']} from the variant table ({variant} sizes)")
-            return sizes["heads"]
-    rules.append(f"heads = width // 64 = {max(1, width // 64)}: a state dict does not record "
-                 "heads; pass heads= to override")
-    return max(1, width // 64)
+    proven = {"width": width, "depth": depth, "mlp_width": _mlp_width(state),
+              "class_token": "cls_token" in state}
+    return resolve("heads", proven, KNOWN_HEADS, given, rules, source=source,
+                   family="timm ViT",
+                   recorded_by="timm's config.json beside it with model_args.num_heads")
 
 
 def _fold_positions(state: dict[str, torch.Tensor], grid_tokens: int, rules: list[str]) -> None:
@@ -218,7 +254,8 @@ class TimmFormat:
         try:
             config = EncoderConfig(
                 image_size=image_size, patch_size=patch_size, width=width, depth=depth,
-                heads=_heads(width, depth, model_args, rules),
+                heads=_heads(state, width, depth, model_args, checkpoint.given, rules,
+                             config_source),
                 mlp_width=_mlp_width(state), in_channels=channels,
                 class_token="cls_token" in state, num_register_tokens=registers,
                 pre_norm="norm_pre.weight" in state, final_norm="norm.weight" in state,

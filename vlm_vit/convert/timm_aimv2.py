@@ -8,8 +8,11 @@ arguments, `ARCHITECTURES`, copied from timm's `vision_transformer.py`):
 * RMSNorm (eps 1e-5, the registrations' `partial(RmsNorm, eps=1e-5)`; `norm_eps` in
   config.json overrides it) where the norms have no bias, SwiGLU where the MLP has `fc1_g`,
   SiLU (`act_layer`);
-* heads (`num_heads`): not in the tensors. Without a config.json, or with one naming no
-  AIMv2 registration and no `model_args.num_heads`, the checkpoint is refused by name;
+* heads (`num_heads`): not in the tensors: `heads=` when given, else the config's
+  (`model_args.num_heads` or the registration's), else `KNOWN_HEADS` when the width, depth
+  and MLP width are a registration's, else refused, naming `heads=` (`bare.resolve`). A
+  bare state dict takes the registrations' shared arguments (`AIMV2_DEFAULTS`) and the
+  square image size its position table holds;
 * `proj_bias=False` (every registration): the attention output and the MLP have no bias;
   they get zero biases here (the same function), and `write` drops them again while zero;
 * `global_pool="avg"` (every registration): the mean of the patch tokens after the final
@@ -22,12 +25,14 @@ builds as an AIMv2 (every size in `model_args`).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from vlm_vit.config import ConfigError, EncoderConfig
+from vlm_vit.convert.bare import resolve
 from vlm_vit.convert.base import Checkpoint, Converted, NativePooler, register_format
 from vlm_vit.convert.hf_aimv2 import OPTIONAL_BIASES, nonzero, zero_absent_biases
 from vlm_vit.convert.hf_writing import detached, mismatches
@@ -53,6 +58,11 @@ _HEADS = {"large": 8, "huge": 12, "1b": 16, "3b": 24}  # 1024, 1536, 2048, 3072 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     f"aimv2_{size}_patch14_{pixels}": dict(num_heads=heads, img_size=pixels)
     for size, heads in _HEADS.items() for pixels in (224, 336, 448)}
+# (width, depth, SwiGLU hidden width) -> (heads, the registration), for a bare state dict.
+KNOWN_HEADS: dict[tuple[int, int, int], tuple[int, str]] = {
+    (width, 24, hidden): (_HEADS[size], f"aimv2_{size}_patch14_224")
+    for size, width, hidden in (("large", 1024, 2816), ("huge", 1536, 4096),
+                                ("1b", 2048, 5632), ("3b", 3072, 8192))}
 POOLS = {"avg": "mean", "token": "cls"}
 # What timm's AIMv2 builds from a config file, in EncoderConfig fields; `write` refuses the rest.
 WRITE_ARCHITECTURE = dict(norm="rmsnorm", norm_eps=1e-5, mlp="swiglu", act="silu",
@@ -64,30 +74,39 @@ WRITE_ARCHITECTURE = dict(norm="rmsnorm", norm_eps=1e-5, mlp="swiglu", act="silu
 WRITE_REGISTRATION = "aimv2_large_patch14_224"  # model_args override each of its sizes
 
 
-def aimv2_settings(config: dict[str, Any] | None, source: object) -> dict[str, Any]:
-    """`model_args` over the registration's (`ARCHITECTURES`) over AIMv2's shared arguments.
+def aimv2_settings(checkpoint: Checkpoint, source: object, rules: list[str]) -> dict[str, Any]:
+    """`heads=` over `model_args` over the registration's (`ARCHITECTURES`) over AIMv2's
+    shared arguments; heads and a bare state dict's image size as the module docstring says.
 
     Raises:
-        ValueError: naming `source`, for no config.json, `model_args` that is not an object,
-            or heads that neither `model_args.num_heads` nor the registration gives.
+        ValueError: naming `source`, for `model_args` that is not an object, or heads that
+            neither an argument, a config nor the sizes give (`bare.resolve`).
     """
-    if config is None:
-        raise ValueError(f"{source}: a bare AIMv2 state dict does not record its heads; save "
-                         "timm's config.json beside it (architecture, e.g. "
-                         "aimv2_large_patch14_224, or model_args.num_heads)")
-    model_args = config.get("model_args", {})
+    config, tensors = checkpoint.config, checkpoint.tensors
+    model_args = (config or {}).get("model_args", {})
     if not isinstance(model_args, dict):
         raise ValueError(f"{source}: model_args must be a JSON object, got "
                          f"{type(model_args).__name__}")
-    name = config.get("architecture")
+    name = (config or {}).get("architecture")
     name = name.partition(".")[0] if isinstance(name, str) else ""
     settings = {**AIMV2_DEFAULTS, **ARCHITECTURES.get(name, {}), **model_args}
-    if "norm_eps" in config:
+    if "norm_eps" in (config or {}):
         settings["norm_eps"] = config["norm_eps"]
-    if settings["num_heads"] is None:
-        raise ValueError(f"{source}: architecture {name or 'unnamed'!r} is no AIMv2 "
-                         "registration and model_args gives no num_heads; give "
-                         "model_args.num_heads")
+    patch = tensors["patch_embed.proj.weight"]  # [D, C, P, P]
+    if config is None and "pos_embed" in tensors:
+        registers = tensors["reg_token"].shape[1] if "reg_token" in tensors else 0
+        grid = _grid_tokens(tensors["pos_embed"].shape[1], int("cls_token" in tensors),
+                            registers)
+        settings["img_size"] = math.isqrt(grid) * patch.shape[2]
+        rules.append(f"no config.json: square grid assumed, image size {settings['img_size']}")
+    if settings["num_heads"] is None or "heads" in checkpoint.given:
+        hidden = tensors.get("blocks.0.mlp.fc1_g.weight", tensors.get("blocks.0.mlp.fc1.weight"))
+        proven = {"width": patch.shape[0], "depth": count_blocks(tensors, r"blocks\.(\d+)\."),
+                  "mlp_width": None if hidden is None else hidden.shape[0]}
+        settings["num_heads"] = resolve(
+            "heads", proven, KNOWN_HEADS, checkpoint.given, rules, source=source,
+            family="timm AIMv2", recorded_by="timm's config.json beside it with its "
+            "architecture (e.g. aimv2_large_patch14_224) or model_args.num_heads")
     return settings
 
 
@@ -104,7 +123,8 @@ class TimmAimv2Format:
 
     def to_native(self, checkpoint: Checkpoint) -> Converted:
         source = checkpoint.path / CONFIG_FILE if checkpoint.config else checkpoint.path
-        settings = aimv2_settings(checkpoint.config, source)
+        rules: list[str] = []
+        settings = aimv2_settings(checkpoint, source, rules)
         tensors = checkpoint.tensors
         if settings["fc_norm"] or "fc_norm.weight" in tensors:
             raise ValueError(f"{source}: timm AIMv2 with fc_norm (a norm of the pooled tokens) "
@@ -114,7 +134,7 @@ class TimmAimv2Format:
             raise ValueError(f"{source}: timm AIMv2 with global_pool={pool!r} is not read; "
                              f"vlm-vit reads {', '.join(map(repr, POOLS))}")
         state = {k: v for k, v in tensors.items() if not k.startswith("head.")}
-        rules = ["ignored the classifier head"] if len(state) < len(tensors) else []
+        rules += ["ignored the classifier head"] if len(state) < len(tensors) else []
         patch = state["patch_embed.proj.weight"]  # [D, C, P, P]
         depth = count_blocks(state, r"blocks\.(\d+)\.")
         check_model_args(settings, {"embed_dim": (patch.shape[0], "patch_embed.proj.weight"),
@@ -150,7 +170,8 @@ class TimmAimv2Format:
         pooler = NativePooler(POOLS[pool], config.width, None, {}, {})
         return Converted(config=config, state=state, pooler=pooler,
                          processor=_processor(checkpoint.config, config, source), rules=rules,
-                         source=checkpoint.path, config_file=CONFIG_FILE)
+                         source=checkpoint.path,
+                         config_file=CONFIG_FILE if checkpoint.config else "the shapes")
 
     def write(self, encoder: nn.Module, destination: str | Path, *,
               pooler: nn.Module | None = None, processor: ImageProcessor | None = None) -> None:

@@ -11,10 +11,13 @@ theta^(4j/head_dim) (`rope_positions="centered"`, `layers.rope_centered`; theta
 rescale augmentations apply in training only.
 
 What the tensors do not show comes from `config.json`: `model_args` over the registration's own
-arguments (`ARCHITECTURES`, copied from timm's `eva.py`) over Eva's defaults. Heads are not in
-the tensors: `model_args.num_heads`, else the registration's, else the checkpoint is refused
-by name. The registrations' LayerNorm eps is 1e-5 (`norm_layer`, code a config cannot give;
-Eva's own default, 1e-6, for an Eva named by `model_args.rope_type` alone). Pooling is
+arguments (`ARCHITECTURES`, copied from timm's `eva.py`) over Eva's defaults; a bare state dict
+(read with `format="timm_dinov3"`) takes the arguments every registration shares (`_DINOV3`).
+Heads are not in the tensors: `heads=` when given, else `model_args.num_heads`, else the
+registration's, else `KNOWN_HEADS` when the width, depth and MLP width are a registration's,
+else refused, naming `heads=` (`bare.resolve`). The registrations' LayerNorm eps is 1e-5
+(`norm_layer`, code a config cannot give; Eva's own default, 1e-6, for an Eva named by
+`model_args.rope_type` alone). Pooling is
 timm's `global_pool`: "avg" (every registration: the mean of the patch tokens after the final
 norm, our `mean`) or "token" (`cls`). What our block cannot hold is refused by name
 (`UNSUPPORTED`): a learned position table beside the RoPE, `fc_norm`, interleaved RoPE pairs,
@@ -33,6 +36,7 @@ import torch
 from torch import nn
 
 from vlm_vit.config import ConfigError, EncoderConfig
+from vlm_vit.convert.bare import resolve
 from vlm_vit.convert.base import (
     Checkpoint,
     Converted,
@@ -74,6 +78,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         swiglu_mlp=bool(align), swiglu_align_to=align, mlp_ratio=ratio)
     for size, (width, depth, heads, align, ratio, suffixes) in _SIZES.items()
     for suffix in suffixes}
+# (width, depth, MLP width) -> (heads, a registration), for what no config names.
+KNOWN_HEADS: dict[tuple[int, int, int], tuple[int, str]] = {
+    (width, depth, int(width * ratio)): (heads, f"vit_{size}_patch16_dinov3{suffixes[0]}")
+    for size, (width, depth, heads, _, ratio, suffixes) in _SIZES.items()}
 # Settings our block cannot hold: (setting, the value we can, why), refused by name.
 UNSUPPORTED = (
     ("use_abs_pos_emb", False, "a learned position table beside DINOv3's RoPE"),
@@ -125,12 +133,15 @@ def is_timm_dinov3(checkpoint: Checkpoint) -> bool:
     return _architecture(config) in ARCHITECTURES or rope_type == "dinov3"
 
 
-def dinov3_settings(config: dict[str, Any], source: object) -> dict[str, Any]:
-    """`model_args` over the registration's over Eva's defaults, with the LayerNorm eps.
+def dinov3_settings(config: dict[str, Any] | None, source: object) -> dict[str, Any]:
+    """`model_args` over the registration's over Eva's defaults, with the LayerNorm eps;
+    without a config, the arguments every registration shares (`_DINOV3`, eps 1e-5).
 
     Raises:
         ValueError: naming `source`, for `model_args` that is not an object.
     """
+    if config is None:
+        return {**EVA_DEFAULTS, **_DINOV3, "norm_eps": REGISTRATION_EPS}
     model_args = config.get("model_args", {})
     if not isinstance(model_args, dict):
         raise ValueError(f"{source}: model_args must be a JSON object, got "
@@ -182,7 +193,7 @@ class TimmDinov3Format:
         return is_timm_dinov3(checkpoint)
 
     def to_native(self, checkpoint: Checkpoint) -> Converted:
-        source = checkpoint.path / CONFIG_FILE
+        source = checkpoint.path / CONFIG_FILE if checkpoint.config else checkpoint.path
         settings = dinov3_settings(checkpoint.config, source)
         tensors = checkpoint.tensors
         refuse_unsupported(settings, tensors, source)
@@ -193,11 +204,18 @@ class TimmDinov3Format:
                                     "depth": (depth, f"blocks.0 to blocks.{depth - 1}"),
                                     "in_chans": (patch.shape[1], "patch_embed.proj.weight")},
                          source)
-        if settings["num_heads"] is None:
-            raise ValueError(f"{source}: the heads are not recorded: architecture "
-                             f"{_architecture(checkpoint.config) or 'unnamed'!r} is no DINOv3 "
-                             "registration and model_args gives no num_heads; give "
-                             "model_args.num_heads")
+        rules: list[str] = [] if checkpoint.config else [
+            "no config.json: the arguments every DINOv3 registration shares"]
+        heads = settings["num_heads"]
+        if heads is None or "heads" in checkpoint.given:
+            hidden = tensors.get("blocks.0.mlp.fc1_g.weight",
+                                 tensors.get("blocks.0.mlp.fc1.weight"))
+            proven = {"width": width, "depth": depth,
+                      "mlp_width": None if hidden is None else hidden.shape[0]}
+            heads = resolve("heads", proven, KNOWN_HEADS, checkpoint.given, rules,
+                            source=source, family="timm DINOv3",
+                            recorded_by="timm's config.json beside it with its architecture "
+                            "(e.g. vit_small_patch16_dinov3) or model_args.num_heads")
         state = rename(tensors, KEY_MAP, depth, ignore=IGNORED, source=checkpoint.path)
         check_shapes(state, {"blocks.{}.attn.qkv.weight": [3 * width, width],
                              "blocks.{}.attn.q_bias": [width], "blocks.{}.attn.v_bias": [width]},
@@ -205,7 +223,7 @@ class TimmDinov3Format:
         fuse_q_v_biases(state, depth)
         fuse_qkv(state, depth)  # nothing apart to fuse: Eva's qkv is fused
         swiglu = "blocks.0.mlp.fc1_g.weight" in state
-        rules = [f"LayerNorm eps {settings['norm_eps']:g} (the "
+        rules += [f"LayerNorm eps {settings['norm_eps']:g} (the "
                  f"{'registration' if settings['norm_eps'] == REGISTRATION_EPS else 'Eva'}'s)",
                  f"RoPE at DINOv3's patch centres in [-1, 1] (temperature "
                  f"{settings['rope_temperature']:g}); its training-only augmentations are not "
@@ -216,7 +234,7 @@ class TimmDinov3Format:
         try:
             config = EncoderConfig(
                 image_size=settings["img_size"], patch_size=patch.shape[-1], width=width,
-                depth=depth, heads=settings["num_heads"],
+                depth=depth, heads=heads,
                 mlp_width=state[f"blocks.0.mlp.{'fc1_g' if swiglu else 'fc1'}.weight"].shape[0],
                 in_channels=patch.shape[1], class_token="cls_token" in state,
                 num_register_tokens=state["reg_token"].shape[1] if "reg_token" in state else 0,
@@ -232,7 +250,8 @@ class TimmDinov3Format:
         pooler = NativePooler(POOLS[settings["global_pool"]], width, None, {}, {})
         return Converted(config=config, state=state, pooler=pooler,
                          processor=_processor(checkpoint.config, config, source), rules=rules,
-                         source=checkpoint.path, config_file=CONFIG_FILE)
+                         source=checkpoint.path,
+                         config_file=CONFIG_FILE if checkpoint.config else "the shapes")
 
     def write(self, encoder: nn.Module, destination: str | Path, *,
               pooler: nn.Module | None = None, processor: ImageProcessor | None = None) -> None:

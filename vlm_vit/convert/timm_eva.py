@@ -17,11 +17,12 @@ LayerScale; its attention has q and v biases and none for k. Converting it:
 - `ref_feat_shape` (the 336 and 448 variants: RoPE positions scaled to the pretraining grid,
   t / grid * ref, at every input size) is our `rope_reference_grid`;
 - the position table and register tokens are read as in timm's ViT (`convert.timm`);
-- heads are not in the tensors: `model_args.num_heads`, else the registration's
-  (`ARCHITECTURES`), else EVA-02's rule heads = width / 64, which every released EVA-02 keeps
-  (tiny 192 / 3, small 384 / 6, base 768 / 12, large 1024 / 16); a width that is no multiple
-  of 64 is refused, naming `num_heads`. A q, k or v of another shape than the width needs is
-  refused by name before it is permuted (`keymap.check_shapes`).
+- heads are not in the tensors: `heads=` when given, else `model_args.num_heads`, else the
+  registration's (`ARCHITECTURES`), else `KNOWN_SIZES` when the width, depth and MLP width
+  are a released EVA-02's (tiny 192 / 3, small 384 / 6, base 768 / 12, large 1024 / 16),
+  else refused, naming `heads=` (`bare.resolve`). The permutation below needs them. A q, k
+  or v of another shape than the width needs is refused by name before it is permuted
+  (`keymap.check_shapes`).
 
 Most of an Eva's architecture is code, not tensors (RoPE, SwiGLU, heads): it comes from
 `config.json`'s `model_args` over the registration's own arguments (`ARCHITECTURES`, copied
@@ -47,6 +48,7 @@ import torch
 from torch import nn
 
 from vlm_vit.config import ConfigError, EncoderConfig
+from vlm_vit.convert.bare import resolve
 from vlm_vit.convert.base import (
     Checkpoint,
     Converted,
@@ -75,9 +77,8 @@ BLOCK_PATTERN = r"blocks\.(\d+)\."
 # Dropped on purpose: a classifier head and the norm of the pooled token.
 IGNORED = (r"head\.", r"fc_norm\.")
 
-HEAD_WIDTH = 64  # every released EVA-02: width / heads (tiny 192 / 3 ... large 1024 / 16)
 # `timm.models.eva.Eva`'s defaults for what the tensors do not show; `num_heads` None: not
-# given (Eva's default is 12), so `eva_heads` applies EVA-02's rule.
+# given (Eva's default is 12), so `eva_heads` applies the bare-state-dict rule.
 EVA_DEFAULTS: dict[str, Any] = dict(
     img_size=224, num_heads=None, swiglu_mlp=False, swiglu_align_to=0, scale_mlp=False,
     scale_attn_inner=False, attn_type="eva", qk_norm=False, num_kv_heads=None,
@@ -109,6 +110,14 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "eva02_enormous_patch14_clip_224": dict(num_heads=16, use_post_norm=True,
                                             global_pool="token"),
 }
+# The EVA-02 registrations a bare state dict is read as, by what their tensors prove:
+# (width, depth, SwiGLU hidden width) -> the registration. Every Eva registration of timm
+# 1.0.31 with q and v biases and these sizes has the registration's heads.
+KNOWN_SIZES: dict[tuple[int, int, int], str] = {
+    (192, 12, 512): "eva02_tiny_patch14_224", (384, 12, 1024): "eva02_small_patch14_224",
+    (768, 12, 2048): "eva02_base_patch14_224", (1024, 24, 2730): "eva02_large_patch14_224"}
+KNOWN_HEADS = {sizes: (ARCHITECTURES[name]["num_heads"], name)
+               for sizes, name in KNOWN_SIZES.items()}
 # Settings our block cannot hold: (setting, the value we can, why), refused by name.
 UNSUPPORTED = (
     ("scale_attn_inner", False, "a norm inside attention (`attn.norm`)"),
@@ -178,23 +187,21 @@ def eva_settings(config: dict[str, Any] | None, source: object,
     return {**EVA_DEFAULTS, **ARCHITECTURES.get(architecture, {}), **model_args}
 
 
-def eva_heads(settings: dict[str, Any], width: int, source: object, rules: list[str]) -> Any:
-    """The head count: the config's (`model_args.num_heads` or the registration's), else
-    EVA-02's rule heads = width / 64, which every released variant keeps.
+def eva_heads(settings: dict[str, Any], proven: dict[str, int], given: dict[str, Any],
+              source: object, rules: list[str]) -> Any:
+    """The head count: `heads=`, else the config's (`model_args.num_heads` or the
+    registration's), else `bare.resolve` over `KNOWN_HEADS` with the `proven` width, depth
+    and MLP width.
 
     Raises:
-        ValueError: naming `source` and `num_heads`, when neither a config gives the heads nor
-            the width is a multiple of 64.
+        ValueError: naming `source` and `heads=`, when neither an argument nor a config gives
+            the heads and the sizes are no released EVA-02's.
     """
-    if settings["num_heads"] is not None:
+    if settings["num_heads"] is not None and "heads" not in given:
         return settings["num_heads"]  # EncoderConfig checks it is an int dividing width
-    if width % HEAD_WIDTH:
-        raise ValueError(f"{source}: the heads are not recorded (no num_heads in a config.json) "
-                         f"and width {width} is no multiple of EVA-02's head width {HEAD_WIDTH}; "
-                         "save timm's config.json beside the weights with model_args.num_heads")
-    rules.append(f"heads = width / {HEAD_WIDTH} = {width // HEAD_WIDTH} (EVA-02's rule, every "
-                 "released variant): no config gives num_heads")
-    return width // HEAD_WIDTH
+    return resolve("heads", proven, KNOWN_HEADS, given, rules, source=source,
+                   family="timm Eva", recorded_by="timm's config.json beside it with "
+                   "model_args.num_heads or its architecture (e.g. eva02_tiny_patch14_224)")
 
 
 def refuse_unsupported(settings: dict[str, Any], tensors: dict[str, torch.Tensor],
@@ -337,7 +344,11 @@ class TimmEvaFormat:
         fuse_attention(state, depth)
         if settings["swiglu_mlp"]:
             split_packed_swiglu(state, depth)
-        heads = eva_heads(settings, width, source, rules)
+        mlp = "swiglu" if settings["swiglu_mlp"] else "mlp"
+        hidden = state[f"blocks.0.mlp.{'fc1_g' if mlp == 'swiglu' else 'fc1'}.weight"]
+        heads = eva_heads(settings, {"width": width, "depth": depth,
+                                     "mlp_width": hidden.shape[0]},
+                          checkpoint.given, source, rules)
         rope = settings["use_rot_pos_emb"]
         if rope and not settings["rope_rotate_half"] and isinstance(heads, int) and heads > 0 \
                 and width % heads == 0:
@@ -349,8 +360,6 @@ class TimmEvaFormat:
                          "from every image's own grid")
         if "fc_norm.weight" in tensors:
             rules.append("fc_norm (the norm of the pooled token) dropped with the head")
-        mlp = "swiglu" if settings["swiglu_mlp"] else "mlp"
-        hidden = state[f"blocks.0.mlp.{'fc1_g' if mlp == 'swiglu' else 'fc1'}.weight"]
         scale = None
         if "blocks.0.ls1.gamma" in state:
             scale = settings.get("init_values") or 1e-5

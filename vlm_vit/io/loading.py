@@ -167,13 +167,17 @@ def read_checkpoint(path: str | Path, verify: bool | None = None) -> Checkpoint:
 
 
 def convert_checkpoint(path: str | Path | hub.Location, format: str | None = None,
-                       verify: bool | None = None) -> Converted:
+                       verify: bool | None = None,
+                       given: dict[str, Any] | None = None) -> Converted:
     """Reads a checkpoint (a path or model name) and converts it to native terms (no model
-    is built); `verify` as in `read_checkpoint`. Every load of another library's format (and
+    is built); `verify` as in `read_checkpoint`; `given`: `EncoderConfig` fields the caller
+    gives, which a reader takes for what the checkpoint does not record (`heads` of a bare
+    state dict: `vlm_vit.convert.bare`). Every load of another library's format (and
     of a native directory through `load_encoder`) passes here: a weight holding NaN or an
     infinity is said at WARNING, naming the checkpoint and the first such tensor."""
     location = hub.locate(path)
     checkpoint = read_checkpoint(location, verify)
+    checkpoint.given = dict(given or {})
     format = format or location.format
     fmt = FORMATS.get(format) if format else detect_format(checkpoint)
     converted = fmt.to_native(checkpoint)
@@ -204,7 +208,9 @@ def load_encoder(
             `manifest.json`, where there is one (what `save_pretrained` writes). Default: on,
             unless the environment sets `VLM_VIT_VERIFY=0`; False skips the check.
         **overrides: `EncoderConfig` fields to change, e.g. ``act="quick_gelu"``;
-            ``image_size=(h, w)`` resizes the position table (paper section 3.2).
+            ``image_size=(h, w)`` resizes the position table (paper section 3.2). A bare
+            state dict's readers also take from them what its tensors cannot prove
+            (``heads=``; see `vlm_vit.convert.bare`).
 
     Raises:
         FileNotFoundError: when `path` does not exist.
@@ -214,7 +220,7 @@ def load_encoder(
             not match its manifest hash (corrupt or changed since it was written).
     """
     dtype = parse_dtype(dtype)  # a bad spelling fails before the weights are read
-    converted = convert_checkpoint(path, format, verify)
+    converted = convert_checkpoint(path, format, verify, overrides)
     return VisionEncoder.from_state_dict(converted.state, converted.config, dtype=dtype,
                                          source=path, **overrides)
 
@@ -229,8 +235,8 @@ def load_with_processor(
     (logged). Arguments as in `load_encoder`.
     """
     dtype = parse_dtype(dtype)
-    return from_converted(convert_checkpoint(path, format, verify), path, dtype=dtype,
-                          **overrides)
+    return from_converted(convert_checkpoint(path, format, verify, overrides), path,
+                          dtype=dtype, **overrides)
 
 
 def from_converted(converted: Converted, path: str | Path, *,
@@ -315,7 +321,7 @@ def load_tower(path: str | Path, pooler: str | None = None, *, out_dim: int | No
     if pooler is None and (directory / CONFIG_NAME).is_file() and \
             "tower" in read_json(directory / CONFIG_NAME):
         return VisionTower.from_pretrained(directory, dtype=dtype, verify=verify, **overrides)
-    converted = convert_checkpoint(location, format, verify)
+    converted = convert_checkpoint(location, format, verify, overrides)
     encoder = VisionEncoder.from_state_dict(converted.state, converted.config, source=path,
                                             **overrides)
     if pooler is not None:
