@@ -99,6 +99,9 @@ BENCHMARKS = {
         ("ratio_aimv2_l_vlm_vit_over_timm", "AIMv2-L encode speed vs timm", ">= 1.0"),
         ("ratio_internvit_300m_vlm_vit_over_timm", "InternViT-300M encode speed vs timm",
          ">= 1.0")]),
+    "qwen3-vl tower": ("qwen3_vl_tower.py", [
+        ("speed_ratio_vlm_vit_over_transformers",
+         "Qwen3-VL tower (merger + DeepStack) vs transformers", ">= 1.0")]),
     "stage-1 cache step": ("stage1_cache_step.py", [
         ("speed_ratio_cache_over_pixels", "stage-1 step, features from the cache vs pixels",
          "")]),
@@ -165,6 +168,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "qwen-vl packed step": [],
         "stage-1 cache step": [],
         "encode towers 2026": [],
+        "qwen3-vl tower": [],
         # 10 of vit-l/16's 24 blocks: DDP's two ranks then peak at ~7.7 GB together (all 24
         # would take ~14 GB); bytes per parameter do not depend on the depth.
         "fsdp memory": ["--depth", "10"],
@@ -192,6 +196,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "qwen-vl packed step": ["--quick"],
         "stage-1 cache step": ["--llm-layers", "2", "--repeats", "3"],
         "encode towers 2026": ["--depth", "6", "--repeats", "3"],
+        "qwen3-vl tower": ["--depth", "6", "--repeats", "3"],
         "fsdp memory": ["--quick"],
         "window attention": ["--depth", "4", "--repeats", "5"],
         "encode dinov2-l/14": ["--depth", "6", "--batch-size", "1", "--repeats", "3"],
@@ -233,6 +238,8 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                                "--llm-layers", "1", "--batch-size", "2", "--repeats", "1"],
         "encode towers 2026": ["--depth", "1", "--width", "64", "--image-size", "112",
                                "--repeats", "1", "--warmup", "0"],
+        "qwen3-vl tower": ["--depth", "2", "--width", "144", "--sides", "64", "64", "32", "96",
+                           "--repeats", "1", "--warmup", "0"],
         "fsdp memory": ["--tiny"],
         "window attention": ["--width", "64", "--depth", "2", "--heads", "2", "--mlp-width",
                              "96", "--height", "56", "--image-width", "112",

@@ -54,7 +54,8 @@ def run_script(benchmarks, monkeypatch, tmp_path, name: str, extra: tuple = ()) 
                                   pytest.param("llava packed step", marks=pytest.mark.slow),
                                   pytest.param("qwen-vl packed step", marks=pytest.mark.slow),
                                   "ibot step", "ibot native vs square", "ijepa step",
-                                  "capi step", "stage-1 cache step", "encode towers 2026"])
+                                  "capi step", "stage-1 cache step", "encode towers 2026",
+                                  "qwen3-vl tower"])
 def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
     if name in ("llava step", "llava packed step", "qwen-vl packed step", "stage-1 cache step"):
         pytest.importorskip("vlm_vit_llm")
@@ -89,6 +90,8 @@ def test_tiny_benchmark_runs(benchmarks, monkeypatch, tmp_path, name):
     if name == "encode towers 2026":  # timm's build and ours on the same weights
         assert set(result["towers"]) == {"dinov3-l", "aimv2-l", "internvit-300m"}
         assert max(tower["max_abs_difference"] for tower in result["towers"].values()) < 1e-5
+    if name == "qwen3-vl tower":  # the merger and every DeepStack tap, on the same weights
+        assert result["max_abs_difference"] < 1e-5 and result["tokens"] == 28
     if name == "stage-1 cache step":  # every timed step hit, on the bytes a miss computed
         assert result["loss_difference"] == 0.0 and result["entry_kib"] > 0
     if name == "encode dinov2-l/14":  # the same weights in all three libraries
