@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlm_vit.config import ConfigError, EncoderConfig, is_int, is_real
-from vlm_vit.processor import ImageProcessor
+from vlm_vit.processor import NORMALIZATION, ImageProcessor
 
 # transformers' ACT2FN names -> ours; gelu_new / gelu_fast / gelu_pytorch_tanh are all the
 # tanh approximation.
@@ -166,3 +166,28 @@ def processor_from_hf(settings: dict[str, Any], fallback: ImageProcessor, rules:
         )
     except (TypeError, ValueError) as error:
         raise ValueError(f"{source}: {error}") from None
+
+
+def squash_processor(settings: dict[str, Any] | None, image_size: tuple[int, int],
+                     source: object, *, resample: str, family: str,
+                     processor_class: ImageProcessorClass) -> tuple[ImageProcessor, list[str]]:
+    """The `ImageProcessor` of a `preprocessor_config.json` whose processor resizes straight
+    to the model's size with ImageNet's mean and std (DINOv3's, InternVL's); without one,
+    those defaults at `image_size`, said in the returned rules.
+
+    Args:
+        settings: the file's settings, or None when the folder has none.
+        resample: the family's filter ("bilinear", "bicubic").
+        family: named in the rule ("DINOv3's defaults").
+        processor_class: the transformers processor `processor_from_hf` accepts.
+    """
+    mean, std = NORMALIZATION["imagenet"]
+    defaults = ImageProcessor(size=image_size, resize_mode="squash", resample=resample,
+                              mean=mean, std=std, crop_rounding="floor")
+    if settings is None:
+        return defaults, [f"no {PREPROCESSOR_NAME}: {family} defaults (squash resize, "
+                          f"{resample}, ImageNet mean/std) at the model's image size "
+                          f"{image_size}"]
+    rules: list[str] = []
+    return processor_from_hf(settings, defaults, rules, source,
+                             processor_class=processor_class), rules

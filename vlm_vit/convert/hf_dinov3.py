@@ -46,7 +46,7 @@ from vlm_vit.convert.hf_common import (
     PREPROCESSOR_NAME,
     VIT_IMAGE_PROCESSOR,
     hf_encoder_config,
-    processor_from_hf,
+    squash_processor,
 )
 from vlm_vit.convert.hf_writing import (
     HF_ACTIVATIONS,
@@ -58,7 +58,7 @@ from vlm_vit.convert.hf_writing import (
 )
 from vlm_vit.convert.keymap import fuse_qkv, origins, rename, split_qkv
 from vlm_vit.io.weights import DEFAULT_MAX_SHARD_SIZE
-from vlm_vit.processor import NORMALIZATION, ImageProcessor
+from vlm_vit.processor import ImageProcessor
 
 MODEL_TYPE = "dinov3_vit"
 CONFIG_FILE = "config.json"
@@ -168,15 +168,8 @@ def image_processor(settings: dict[str, Any] | None, image_size: tuple[int, int]
     """The ImageProcessor of a `preprocessor_config.json` (DINOv3ViTImageProcessorFast: a
     resize straight to {height, width}, bilinear, ImageNet mean and std); without one, those
     at the model's image size."""
-    mean, std = NORMALIZATION["imagenet"]
-    defaults = ImageProcessor(size=image_size, resize_mode="squash", resample="bilinear",
-                              mean=mean, std=std, crop_rounding="floor")
-    if settings is None:
-        return defaults, [f"no {PREPROCESSOR_NAME}: DINOv3's defaults (squash resize, bilinear, "
-                          f"ImageNet mean/std) at the model's image size {image_size}"]
-    rules: list[str] = []
-    return processor_from_hf(settings, defaults, rules, source,
-                             processor_class=VIT_IMAGE_PROCESSOR), rules
+    return squash_processor(settings, image_size, source, resample="bilinear",
+                            family="DINOv3's", processor_class=VIT_IMAGE_PROCESSOR)
 
 
 class HfDinov3Format:

@@ -50,7 +50,7 @@ from vlm_vit.convert.hf_common import (
     PREPROCESSOR_NAME,
     ImageProcessorClass,
     hf_encoder_config,
-    processor_from_hf,
+    squash_processor,
 )
 from vlm_vit.convert.hf_writing import (
     HF_ACTIVATIONS,
@@ -62,7 +62,7 @@ from vlm_vit.convert.hf_writing import (
 )
 from vlm_vit.convert.keymap import fuse_qkv, invert, rename, split_qkv
 from vlm_vit.io.weights import DEFAULT_MAX_SHARD_SIZE
-from vlm_vit.processor import NORMALIZATION, ImageProcessor
+from vlm_vit.processor import ImageProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -163,15 +163,8 @@ def image_processor(settings: dict[str, Any] | None, image_size: tuple[int, int]
     """The ImageProcessor of a `preprocessor_config.json`; without one, GotOcr2's (squash
     resize, bicubic, ImageNet mean and std) at the model's image size. Its tiling into
     448-pixel crops (`crop_to_patches`) is the VLM's, not the tower's, and is not read."""
-    mean, std = NORMALIZATION["imagenet"]
-    defaults = ImageProcessor(size=image_size, resize_mode="squash", resample="bicubic",
-                              mean=mean, std=std, crop_rounding="floor")
-    if settings is None:
-        return defaults, [f"no {PREPROCESSOR_NAME}: GotOcr2's defaults (squash resize, bicubic, "
-                          f"ImageNet mean/std) at the model's image size {image_size}"]
-    rules: list[str] = []
-    return processor_from_hf(settings, defaults, rules, source,
-                             processor_class=GOT_OCR2_IMAGE_PROCESSOR), rules
+    return squash_processor(settings, image_size, source, resample="bicubic",
+                            family="GotOcr2's", processor_class=GOT_OCR2_IMAGE_PROCESSOR)
 
 
 class HfInternVLFormat:
