@@ -302,7 +302,7 @@ def test_an_unexpected_error_is_one_line_naming_its_traceback_file(tmp_path, cap
     def broken(model):
         raise ZeroDivisionError("a bug of ours")
 
-    monkeypatch.setattr(info, "resolve_config", broken)
+    monkeypatch.setattr(info, "resolve", broken)
     line = one_line(capsys, ["info", "vit-ti/16"])
     written = tmp_path / f"vlm-vit-traceback-{os.getpid()}.txt"
     assert "unexpected ZeroDivisionError: a bug of ours" in line and str(written) in line
@@ -316,7 +316,7 @@ def test_verbose_prints_the_traceback_too(tmp_path, capsys, monkeypatch):
     def broken(model):
         raise ZeroDivisionError("a bug of ours")
 
-    monkeypatch.setattr(info, "resolve_config", broken)
+    monkeypatch.setattr(info, "resolve", broken)
     assert main(["-v", "info", "vit-ti/16"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "in broken" in err
