@@ -16,12 +16,12 @@ from typing import Any
 from vlm_vit.registry import unknown_name_error
 
 ACTIVATIONS = ("gelu", "quick_gelu", "gelu_tanh", "silu")
-POS_RESIZE_MODES = ("bicubic", "bilinear", "bilinear_corners")
+POS_RESIZE_MODES = ("bicubic", "bilinear", "bilinear_corners", "bicubic_grid_sample")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("mlp", "swiglu")
 POS_EMBEDS = ("learned", "sincos", "none")
 ROPE_FREQUENCIES = ("shared", "alternating")
-ROPE_POSITIONS = ("index", "centered")
+ROPE_POSITIONS = ("index", "centered", "one_based")
 # The hybrid's ResNet (`layers.hybrid_stem`): at most 4 stages (a whole R50), each of at most
 # 64 blocks (the deepest BiT stage, R152's, has 36).
 MAX_HYBRID_STAGES, MAX_HYBRID_BLOCKS = 4, 64
@@ -155,7 +155,8 @@ class EncoderConfig:
     # How the learned position table is resized to another grid (paper section 3.2).
     # bicubic with antialias matches timm and open_clip; Hugging Face uses bicubic without
     # antialias; the JAX code uses bilinear; Qwen3-VL bilinear with the corners aligned
-    # ("bilinear_corners", `layers.pos_resize_corners`).
+    # ("bilinear_corners", `layers.pos_resize_corners`); GLM-4V bicubic by `grid_sample` at
+    # each patch centre ("bicubic_grid_sample", `layers.pos_resize_sampled`).
     pos_resize_mode: str = "bicubic"
     pos_resize_antialias: bool = True
     # Mechanisms beyond the paper's block, each a module in `vlm_vit.layers`; the defaults are
@@ -170,7 +171,7 @@ class EncoderConfig:
     # The learned table E_pos (eq. 1); sincos: the fixed 2D sin-cos table of MAE computed for
     # every grid (AIMv2 native, `layers.pos_embed.sincos_2d_pos_embed`); none (RoPE-only).
     pos_embed: str = "learned"
-    patch_norm: bool = False  # `norm` over each patch embedding before E_pos (AIMv2's)
+    patch_norm: bool = False  # `norm` over each patch embedding before E_pos (AIMv2's, GLM-4V's)
     # 2D RoPE on q and k in every block, this frequency base (10000 in Pixtral and Qwen2-VL);
     # null for none. Rows and columns turn at the same head_dim/4 frequencies ("shared",
     # Qwen2-VL) or take the even and odd ones of head_dim/2 ("alternating", Pixtral).
@@ -181,7 +182,9 @@ class EncoderConfig:
     rope_reference_grid: tuple[int, int] | None = None
     # Where RoPE puts each patch: "index", its (row, col) index as above; "centered", DINOv3's
     # patch centres normalised to [-1, 1] over the image's own grid, in turns
-    # (`layers.rope_centered`), with no reference grid.
+    # (`layers.rope_centered`), with no reference grid; "one_based", Perception Encoder's
+    # (row + 1, col + 1), its class token at (0, 0), then scaled as above
+    # (`layers.rope_one_based`).
     rope_positions: str = "index"
     # A Conv3d patch embedding over this many frames (Qwen2-VL: 2), so images and video share
     # a tower; an image is its frame repeated (`layers.temporal_patch_embed`). null: Conv2d.
@@ -206,10 +209,11 @@ class EncoderConfig:
         `mlp` swiglu with `act` silu; `mlp_norm` only with swiglu; `hybrid_layers` null or 1
         to 4 stages of 1..64 blocks, with `patch_size` the ResNet's stride; `pos_embed`
         learned, none or sincos (with a width divisible by 4); `patch_norm` not with the
-        hybrid or Conv3d patches; `rope_theta` null or a finite number > 0, with a head dimension
+        hybrid; `rope_theta` null or a finite number > 0, with a head dimension
         (width / heads) divisible by 4;
         `rope_reference_grid` null or a (rows, cols) of 1..16384, only with `rope_theta`;
-        `rope_positions` index or centered (only with `rope_theta`, without a reference grid);
+        `rope_positions` index, centered (only with `rope_theta`, without a reference grid)
+        or one_based (only with `rope_theta`);
         `temporal_patch_size` null or 1..16, not with the hybrid; `window_size` null or a
         positive int no larger than the grid at `image_size` on both sides, without class or
         register tokens; `full_attention_blocks` distinct block indices, only with a window.
@@ -294,12 +298,10 @@ class EncoderConfig:
             raise ConfigError("mlp_norm", True, "false unless mlp is swiglu",
                               problem=f"mlp_norm normalises SwiGLU's gated hidden activation: it "
                               f"needs mlp 'swiglu', got mlp {self.mlp!r}")
-        if self.patch_norm and (self.hybrid_layers is not None
-                                or self.temporal_patch_size is not None):
-            raise ConfigError("patch_norm", True, "false with hybrid_layers or "
-                              "temporal_patch_size",
-                              problem="patch_norm normalises the Conv2d patch embedding's "
-                              "output: the hybrid and Conv3d patch embeddings have none")
+        if self.patch_norm and self.hybrid_layers is not None:
+            raise ConfigError("patch_norm", True, "false with hybrid_layers",
+                              problem="patch_norm normalises the Conv2d or Conv3d patch "
+                              "embedding's output: the hybrid's has none")
         if self.pos_embed == "sincos" and self.width % 4:
             raise ConfigError("pos_embed", "sincos", "a width divisible by 4",
                               problem=f"pos_embed 'sincos' splits the width in four (sin and "
@@ -339,6 +341,10 @@ class EncoderConfig:
                               problem="rope_positions 'centered' places 2D RoPE's patches at "
                               "their centres over each image's own grid: it needs rope_theta "
                               f"(got {theta!r}) and no rope_reference_grid (got {reference!r})")
+        if self.rope_positions == "one_based" and theta is None:
+            raise ConfigError("rope_positions", "one_based", "index without rope_theta",
+                              problem="rope_positions 'one_based' counts 2D RoPE's patches from "
+                              "1: it needs rope_theta, which is null")
         if theta is None:
             if reference is not None:
                 raise ConfigError("rope_reference_grid", reference, "null without rope_theta",

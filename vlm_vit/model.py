@@ -29,8 +29,9 @@ from vlm_vit.io.native import check_state_dict as check_state_dict
 from vlm_vit.layers import Attention, Segments
 from vlm_vit.layers.patch_masking import keep_patches, mask_patches
 from vlm_vit.layers.pos_embed import resample_pos_embed_cached
-from vlm_vit.layers.pos_resize_corners import resample_position_table
+from vlm_vit.layers.pos_resize_sampled import resize_position_table
 from vlm_vit.layers.residual import add_residual
+from vlm_vit.layers.rope_one_based import build_rope
 from vlm_vit.outputs import BlocksOutput, BlocksRecorder, EncoderOutput, PackedOutput
 from vlm_vit.packing import encode_packed
 
@@ -92,9 +93,9 @@ class VisionEncoder(NativeFormat, nn.Module):
         entries = int(config.class_token) + config.grid[0] * config.grid[1]
         self.pos_embed = nn.Parameter(torch.zeros(1, entries, width)) \
             if config.pos_embed == "learned" else None
-        self.rope = layers.build_rope(width // config.heads, config.rope_theta,
-                                      config.rope_frequencies, config.rope_reference_grid,
-                                      config.rope_positions)
+        self.rope = build_rope(width // config.heads, config.rope_theta,
+                               config.rope_frequencies, config.rope_reference_grid,
+                               config.rope_positions)
         self.norm_pre = layers.build_norm(config.norm, width, config.norm_eps) if config.pre_norm \
             else None
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
@@ -135,8 +136,9 @@ class VisionEncoder(NativeFormat, nn.Module):
                                                 device=self.blocks[0].attn.qkv.weight.device)
         resize = dict(num_prefix_tokens=int(self.config.class_token),
                       mode=self.config.pos_resize_mode, antialias=self.config.pos_resize_antialias)
-        if self.config.pos_resize_mode == "bilinear_corners":  # Qwen3-VL's, not cached
-            return resample_position_table(self.pos_embed, self.config.grid, grid, **resize)
+        if self.config.pos_resize_mode in ("bilinear_corners", "bicubic_grid_sample"):
+            # Qwen3-VL's and GLM-4V's, not cached (GLM-4V samples its own grid too)
+            return resize_position_table(self.pos_embed, self.config.grid, grid, **resize)
         return resample_pos_embed_cached(self.pos_embed, self.config.grid, grid, self._pos_cache,
                                          **resize)
 
@@ -355,7 +357,7 @@ class VisionEncoder(NativeFormat, nn.Module):
             self.config = new
             return
         with torch.no_grad():
-            table = resample_position_table(
+            table = resize_position_table(
                 self.pos_embed.data, self.config.grid, new.grid,
                 num_prefix_tokens=int(new.class_token), mode=new.pos_resize_mode,
                 antialias=new.pos_resize_antialias,

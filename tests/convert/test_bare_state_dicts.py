@@ -161,3 +161,17 @@ def test_google_npz_heads_are_proven_by_the_kernels(tmp_path):
     ours = load_encoder(path)
     assert ours.config.heads == 4  # the query kernel's [D, heads, head_dim]
     assert_every_hidden_state_equal(ours, timm_from_npz(path), 32)
+
+
+def test_the_convert_command_takes_heads_and_act_for_a_bare_file(tmp_path, capsys):
+    from vlm_vit.cli import main
+
+    torch.manual_seed(0)
+    model = perturbed(open_clip_tower(64, 2, 2, quick_gelu=True)).eval()
+    path = save_bare(tmp_path, model)
+    assert main(["convert", str(path), str(tmp_path / "out"), "--to", "native"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "does not record heads" in lines[0]
+    assert main(["convert", str(path), str(tmp_path / "out"), "--to", "native", "--heads", "2",
+                 "--act", "quick_gelu"]) == 0
+    assert_every_hidden_state_equal(load_encoder(tmp_path / "out"), model, 32)

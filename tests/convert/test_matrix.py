@@ -31,7 +31,11 @@ TARGETS = {"native": "out", "hf_clip": "out", "timm": "out", "open_clip": "out",
            # issue 45: InternViT both ways
            "hf_internvl": "out",
            # Qwen3-VL's vision tower both ways
-           "hf_qwen3_vl": "out"}
+           "hf_qwen3_vl": "out",
+           # GLM-4V's vision tower both ways
+           "hf_glm4v": "out",
+           # issue 45: Perception Encoder through timm
+           "timm_pe": "out"}
 
 
 
@@ -153,6 +157,19 @@ def qwen3_vl(folder):
     return folder / "qwen3"
 
 
+def glm4v(folder):
+    """A tiny `Glm4vVisionModel` (a 4x4 table read by grid_sample and 2D RoPE, Conv3d patches
+    with a bias and an RMSNorm, bias-free SwiGLU blocks, a downsample and merger), saved by
+    transformers."""
+    from transformers.models.glm4v.configuration_glm4v import Glm4vVisionConfig
+    from transformers.models.glm4v.modeling_glm4v import Glm4vVisionModel
+
+    config = Glm4vVisionConfig(depth=2, hidden_size=128, intermediate_size=256,
+                               out_hidden_size=64, num_heads=2, patch_size=8, image_size=32)
+    perturbed(Glm4vVisionModel(config)).save_pretrained(folder / "glm4v")
+    return folder / "glm4v"
+
+
 def siglip2(folder):
     """A tiny `Siglip2VisionModel` (NaFlex: a Linear patch embedding, a 4x4 table resized
     per image), saved by transformers."""
@@ -208,6 +225,15 @@ def dinov3_timm(folder):
     return save_dinov3(folder, "vit_small_patch16_dinov3_qkvb", embed_dim=128, num_heads=2)[0]
 
 
+def pe_timm(folder):
+    """A tiny `vit_pe_core_tiny_patch16_384`-shaped timm Eva (a table and RoPE counted from 1,
+    its MAP head), saved as timm's hub layout."""
+    from .test_timm_pe import save_pe
+
+    folder.mkdir(parents=True, exist_ok=True)
+    return save_pe(folder, "vit_pe_core_tiny_patch16_384", embed_dim=128, num_heads=2)[0]
+
+
 SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("hf_clip"),
            "timm (ours)": written_by_us("timm"), "open_clip (ours)": written_by_us("open_clip"),
            # the issue's reproduction: a CLIPVisionModel with no projection
@@ -233,6 +259,9 @@ SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("h
            "hf Qwen2.5-VL vision": qwen2_5_vl,
            # Qwen3-VL's (a learned table and 2D RoPE, Conv3d patches with a bias)
            "hf Qwen3-VL vision": qwen3_vl,
+           # GLM-4V's (a table read by grid_sample, a patch RMSNorm after the Conv3d, a
+           # downsample and merger read as the conv_merger pooler)
+           "hf GLM-4V vision": glm4v,
            # issue 33: timm's EVA-02 (RoPE, packed SwiGLU, q/v biases)
            "timm eva02": timm_eva02,
            # issue 31: SigLIP 2 NaFlex (a Linear patch embedding, bilinear table resize)
@@ -240,9 +269,12 @@ SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("h
            # issue 45: AIMv2 (a patch-embedding RMSNorm, bias-free Linears, its pooling head)
            "hf Aimv2VisionModel": aimv2_hf, "timm aimv2": aimv2_timm,
            # issue 45: DINOv3 (RoPE at patch centres, registers, LayerScale, no position table)
-           "hf DINOv3ViTModel": dinov3_hf, "timm dinov3": dinov3_timm}
+           "hf DINOv3ViTModel": dinov3_hf, "timm dinov3": dinov3_timm,
+           # issue 45: Perception Encoder (a table beside RoPE counted from 1, a MAP head)
+           "timm pe": pe_timm}
 DINOV3 = ("hf DINOv3ViTModel", "timm dinov3")
 AIMV2 = ("hf Aimv2VisionModel", "timm aimv2")
+GLM4V = "hf GLM-4V vision"
 # Pairs the target's architecture cannot hold, and the reason the refusal must give.
 # (Paper-style towers, with no pre-norm, do not fit CLIP's layouts; the hf-clip writer writes
 # CLIP, not SigLIP.)
@@ -268,6 +300,9 @@ CANNOT.update({("hf Qwen2.5-VL vision", "timm"): "norm='rmsnorm'",
 CANNOT.update({("hf Qwen3-VL vision", "timm"): "temporal_patch_size=2",
                **{("hf Qwen3-VL vision", target): "rope_theta=10000.0"
                   for target in ("open_clip", "hf_clip")}})
+# GLM-4V (2D RoPE, RMSNorm, SwiGLU with SiLU, a patch norm) fits none of the plain layouts.
+CANNOT.update({(GLM4V, "timm"): "norm='rmsnorm'", (GLM4V, "open_clip"): "act='silu'",
+               (GLM4V, "hf_clip"): "rope_theta=10000.0"})
 CANNOT.update({("timm eva02", "timm"): "mlp='swiglu'",
                **{("timm eva02", target): "rope_theta=10000.0"
                   for target in ("open_clip", "hf_clip")}})
@@ -275,6 +310,9 @@ CANNOT.update({("timm eva02", "timm"): "mlp='swiglu'",
 CANNOT.update({("hf Siglip2VisionModel", target): CANNOT["hf SiglipVisionModel", target]
                for target in ("open_clip", "hf_clip")})
 # AIMv2 (RMSNorm, SwiGLU, no class token, no pre-norm) fits neither timm's ViT nor CLIP's.
+# PE (a table beside 2D RoPE, pre-norm, no patch bias) fits neither timm's ViT nor CLIP's.
+CANNOT.update({("timm pe", target): "rope_theta=10000.0"
+               for target in ("timm", "open_clip", "hf_clip")})
 CANNOT.update({(source, target): reason for source in AIMV2
                for target, reason in (("timm", "norm='rmsnorm'"), ("open_clip", "pre_norm=False"),
                                       ("hf_clip", "pre_norm=False"))})
@@ -286,27 +324,31 @@ QWEN = ("hf Qwen2-VL vision", "hf Qwen2.5-VL vision", "hf Qwen3-VL vision")
 WRITTEN_BACK = {"hf_dinov2": ("google npz", "hf Dinov2Model", "hf ViTMAEModel", "hf ViTModel",
                               "timm dinov2 registers"),
                 "hf_pixtral": ("hf PixtralVisionModel",), "hf_qwen2_vl": (QWEN[0],),
-                "hf_qwen2_5_vl": (QWEN[1],), "hf_qwen3_vl": (QWEN[2],),
+                "hf_qwen2_5_vl": (QWEN[1],), "hf_qwen3_vl": (QWEN[2],), "hf_glm4v": (GLM4V,),
                 "timm_eva": ("timm eva02",),
                 "hf_aimv2": AIMV2, "timm_aimv2": AIMV2,
-                "hf_dinov3": DINOV3, "timm_dinov3": DINOV3,
+                "hf_dinov3": DINOV3, "timm_dinov3": DINOV3, "timm_pe": ("timm pe",),
                 # paper-style towers: LayerScale of one, bicubic resize without antialias
                 "hf_internvl": ("hf InternVLVisionModel", "google npz", "hf Dinov2Model",
                                 "hf ViTMAEModel", "hf ViTModel")}
 REASONS = {
     "hf_dinov2": {**dict.fromkeys(CLIP_SHAPED, "pre_norm=True"),
                   "google npz hybrid": "hybrid_layers", "timm eva02": "final_norm=False",
-                  **dict.fromkeys(DINOV3, "pos_embed='none'"),
+                  **dict.fromkeys(DINOV3, "pos_embed='none'"), "timm pe": "pre_norm=True",
                   "default": "class_token=False"},
-    "hf_pixtral": {**dict.fromkeys(QWEN, "pre_norm=False"), "timm eva02": "class_token=True",
-                   **dict.fromkeys(DINOV3, "class_token=True"),
+    "hf_pixtral": {**dict.fromkeys((*QWEN, GLM4V), "pre_norm=False"),
+                   "timm eva02": "class_token=True",
+                   **dict.fromkeys((*DINOV3, "timm pe"), "class_token=True"),
                    "default": "rope_theta=None"},
     "hf_qwen2_vl": {QWEN[1]: "norm='rmsnorm'", QWEN[2]: "pos_embed='learned'",
-                    "default": "temporal_patch_size=None"},
-    "hf_qwen2_5_vl": {**dict.fromkeys(QWEN[::2], "norm='layernorm'"),
+                    GLM4V: "patch_norm=True", "default": "temporal_patch_size=None"},
+    "hf_qwen2_5_vl": {**dict.fromkeys(QWEN[::2], "norm='layernorm'"), GLM4V: "patch_norm=True",
                       "default": "temporal_patch_size=None"},
     "hf_qwen3_vl": {**dict.fromkeys(QWEN[:2], "patch_bias=False"),
+                    GLM4V: "pos_resize_mode='bicubic_grid_sample'",
                     "default": "temporal_patch_size=None"},
+    "hf_glm4v": {**dict.fromkeys(QWEN, "patch_norm=False"),
+                 "default": "temporal_patch_size=None"},
     "timm_eva": {**dict.fromkeys(CLIP_SHAPED, "norm_eps=1e-05"),
                  **dict.fromkeys(("hf ViTModel", "hf ViTMAEModel"), "norm_eps=1e-12"),
                  **dict.fromkeys(("hf SiglipVisionModel", "hf Siglip2VisionModel", "google npz"),
@@ -315,11 +357,18 @@ REASONS = {
                  "google npz hybrid": "hybrid_layers",
                  **dict.fromkeys(QWEN[::2], "temporal_patch_size=2"),
                  **dict.fromkeys(DINOV3, "rope_positions='centered'"),
+                 "timm pe": "rope_positions='one_based'",
                  "default": "norm='rmsnorm'"},  # Pixtral, Qwen2.5-VL, AIMv2
-    "hf_aimv2": {"default": "patch_norm=False"},
-    "timm_aimv2": {"default": "patch_norm=False"},
-    "hf_dinov3": {"default": "rope_positions='index'"},
-    "timm_dinov3": {"default": "rope_positions='index'"},
+    "hf_aimv2": {GLM4V: "temporal_patch_size=2", "default": "patch_norm=False"},
+    "timm_aimv2": {GLM4V: "temporal_patch_size=2", "default": "patch_norm=False"},
+    "hf_dinov3": {"timm pe": "rope_positions='one_based'", "default": "rope_positions='index'"},
+    "timm_dinov3": {"timm pe": "rope_positions='one_based'",
+                    "default": "rope_positions='index'"},
+    "timm_pe": {"hf PixtralVisionModel": "norm='rmsnorm'",
+                **dict.fromkeys((*QWEN, GLM4V), "temporal_patch_size=2"),
+                "timm eva02": "mlp='swiglu'",
+                **dict.fromkeys(DINOV3, "rope_positions='centered'"),
+                "default": "rope_theta=None"},
     "hf_internvl": {"default": "(InternVL needs"},
 }
 CANNOT.update({(source, target): reasons.get(source, reasons["default"])

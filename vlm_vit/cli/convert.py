@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from vlm_vit.cli.common import check_output_apart, image_size, reading_checkpoint
+from vlm_vit.config import ACTIVATIONS
 
 # transformers reads shards; timm and open_clip read one weight file
 SHARDABLE = ("native", "hf_clip", "hf_dinov2", "hf_pixtral", "hf_qwen2_vl", "hf_qwen2_5_vl")
@@ -39,10 +40,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "replaced")
     parser.add_argument("--to", required=True, metavar="FORMAT",
                         help="native, hf-clip, hf-dinov2, hf-pixtral, hf-qwen2-vl, "
-                        "hf-qwen2-5-vl, hf-qwen3-vl, hf-aimv2, hf-dinov3, hf-internvl, timm, "
-                        "timm-eva, timm-aimv2, timm-dinov3 or open_clip (dashes or underscores)")
+                        "hf-qwen2-5-vl, hf-qwen3-vl, hf-glm4v, hf-aimv2, hf-dinov3, hf-internvl, "
+                        "timm, timm-eva, timm-aimv2, timm-dinov3, timm-pe or open_clip (dashes or "
+                        "underscores)")
     parser.add_argument("--from", dest="source_format", metavar="FORMAT",
                         help="read SRC as this format instead of detecting it")
+    parser.add_argument("--heads", type=int, metavar="N",
+                        help="attention heads of a bare state dict (a weight file with no "
+                        "config: no tensor shape records them; vlm_vit/convert/bare.py)")
+    parser.add_argument("--act", choices=ACTIVATIONS,
+                        help="the MLP activation of a bare open_clip / OpenAI file (quick_gelu "
+                        "for OpenAI's weights, gelu for LAION's)")
     parser.add_argument("--image-size", type=int, nargs="+", metavar="SIDE",
                         help="resize the position table to SIDE or HEIGHT WIDTH on the way")
     parser.add_argument("--crop-rounding", choices=("floor", "round"), default=None,
@@ -79,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
     size = image_size(args.image_size)
     overrides = {"image_size": size} if size else {}
     with reading_checkpoint(args.source):
-        converted = convert_checkpoint(args.source, args.source_format)
+        given = {name: value for name, value in (("heads", args.heads), ("act", args.act))
+                 if value is not None}
+        converted = convert_checkpoint(args.source, args.source_format, given=given)
         encoder = VisionEncoder.from_state_dict(converted.state, converted.config,
                                                 source=args.source, **overrides)
     pooler = (build_native_pooler(converted.pooler, args.source)

@@ -10,6 +10,7 @@ from vlm_vit.convert import (  # noqa: F401  (importing registers the formats)
     hf_clip,
     hf_dinov2,
     hf_dinov3,
+    hf_glm4v,
     hf_internvl,
     hf_pixtral,
     hf_qwen2_5_vl,
@@ -24,6 +25,7 @@ from vlm_vit.convert import (  # noqa: F401  (importing registers the formats)
     timm_aimv2,
     timm_dinov3,
     timm_eva,
+    timm_pe,
 )
 from vlm_vit.convert.base import (
     FORMATS,

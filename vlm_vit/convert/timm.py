@@ -220,8 +220,11 @@ class TimmFormat:
     def matches(self, checkpoint: Checkpoint) -> bool:
         native = bool(checkpoint.config) and checkpoint.config.get("model_type") == MODEL_TYPE
         # A norm on the patch embeddings (AIMv2's) is `timm_aimv2`'s, as Eva's attention is
-        # `timm_eva`'s.
-        return not native and not checkpoint.has_prefix(*EVA_ATTENTION, PATCH_NORM) and {
+        # `timm_eva`'s and a config naming a Perception Encoder (a ViT's tensors) `timm_pe`'s.
+        from vlm_vit.convert.timm_pe_registrations import is_timm_pe
+
+        return not native and not checkpoint.has_prefix(*EVA_ATTENTION, PATCH_NORM) and \
+            not is_timm_pe(checkpoint) and {
             "patch_embed.proj.weight", "pos_embed", "blocks.0.attn.qkv.weight"
         } <= set(checkpoint.tensors)
 

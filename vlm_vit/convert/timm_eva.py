@@ -69,6 +69,7 @@ from vlm_vit.convert.timm import (
     write_timm_directory,
 )
 from vlm_vit.convert.timm_dinov3 import is_timm_dinov3
+from vlm_vit.convert.timm_pe_registrations import is_timm_pe
 from vlm_vit.io.native import MODEL_TYPE
 from vlm_vit.processor import ImageProcessor
 
@@ -153,8 +154,8 @@ def is_timm_eva(checkpoint: Checkpoint) -> bool:
     ViT's tensors: `format="timm_eva"` settles it)."""
     config = checkpoint.config or {}
     if config.get("model_type") == MODEL_TYPE or "patch_embed.proj.weight" not in \
-            checkpoint.tensors or is_timm_dinov3(checkpoint):  # DINOv3's RoPE: `timm_dinov3`
-        return False
+            checkpoint.tensors or is_timm_dinov3(checkpoint) or is_timm_pe(checkpoint):
+        return False  # DINOv3's RoPE is `timm_dinov3`'s, Perception Encoder's `timm_pe`'s
     return checkpoint.has_prefix(*EVA_ATTENTION) or \
         _architecture(config) in ARCHITECTURES
 

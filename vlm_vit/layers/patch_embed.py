@@ -3,7 +3,7 @@
 A convolution with kernel = stride = P computes exactly that map, faster. `build_patch_embed`
 picks it or the hybrid's ResNet features (`hybrid_stem.py`, paper section 3.1). AIMv2 (Fini et
 al. 2025) normalises each patch embedding before the positions are added: timm's
-`patch_embed.norm` (`EncoderConfig.patch_norm`).
+`patch_embed.norm` (`EncoderConfig.patch_norm`); GLM-4V does so after its Conv3d.
 """
 
 from __future__ import annotations
@@ -68,17 +68,17 @@ def build_patch_embed(patch_size: int, in_channels: int, width: int, bias: bool 
     ResNet of those stages and a 1x1 projection (`HybridPatchEmbed`, whose stride must be
     `patch_size`); with `temporal_patch_size` a Conv3d over that many frames
     (`TemporalPatchEmbed`, images as a repeated frame). Each returns `[B, N, D]` and the grid.
-    `norm` (`PatchEmbed`'s only) normalises each patch embedding.
+    `norm` (not the hybrid's) normalises each patch embedding.
 
     Raises:
-        ValueError: for a hybrid whose stride is not `patch_size`, or a norm with the hybrid
-            or the Conv3d.
+        ValueError: for a hybrid whose stride is not `patch_size`, or a norm with the hybrid.
     """
-    if norm is not None and (temporal_patch_size is not None or hybrid_layers is not None):
-        raise ValueError("a patch norm needs the Conv2d patch embedding (not the hybrid's or "
-                         "the Conv3d's)")
+    if norm is not None and hybrid_layers is not None:
+        raise ValueError("a patch norm needs the Conv2d or Conv3d patch embedding (not the "
+                         "hybrid's)")
     if temporal_patch_size is not None:
-        return TemporalPatchEmbed(patch_size, in_channels, width, temporal_patch_size, bias)
+        return TemporalPatchEmbed(patch_size, in_channels, width, temporal_patch_size, bias,
+                                  norm=norm)
     if hybrid_layers is None:
         return PatchEmbed(patch_size, in_channels, width, bias=bias, norm=norm)
     embed = HybridPatchEmbed(width, hybrid_layers, in_channels, bias=bias)

@@ -10,6 +10,9 @@ From 2D weights: `inflate_patch_kernel` spreads a 2D kernel evenly over the T fr
 (W / T each), so an image gives the 2D embedding exactly (W / 2 + W / 2 = W in binary floating
 point) and a clip the average of its frames' embeddings. Qwen2-VL's trained kernels are not
 spread evenly; their image embedding is the sum over time, as above.
+
+GLM-4V (GLM-V team 2025) normalises each tube embedding (its `post_conv_layernorm`, an
+RMSNorm) before the positions are added: `norm`, as `PatchEmbed`'s for AIMv2.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ class TemporalPatchEmbed(nn.Module):
         width: D.
         temporal_patch_size: T, frames per tube (2 in Qwen2-VL and Qwen2.5-VL).
         bias: whether the map has a bias (Qwen2-VL's has none).
+        norm: a norm over each embedding (GLM-4V's RMSNorm); none when None.
     """
 
     def __init__(
         self, patch_size: int, in_channels: int, width: int, temporal_patch_size: int = 2,
-        bias: bool = False,
+        bias: bool = False, norm: nn.Module | None = None,
     ) -> None:
         super().__init__()
         if temporal_patch_size < 1:
@@ -48,6 +52,7 @@ class TemporalPatchEmbed(nn.Module):
         self.temporal_patch_size = temporal_patch_size
         kernel = (temporal_patch_size, patch_size, patch_size)
         self.proj = nn.Conv3d(in_channels, width, kernel, stride=kernel, bias=bias)
+        self.norm = norm  # None adds no module, so existing models keep their module tree
 
     def grid(self, height: int, width: int) -> tuple[int, int]:
         """The patch grid (rows, cols), by `PatchEmbed.grid`'s rule (not imported from there:
@@ -75,7 +80,8 @@ class TemporalPatchEmbed(nn.Module):
         weight = self.proj.weight.sum(dim=2)  # (D, C, P, P): the T frames of a repeated image
         x = F.conv2d(pixel_values.to(weight.dtype), weight, self.proj.bias,
                      stride=self.patch_size)  # (B, D, rows, cols)
-        return x.flatten(2).transpose(1, 2), grid
+        x = x.flatten(2).transpose(1, 2)  # (B, N, D)
+        return (x if self.norm is None else self.norm(x)), grid
 
     def forward_clip(self, clip: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """Embeds clips `[B, C, frames, H, W]`, frames a multiple of T.
@@ -98,4 +104,6 @@ class TemporalPatchEmbed(nn.Module):
             )
         rows, cols = self.grid(clip.shape[3], clip.shape[4])
         x = self.proj(clip.to(self.proj.weight.dtype))  # (B, D, t, rows, cols)
-        return x.flatten(2).transpose(1, 2), (frames // self.temporal_patch_size, rows, cols)
+        x = x.flatten(2).transpose(1, 2)  # (B, t * N, D)
+        return (x if self.norm is None else self.norm(x)), \
+            (frames // self.temporal_patch_size, rows, cols)

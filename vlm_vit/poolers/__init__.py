@@ -3,6 +3,7 @@
 from vlm_vit.poolers import (  # noqa: F401
     attention_pool,
     attentive_probe,
+    conv_merger,
     mlp,
     patch_merger,
     perceiver,

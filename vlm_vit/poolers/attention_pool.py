@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlm_vit.config import check_bool
 from vlm_vit.poolers.base import (
     MAX_POOLER_TOKENS,
     FeedForward,
@@ -32,12 +33,15 @@ class AttentionPool(nn.Module):
         mlp_ratio: hidden width of the MLP after attention, as a multiple of D.
         act: the MLP's activation (SigLIP's head uses "gelu_tanh").
         eps: the MLP's LayerNorm epsilon (SigLIP: 1e-6).
+        keep_prefix: attend over the class and register tokens too (a tower then hands them
+            over): the MAP head of timm's Perception Encoder core towers.
     """
 
     def __init__(self, in_dim: int, out_dim: int | None = None, num_queries: int = 1,
                  heads: int | None = None, mlp_ratio: float = 4.0, act: str = "gelu",
-                 eps: float = 1e-5):
+                 eps: float = 1e-5, keep_prefix: bool = False):
         super().__init__()
+        self.keep_prefix = check_bool("keep_prefix", keep_prefix)
         num_queries = check_count("num_queries", num_queries, MAX_POOLER_TOKENS)
         heads, mlp_ratio = check_heads(heads, in_dim), check_mlp_ratio(mlp_ratio)
         self.in_dim, self.out_dim, self.num_queries = in_dim, out_dim or in_dim, num_queries
