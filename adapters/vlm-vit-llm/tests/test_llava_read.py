@@ -252,7 +252,7 @@ def test_a_folder_of_another_model_type_is_one_line(llava_folder, model_type):
     assert line.startswith(f"{config}: model_type ") and ("not a multimodal model vlm-vit-llm "
                                                           "reads (llava, llava_next, "
                                                           "llava_onevision, qwen2_vl, "
-                                                          "qwen2_5_vl)") in line, line
+                                                          "qwen2_5_vl, qwen3_vl)") in line, line
     assert "\n" not in line and len(line) < MAX_LINE, len(line)
 
 

@@ -8,6 +8,7 @@ from conftest import perturb_lora, photos, tiny_llm, tiny_tower
 
 from vlm_vit_llm import IGNORE_INDEX, MultimodalLM, varlen_attention
 from vlm_vit_llm import packing as packing_module
+from vlm_vit_llm.deepstack import fed
 from vlm_vit_llm.model import target_ids
 from vlm_vit_llm.packing import (
     PackingLeakError,
@@ -82,8 +83,9 @@ def reference(mm, batch: ConversationBatch, reduction: str):
     losses, counts = [], []
     for ids, labels, images in zip(batch.input_ids, batch.labels, batch.images, strict=True):
         alone = mm.prepare([ids], [images], token_labels=[labels])
-        out = mm.llm(inputs_embeds=mm.embed(alone), attention_mask=alone.attention_mask,
-                     position_ids=alone.position_ids, labels=alone.labels, use_cache=False)
+        with fed(mm.deepstack, alone):  # Qwen3-VL: its DeepStack too
+            out = mm.llm(inputs_embeds=mm.embed(alone), attention_mask=alone.attention_mask,
+                         position_ids=alone.position_ids, labels=alone.labels, use_cache=False)
         losses.append(out.loss)
         counts.append(sum(label != IGNORE_INDEX for label in labels[1:]))
     if reduction == "token":

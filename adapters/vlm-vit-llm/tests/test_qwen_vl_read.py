@@ -20,12 +20,21 @@ SPECIAL = ["<|endoftext|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>
            "<|video_pad|>"]
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPTS = [f"{IMAGE}what is in the image", f"the dog {IMAGE} runs {IMAGE}", "a red square"]
+# Every class name prefix `qwen_folder` builds; Qwen3-VL's own tests are test_qwen3_vl.py.
+CLASS_NAMES = {**FAMILIES, "qwen3_vl": "Qwen3VL"}
 VISION = {  # tiny towers: patch 8, 2x2 merge, 2 frames a temporal patch
     "qwen2_vl": dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
     "qwen2_5_vl": dict(depth=2, hidden_size=32, out_hidden_size=64, num_heads=2,
                        intermediate_size=64, window_size=32, fullatt_block_indexes=[1],
                        tokens_per_second=2),
+    # a 6 x 6 position table; DeepStack mergers after blocks 0 and 1 feed LLM layers 0 and 1
+    "qwen3_vl": dict(depth=3, hidden_size=32, out_hidden_size=64, num_heads=2,
+                     intermediate_size=48, num_position_embeddings=36,
+                     deepstack_visual_indexes=[0, 1]),
 }
+TEXT = {"qwen2_vl": {}, "qwen2_5_vl": {}, "qwen3_vl": dict(head_dim=16)}
+VIDEO_PROCESSORS = {"qwen3_vl": "Qwen3VLVideoProcessor"}
+MEAN_STD = {"qwen3_vl": dict(image_mean=[0.5] * 3, image_std=[0.5] * 3)}  # Qwen3-VL's own
 
 
 def qwen_tokenizer():
@@ -49,7 +58,7 @@ def qwen_folder(folder, family: str, tie: tuple[bool, bool] = (False, False)):
     `tie` says; returns transformers' reading of it and its processor (PIL)."""
     tokenizer = qwen_tokenizer()
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL}
-    config = getattr(transformers, FAMILIES[family] + "Config")(
+    config = getattr(transformers, CLASS_NAMES[family] + "Config")(
         vision_config=dict(VISION[family], patch_size=8, spatial_merge_size=2,
                            temporal_patch_size=2),
         text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -57,11 +66,11 @@ def qwen_folder(folder, family: str, tie: tuple[bool, bool] = (False, False)):
                          vocab_size=len(tokenizer) + 4, eos_token_id=0, bos_token_id=0,
                          max_position_embeddings=512, tie_word_embeddings=tie[1],
                          rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
-                                          "rope_theta": 10000.0}),
+                                          "rope_theta": 10000.0}, **TEXT[family]),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=tie[0])
-    model_class = getattr(transformers, FAMILIES[family] + "ForConditionalGeneration")
+    model_class = getattr(transformers, CLASS_NAMES[family] + "ForConditionalGeneration")
     torch.manual_seed(0)
     model = model_class(config)
     with torch.no_grad():
@@ -70,9 +79,10 @@ def qwen_folder(folder, family: str, tie: tuple[bool, bool] = (False, False)):
     model.save_pretrained(folder)
     sizes = dict(min_pixels=16 * 16, max_pixels=64 * 64, patch_size=8, merge_size=2,
                  temporal_patch_size=2)
-    getattr(transformers, FAMILIES[family] + "Processor")(
-        image_processor=transformers.Qwen2VLImageProcessorPil(**sizes), tokenizer=tokenizer,
-        video_processor=transformers.Qwen2VLVideoProcessor(**sizes)).save_pretrained(folder)
+    video = getattr(transformers, VIDEO_PROCESSORS.get(family, "Qwen2VLVideoProcessor"))
+    getattr(transformers, CLASS_NAMES[family] + "Processor")(
+        image_processor=transformers.Qwen2VLImageProcessorPil(**sizes, **MEAN_STD.get(family, {})),
+        tokenizer=tokenizer, video_processor=video(**sizes)).save_pretrained(folder)
     processor = transformers.AutoProcessor.from_pretrained(folder)
     processor.image_processor = transformers.AutoImageProcessor.from_pretrained(folder,
                                                                                backend="pil")
@@ -210,8 +220,8 @@ def _edit(path, change):
     ("processor_config.json", lambda raw: raw["image_processor"].update(
         size={"shortest_edge": 10 ** 9, "longest_edge": 16}), "pixel bounds 1000000000 to 16"),
     ("processor_config.json", lambda raw: raw.pop("image_processor"), "no image processor"),
-    ("config.json", lambda raw: raw.update(model_type="qwen3_vl"),
-     "model_type 'qwen3_vl' is not a multimodal model vlm-vit-llm reads"),
+    ("config.json", lambda raw: raw.update(model_type="glm4v"),
+     "model_type 'glm4v' is not a multimodal model vlm-vit-llm reads"),
     ("config.json", lambda raw: raw["vision_config"].update(out_hidden_size=48, hidden_size=48),
      "the vision merger gives width 48, but the language model's hidden_size is 64"),
 ])

@@ -98,7 +98,7 @@ def test_an_unknown_llm_layout_is_one_line(qwen, tmp_path):
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**config, "llm_layout": "qwen9_vl"}))
     with pytest.raises(ValueError, match=r"llm_layout 'qwen9_vl' is not one this version reads "
-                                         r"\(llava, .*qwen2_5_vl\)"):
+                                         r"\(llava, .*qwen2_5_vl, qwen3_vl\)"):
         MultimodalLM.from_pretrained(tmp_path / "saved")
 
 
@@ -115,9 +115,9 @@ def test_a_tower_the_config_does_not_describe_is_refused_before_writing(qwen, tm
 def test_a_multimodal_rope_family_without_a_writer_is_refused_before_writing(qwen, tmp_path):
     family, folder, hf, processor = qwen
     mm = MultimodalLM.from_pretrained(folder)
-    mm.llm.config.model_type = "qwen3_vl"  # M-RoPE, no writer yet
-    with pytest.raises(ValueError, match=r"\(model_type 'qwen3_vl'\) cannot be written yet; "
-                                         r"vlm-vit-llm writes qwen2_vl, qwen2_5_vl"):
+    mm.llm.config.model_type = "glm4v"  # M-RoPE, no writer
+    with pytest.raises(ValueError, match=r"\(model_type 'glm4v'\) cannot be written yet; "
+                                         r"vlm-vit-llm writes qwen2_vl, qwen2_5_vl, qwen3_vl"):
         mm.save_pretrained(tmp_path / "saved")
     assert not (tmp_path / "saved").exists()
 

@@ -35,6 +35,9 @@ class MultimodalBatch:
             still run the tower (`vlm_vit_llm.parallel.idle_image_features`): `embed` adds
             them times 0.0, which changes no value but joins the tower to the graph; else
             None.
+        deepstack_features: for a model with DeepStack (Qwen3-VL, `vlm_vit_llm.deepstack`),
+            per DeepStack layer `[total image tokens, D]`, in the order of `image_features`;
+            else None.
     """
 
     input_ids: torch.Tensor
@@ -46,6 +49,7 @@ class MultimodalBatch:
     record_index: torch.Tensor | None = None
     packing: str | None = None
     idle_features: torch.Tensor | None = None
+    deepstack_features: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass(frozen=True)

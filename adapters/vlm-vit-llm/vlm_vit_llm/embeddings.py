@@ -84,8 +84,12 @@ def image_embeddings(mm: Any, images: list[Any], cache: Any = None) -> ImageEmbe
             in it otherwise (the tower then runs on the others only).
 
     Raises:
-        ValueError: for no images, more than `MAX_IMAGES`, or an image `prepare` refuses.
+        ValueError: for no images, more than `MAX_IMAGES`, an image `prepare` refuses, or a
+            model with DeepStack (Qwen3-VL: its taps are not in any layout written yet).
     """
+    if getattr(mm, "deepstack", None) is not None:
+        raise ValueError("Qwen3-VL's images feed its LLM's first layers too (DeepStack); "
+                         "their embeddings are not written yet")
     if not images:
         raise ValueError("no images to embed")
     if len(images) > MAX_IMAGES:

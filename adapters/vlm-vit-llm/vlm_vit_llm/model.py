@@ -29,6 +29,7 @@ from torch import nn
 
 from vlm_vit import ImageProcessor, VisionTower
 from vlm_vit_llm.batch_types import MultimodalBatch, TiledImage, Video
+from vlm_vit_llm.deepstack import DeepStack, fed
 from vlm_vit_llm.mrope import (
     batch_positions,
     context_length,
@@ -68,6 +69,8 @@ class MultimodalLM(nn.Module):
         image_token: the placeholder string in prompts.
         video_token: a second placeholder, for clips only (`Video`), which the tokenizer must
             hold (Qwen-VL's `<|video_pad|>`); a clip may stand at `image_token` too.
+        deepstack: Qwen3-VL's DeepStack mergers, fed to the LLM's first layers
+            (`vlm_vit_llm.deepstack.DeepStack`), or None.
         processor: turns PIL images and files into pixels; default: CLIP normalisation at
             the encoder's image size with `crop_rounding="floor"`, as LLaVA's transformers
             processor crops (logged); for a tiled tower, its own processor, else CLIP
@@ -80,7 +83,7 @@ class MultimodalLM(nn.Module):
 
     def __init__(self, tower: VisionTower, llm: nn.Module, tokenizer: Any,
                  image_token: str = "<image>", processor: ImageProcessor | None = None,
-                 video_token: str | None = None):
+                 video_token: str | None = None, deepstack: DeepStack | None = None):
         super().__init__()
         if tower.num_image_tokens() is None:
             raise ValueError(f"the tower's {type(tower.pooler).__name__} pooler returns one "
@@ -93,6 +96,7 @@ class MultimodalLM(nn.Module):
                              f"embeddings have width {width}: build the pooler with "
                              f"out_dim={width}")
         self.tower, self.llm, self.tokenizer = tower, llm, tokenizer
+        self.deepstack = deepstack
         self.image_token = image_token
         tiling = tower.tiling
         if processor is None and tiling is not None:
@@ -205,7 +209,10 @@ class MultimodalLM(nn.Module):
         images = checked_arguments(texts, images, targets, token_labels, padding_side)
         prompt_ids = [self._prompt_ids(text, prompt) for prompt, text in enumerate(texts)]
         pixels, counts, owners = self._pixels_per_image(texts, images, prompt_ids)
-        features = self.image_features(pixels) if pixels else []  # one tower call
+        if self.deepstack is None:
+            features, taps = self.image_features(pixels) if pixels else [], None  # one tower call
+        else:  # Qwen3-VL: the DeepStack taps from the same encoder run
+            features, taps = self.deepstack.image_features(self, pixels)
         idle = None if pixels else idle_image_features(self)  # see vlm_vit_llm.parallel
         vocabulary = self.llm.get_input_embeddings().num_embeddings
         labels = None if token_labels is None else [
@@ -242,7 +249,8 @@ class MultimodalLM(nn.Module):
                 positions = packed_batch_positions(batch.position_ids, batch.record_index,
                                                    batch.image_mask, grids, owners, steps)
             batch = replace(batch, position_ids=positions)
-        return replace(batch, idle_features=idle)
+        return replace(batch, idle_features=idle, deepstack_features=None if taps is None else
+                       DeepStack.in_batch_order(taps, owners, pack))
 
     def _prompt_ids(self, text: str | Sequence[int], prompt: int) -> list[int]:
         """A prompt's token ids, checked: as many image tokens as placeholders."""
@@ -339,11 +347,15 @@ class MultimodalLM(nn.Module):
     def run(self, batch: MultimodalBatch, **llm_kwargs: Any):
         """The LLM's output on a prepared batch, padded or packed (`.loss` with labels: the
         mean over the batch's supervised tokens); `llm_kwargs` go to the LLM."""
-        if batch.packing is None:
-            return self.llm(inputs_embeds=self.embed(batch), attention_mask=batch.attention_mask,
-                            position_ids=batch.position_ids, labels=batch.labels, **llm_kwargs)
-        return run_packed(self.llm, self.embed(batch), batch.position_ids, batch.record_index,
-                          batch.packing, labels=batch.labels, **llm_kwargs)
+        with fed(self.deepstack, batch):  # Qwen3-VL's DeepStack features reach the LLM
+            if batch.packing is None:
+                return self.llm(inputs_embeds=self.embed(batch),
+                                attention_mask=batch.attention_mask,
+                                position_ids=batch.position_ids, labels=batch.labels,
+                                **llm_kwargs)
+            return run_packed(self.llm, self.embed(batch), batch.position_ids,
+                              batch.record_index, batch.packing, labels=batch.labels,
+                              **llm_kwargs)
 
     @torch.inference_mode()
     def generate(self, texts: Sequence[str], images: Sequence[Sequence[Any]] | None = None,
@@ -359,8 +371,9 @@ class MultimodalLM(nn.Module):
         generate_kwargs.setdefault("pad_token_id", self.pad_token_id)
         if batch.position_ids.dim() == 3:  # M-RoPE (Qwen-VL): its 3D ids
             generate_kwargs.update(generation_inputs(batch))
-        output = self.llm.generate(inputs_embeds=self.embed(batch),
-                                   attention_mask=batch.attention_mask, **generate_kwargs)
+        with fed(self.deepstack, batch):  # the prefill takes them
+            output = self.llm.generate(inputs_embeds=self.embed(batch),
+                                       attention_mask=batch.attention_mask, **generate_kwargs)
         # With embeddings alone as input, generate returns only the new tokens.
         return [text.strip() for text in
                 self.tokenizer.batch_decode(output, skip_special_tokens=True)]
@@ -431,7 +444,8 @@ class MultimodalLM(nn.Module):
             The directory.
         """
         parts = ModelParts(self.tower, self.llm, self.tokenizer, self.processor,
-                           self.image_token, video_token=self.video_token)
+                           self.image_token, video_token=self.video_token,
+                           deepstack=self.deepstack)
         return write_folder(parts, directory, base_writer=base_writer(self.llm))
 
     @classmethod
@@ -461,7 +475,8 @@ class MultimodalLM(nn.Module):
             read_folder(directory, trainable=trainable, dtype=dtype, verify=verify,
                         base_readers=READERS)
         mm = cls(parts.tower, parts.llm, parts.tokenizer, image_token=parts.image_token,
-                 processor=parts.processor, video_token=parts.video_token)
+                 processor=parts.processor, video_token=parts.video_token,
+                 deepstack=parts.deepstack)
         # transformers' LLaVA folders load for inference, as transformers loads them.
         return mm if parts.layout == LAYOUT else mm.eval()
 

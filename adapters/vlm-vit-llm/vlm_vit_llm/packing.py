@@ -29,8 +29,9 @@ confined to each record by one of four paths, chosen once per model and logged:
 The chosen path is checked once against two records run separately
 (`check_packed_attention`); a mismatch is an error naming the model class, so a transformers
 release that changes the detection cannot leak silently. A multimodal-RoPE LLM (Qwen2-VL,
-Qwen2.5-VL) takes `[4, R, L]` positions: the restarting text positions, which every path
-reads as above, then each record's own 3-D ids (`vlm_vit_llm.mrope.packed_batch_positions`).
+Qwen2.5-VL, Qwen3-VL) takes `[4, R, L]` positions: the restarting text positions, which every
+path reads as above, then each record's own 3-D ids (`vlm_vit_llm.mrope.packed_batch_positions`);
+Qwen3-VL's DeepStack features follow the packed image tokens (`vlm_vit_llm.deepstack`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
-"""Reading transformers' Qwen2-VL and Qwen2.5-VL folders (`Qwen2VLForConditionalGeneration`,
-`Qwen2_5_VLForConditionalGeneration`) as a `MultimodalLM`'s parts, for inference.
+"""Reading transformers' Qwen2-VL, Qwen2.5-VL and Qwen3-VL folders
+(`Qwen2VLForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration`,
+`Qwen3VLForConditionalGeneration`) as a `MultimodalLM`'s parts, for inference.
 
 The vision tower goes through vlm-vit's own converters (`vlm_vit.convert.hf_qwen2_vl`,
-`hf_qwen2_5_vl`: the encoder and its 2x2 patch merger); the language model stays
+`hf_qwen2_5_vl`, `hf_qwen3_vl`: the encoder and its 2x2 patch merger; Qwen3-VL's DeepStack
+mergers as taps on the encoder, `vlm_vit_llm.deepstack`); the language model stays
 transformers' own model with its vision tower dropped, so its M-RoPE layers, its head and its
 tie are transformers' exactly; the bridge gives it the 3D positions `get_rope_index` would
 (`vlm_vit_llm.mrope`). The config, the tokenizer's image token, the image processor and the
 head are checked before any weight is read.
 
-Not yet: training such a model (the bridge's own folder cannot hold it), packing, videos
-through transformers' `<|video_pad|>` token, Qwen3-VL (DeepStack).
+Not yet: Qwen3-VL's videos (its frames separated by timestamp text; refused by name).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from vlm_vit.config import is_int
 from vlm_vit.io.files import read_json
 from vlm_vit.processor import NORMALIZATION, ImageProcessor
 from vlm_vit.tower import VisionTower
+from vlm_vit_llm.deepstack import DeepStack
 from vlm_vit_llm.hf_reading import (
     bounded,
     checked_image_token,
@@ -32,7 +34,7 @@ from vlm_vit_llm.hf_reading import (
 )
 from vlm_vit_llm.saving import ModelParts
 
-MODEL_TYPES = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}
+MODEL_TYPES = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}
 IMAGE_TOKEN = "<|image_pad|>"
 IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>"  # an image in Qwen's prompts
 HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight")
@@ -40,7 +42,8 @@ RESAMPLE = {2: "bilinear", 3: "bicubic"}
 
 
 def read_qwen_vl(directory: str | Path, *, dtype: torch.dtype | None = None) -> ModelParts:
-    """The parts of a `MultimodalLM`, for inference, from a Qwen2-VL or Qwen2.5-VL folder.
+    """The parts of a `MultimodalLM`, for inference, from a Qwen2-VL, Qwen2.5-VL or Qwen3-VL
+    folder.
 
     Raises:
         ValueError: naming the file and what cannot be read (another model type, an image
@@ -53,6 +56,8 @@ def read_qwen_vl(directory: str | Path, *, dtype: torch.dtype | None = None) -> 
     from safetensors.torch import save_file
 
     from vlm_vit import load_tower
+    from vlm_vit.convert.hf_qwen3_vl import deepstack_taps
+    from vlm_vit.io.loading import read_checkpoint
 
     directory = Path(directory)
     source = f"{directory / 'config.json'}"
@@ -83,23 +88,27 @@ def read_qwen_vl(directory: str | Path, *, dtype: torch.dtype | None = None) -> 
         save_file({name: tensor.contiguous() for name, tensor in visual.state_dict().items()},
                   Path(folder) / "model.safetensors")
         loaded = load_tower(folder)  # the encoder and its patch merger
+        taps = deepstack_taps(read_checkpoint(folder)) if config.model_type == "qwen3_vl" \
+            else None
     tower = VisionTower(loaded.encoder, loaded.pooler, feature_layer=loaded.feature_layer,
                         processor=processor)
     del model.model.visual  # the tower above runs the images; the LLM never does
+    deepstack = None if taps is None else \
+        DeepStack(taps, model.model.language_model).to(model.dtype).eval()
     return ModelParts(tower.to(model.dtype).eval(), model.eval(), tokenizer, processor,
                       image_token, layout=config.model_type, video_token=_video_token(
-                          tokenizer, config.video_token_id))
+                          tokenizer, config.video_token_id), deepstack=deepstack)
 
 
 def _check_widths(config: Any, source: str) -> None:
-    """The merger's output width (`out_hidden_size` in Qwen2.5-VL, the vision `hidden_size`
-    in Qwen2-VL) must be the language model's.
+    """The merger's output width (`out_hidden_size` in Qwen2.5-VL and Qwen3-VL, the vision
+    `hidden_size` in Qwen2-VL) must be the language model's.
 
     Raises:
         ValueError: naming both widths, before any weight is read.
     """
     vision, text = config.vision_config, config.get_text_config()
-    merged = vision.out_hidden_size if config.model_type == "qwen2_5_vl" else vision.hidden_size
+    merged = vision.hidden_size if config.model_type == "qwen2_vl" else vision.out_hidden_size
     if merged != text.hidden_size:
         raise ValueError(f"{source}: the vision merger gives width {bounded(merged)}, but the "
                          f"language model's hidden_size is {bounded(text.hidden_size)}")

@@ -15,9 +15,9 @@ from vlm_vit_llm.saving import CONFIG_NAME, ModelParts
 
 READERS: dict[str, Callable[..., ModelParts]] = {
     "llava": read_llava15, "llava_next": read_llava, "llava_onevision": read_llava,
-    "qwen2_vl": read_qwen_vl, "qwen2_5_vl": read_qwen_vl}
+    "qwen2_vl": read_qwen_vl, "qwen2_5_vl": read_qwen_vl, "qwen3_vl": read_qwen_vl}
 # How an image stands in the prompts of the families that wrap it in tokens of their own.
-IMAGE_PROMPTS = {"qwen2_vl": IMAGE_PROMPT, "qwen2_5_vl": IMAGE_PROMPT}
+IMAGE_PROMPTS = {model_type: IMAGE_PROMPT for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")}
 RECORD_PLACEHOLDER = "<image>"  # what LLaVA-format records write for an image
 
 

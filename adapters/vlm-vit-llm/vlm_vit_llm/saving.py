@@ -60,6 +60,7 @@ class ModelParts:
         layout: the folder's layout: `LAYOUT`, or transformers' model type of a LLaVA folder
             (`vlm_vit_llm.llava_next.MODEL_TYPES`).
         video_token: a clip's own placeholder string, or None (Qwen-VL's `<|video_pad|>`).
+        deepstack: Qwen3-VL's DeepStack mergers (`vlm_vit_llm.deepstack.DeepStack`), or None.
     """
 
     tower: VisionTower
@@ -69,6 +70,7 @@ class ModelParts:
     image_token: str
     layout: str = LAYOUT
     video_token: str | None = None
+    deepstack: nn.Module | None = None
 
 
 def write_folder(parts: ModelParts, directory: str | Path, *,
@@ -174,9 +176,11 @@ def read_folder(directory: Path, *, trainable: bool, dtype: torch.dtype | None,
     for name in HASHED_DIRS:  # all of them, before the LLM is read
         if (directory / name).is_dir():
             _verify_folder(directory / name, verify)
+    deepstack = None
     if layout is not None:
         base = base_readers[layout](directory / LLM_DIR, dtype=dtype)
         tower, processor, llm, tokenizer = base.tower, base.processor, base.llm, base.tokenizer
+        deepstack = base.deepstack
     else:
         tower = VisionTower.from_pretrained(directory / TOWER_DIR, verify=verify)
         processor = ImageProcessor.from_pretrained(directory / TOWER_DIR)
@@ -194,7 +198,7 @@ def read_folder(directory: Path, *, trainable: bool, dtype: torch.dtype | None,
         tower.encoder = load_adapter(tower.encoder, directory / VISION_ADAPTER_DIR,
                                      trainable=trainable)
     return ModelParts(tower, llm, tokenizer, processor, config["image_token"],
-                      video_token=config.get("video_token"))
+                      video_token=config.get("video_token"), deepstack=deepstack)
 
 
 def _hashed_files(folder: Path) -> list[str]:
