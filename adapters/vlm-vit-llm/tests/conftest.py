@@ -62,8 +62,9 @@ def tiny_llm(vocab_size: int = 128, seed: int = 0, kind: str = "llama", tied: bo
 
 
 def assert_export_matches(mm, folder: Path, prompts, per_prompt, images):
-    """The `LlavaForConditionalGeneration` in `folder` gives `mm`'s logits (1e-4) on the
-    real tokens; returns it."""
+    """The `LlavaForConditionalGeneration` in `folder` gives `mm`'s logits on the real tokens
+    (1e-4, plus 1e-5 of the largest logit: a LoRA merged into float32 weights rounds apart
+    from one run beside them, 1.7e-4 on logits of 16 with peft 0.21.2); returns it."""
     from transformers import LlavaForConditionalGeneration
 
     hf = LlavaForConditionalGeneration.from_pretrained(folder).eval()
@@ -74,7 +75,8 @@ def assert_export_matches(mm, folder: Path, prompts, per_prompt, images):
         theirs = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                     pixel_values=pixel_values).logits
     mask = batch.attention_mask.bool()
-    torch.testing.assert_close(theirs[mask], ours[mask], rtol=1e-4, atol=1e-4)
+    scale = float(ours[mask].abs().max())
+    torch.testing.assert_close(theirs[mask], ours[mask], rtol=1e-4, atol=1e-4 + 1e-5 * scale)
     return hf
 
 
