@@ -23,6 +23,7 @@ from .convert import test_hf_dinov3 as hf_dinov3
 from .convert import test_hf_internvl as hf_internvl
 from .convert import test_timm_aimv2 as timm_aimv2
 from .convert import test_timm_dinov3 as timm_dinov3
+from .convert import test_timm_naflex as timm_naflex
 from .test_hub import cache, put_in_cache  # noqa: F401  (cache is a fixture)
 
 transformers = pytest.importorskip("transformers")
@@ -136,7 +137,9 @@ FAMILIES = {"hf_dinov2": ("facebook/dinov2-tiny", save_dinov2),
             "timm_aimv2": ("timm/aimv2_large_patch14_224.tiny",
                            lambda f: timm_aimv2.save_aimv2(f)[0]),
             "timm_dinov3": ("timm/vit_small_patch16_dinov3.tiny",
-                            lambda f: timm_dinov3.save_dinov3(f, "vit_small_patch16_dinov3")[0])}
+                            lambda f: timm_dinov3.save_dinov3(f, "vit_small_patch16_dinov3")[0]),
+            "timm_naflex": ("timm/naflexvit_base_patch16_radio_v3.tiny",
+                            lambda f: timm_naflex.save_radio(f, "v3_base")[0])}
 
 
 FORMATS = {"timm_hybrid": "timm"}  # the reader, where it is not the family's key

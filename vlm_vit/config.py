@@ -16,7 +16,8 @@ from typing import Any
 from vlm_vit.registry import unknown_name_error
 
 ACTIVATIONS = ("gelu", "quick_gelu", "gelu_tanh", "silu")
-POS_RESIZE_MODES = ("bicubic", "bilinear", "bilinear_corners", "bicubic_grid_sample")
+POS_RESIZE_MODES = ("bicubic", "bilinear", "bilinear_corners", "bicubic_grid_sample",
+                    "bilinear_square_crop", "bilinear_corners_square_crop")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("mlp", "swiglu")
 POS_EMBEDS = ("learned", "sincos", "none")
@@ -156,7 +157,9 @@ class EncoderConfig:
     # bicubic with antialias matches timm and open_clip; Hugging Face uses bicubic without
     # antialias; the JAX code uses bilinear; Qwen3-VL bilinear with the corners aligned
     # ("bilinear_corners", `layers.pos_resize_corners`); GLM-4V bicubic by `grid_sample` at
-    # each patch centre ("bicubic_grid_sample", `layers.pos_resize_sampled`).
+    # each patch centre ("bicubic_grid_sample", `layers.pos_resize_sampled`); RADIO bilinear
+    # to the square of the longer side, top-left kept ("bilinear_square_crop", with the
+    # corners aligned "bilinear_corners_square_crop", `layers.pos_resize_square_crop`).
     pos_resize_mode: str = "bicubic"
     pos_resize_antialias: bool = True
     # Mechanisms beyond the paper's block, each a module in `vlm_vit.layers`; the defaults are

@@ -140,7 +140,7 @@ class VisionEncoder(NativeFormat, nn.Module):
             # Qwen3-VL's and GLM-4V's, not cached (GLM-4V samples its own grid too)
             return resize_position_table(self.pos_embed, self.config.grid, grid, **resize)
         return resample_pos_embed_cached(self.pos_embed, self.config.grid, grid, self._pos_cache,
-                                         **resize)
+                                         resample=resize_position_table, **resize)
 
     def prepare_tokens(
         self,

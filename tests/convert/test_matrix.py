@@ -35,7 +35,9 @@ TARGETS = {"native": "out", "hf_clip": "out", "timm": "out", "open_clip": "out",
            # GLM-4V's vision tower both ways
            "hf_glm4v": "out",
            # issue 45: Perception Encoder through timm
-           "timm_pe": "out"}
+           "timm_pe": "out",
+           # issue 45: RADIO through timm's NaFlexVit
+           "timm_naflex": "out"}
 
 
 
@@ -234,6 +236,16 @@ def pe_timm(folder):
     return save_pe(folder, "vit_pe_core_tiny_patch16_384", embed_dim=128, num_heads=2)[0]
 
 
+def radio_timm(folder):
+    """A tiny `naflexvit_base_patch16_radio_v3`-shaped timm NaFlexVit (a table resized to the
+    square of the longer side with its corners aligned, 7 registers, LayerScale), saved as
+    timm's hub layout."""
+    from .test_timm_naflex import save_radio
+
+    folder.mkdir(parents=True, exist_ok=True)
+    return save_radio(folder, "v3_base", embed_dim=128, num_heads=2)[0]
+
+
 SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("hf_clip"),
            "timm (ours)": written_by_us("timm"), "open_clip (ours)": written_by_us("open_clip"),
            # the issue's reproduction: a CLIPVisionModel with no projection
@@ -271,7 +283,9 @@ SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("h
            # issue 45: DINOv3 (RoPE at patch centres, registers, LayerScale, no position table)
            "hf DINOv3ViTModel": dinov3_hf, "timm dinov3": dinov3_timm,
            # issue 45: Perception Encoder (a table beside RoPE counted from 1, a MAP head)
-           "timm pe": pe_timm}
+           "timm pe": pe_timm,
+           # issue 45: RADIO (a linear patch embedding, RADIO's square-crop table resize)
+           "timm radio": radio_timm}
 DINOV3 = ("hf DINOv3ViTModel", "timm dinov3")
 AIMV2 = ("hf Aimv2VisionModel", "timm aimv2")
 GLM4V = "hf GLM-4V vision"
@@ -328,6 +342,8 @@ WRITTEN_BACK = {"hf_dinov2": ("google npz", "hf Dinov2Model", "hf ViTMAEModel", 
                 "timm_eva": ("timm eva02",),
                 "hf_aimv2": AIMV2, "timm_aimv2": AIMV2,
                 "hf_dinov3": DINOV3, "timm_dinov3": DINOV3, "timm_pe": ("timm pe",),
+                # timm's DINOv2 with registers: no class position, bicubic with antialias
+                "timm_naflex": ("timm radio", "timm dinov2 registers"),
                 # paper-style towers: LayerScale of one, bicubic resize without antialias
                 "hf_internvl": ("hf InternVLVisionModel", "google npz", "hf Dinov2Model",
                                 "hf ViTMAEModel", "hf ViTModel")}
@@ -370,7 +386,23 @@ REASONS = {
                 **dict.fromkeys(DINOV3, "rope_positions='centered'"),
                 "default": "rope_theta=None"},
     "hf_internvl": {"default": "(InternVL needs"},
+    "timm_naflex": {**dict.fromkeys(("hf InternVLVisionModel", "hf Dinov2Model"),
+                                    "its class token has a position"),
+                    **dict.fromkeys(("hf ViTModel", "hf ViTMAEModel"), "norm_eps=1e-12"),
+                    **dict.fromkeys(("hf SiglipVisionModel", "hf Siglip2VisionModel",
+                                     "google npz", "google npz hybrid", QWEN[2]),
+                                    "act='gelu_tanh'"),
+                    **dict.fromkeys(("hf PixtralVisionModel", QWEN[1], GLM4V, *AIMV2),
+                                    "norm='rmsnorm'"),
+                    QWEN[0]: "act='quick_gelu'", "timm eva02": "mlp='swiglu'",
+                    "default": "norm_eps=1e-05"},  # CLIP-shaped, DINOv3, PE
 }
+REASONS["hf_dinov2"]["timm radio"] = "final_norm=False"
+REASONS["timm_eva"]["timm radio"] = "no k bias"
+# RADIO (no pre-norm, registers) fits no CLIP layout; timm's ViT resizes its table otherwise.
+CANNOT.update({("timm radio", "timm"): "pos_resize_mode='bilinear_corners_square_crop'",
+               ("timm radio", "open_clip"): "pre_norm=False",
+               ("timm radio", "hf_clip"): "pre_norm=False"})
 CANNOT.update({(source, target): reasons.get(source, reasons["default"])
                for target, reasons in REASONS.items() for source in SOURCES
                if source not in WRITTEN_BACK[target]})

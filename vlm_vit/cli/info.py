@@ -142,6 +142,8 @@ def mechanisms(config: EncoderConfig) -> list[str]:
         found.append("sin-cos positions per grid")
     elif config.pos_resize_mode == "bilinear_corners":
         found.append("position table resized with corners aligned")
+    elif config.pos_resize_mode.endswith("_square_crop"):
+        found.append("position table resized to a square, top-left kept")
     return found
 
 
@@ -163,6 +165,7 @@ def family(config: EncoderConfig) -> str:
         (config.rope_theta is not None and config.pos_embed == "learned"
          and config.mlp == "swiglu", "EVA-02-style"),
         (config.rope_theta is not None, "RoPE ViT"),
+        (config.pos_resize_mode.endswith("_square_crop"), "RADIO-style"),
         (config.layer_scale_init is not None, "DINOv2-style"),
         (config.pre_norm, "CLIP-style"),
     ]

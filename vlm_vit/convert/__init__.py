@@ -25,6 +25,7 @@ from vlm_vit.convert import (  # noqa: F401  (importing registers the formats)
     timm_aimv2,
     timm_dinov3,
     timm_eva,
+    timm_naflex,
     timm_pe,
 )
 from vlm_vit.convert.base import (

@@ -284,7 +284,7 @@ class TimmFormat:
         Raises:
             ValueError: for what timm's factory cannot build from a config file: RMSNorm,
                 SwiGLU or the hybrid (`CODE_ONLY`), a Conv3d patch embedding or window
-                attention, 2D RoPE or no position table, a norm eps
+                attention, 2D RoPE or no position table, RADIO's square-crop resize, a norm eps
                 other than 1e-5 above 1e-6 (smaller ones are built as 1e-6), or a patch bias
                 that is not the opposite of pre-norm (timm ties the two).
         """
@@ -350,6 +350,10 @@ def timm_architecture(config: EncoderConfig) -> str:
         raise ValueError(f"timm's VisionTransformer has no 2D RoPE and always a learned position "
                          f"table; this encoder has rope_theta={config.rope_theta!r}, "
                          f"pos_embed={config.pos_embed!r}")
+    if config.pos_resize_mode.endswith("_square_crop"):
+        raise ValueError(f"timm's VisionTransformer resizes its table to each grid, not to "
+                         f"the square of the longer side; this encoder has pos_resize_mode="
+                         f"{config.pos_resize_mode!r} (RADIO's: write timm_naflex)")
     if config.patch_bias == config.pre_norm:
         raise ValueError(f"timm ties the patch embedding's bias to pre-norm (bias = not "
                          f"pre_norm); this encoder has patch_bias={config.patch_bias} with "

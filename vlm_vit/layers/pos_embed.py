@@ -58,10 +58,11 @@ def resample_pos_embed_cached(
     old_grid: tuple[int, int],
     new_grid: tuple[int, int],
     cache: dict[tuple, torch.Tensor],
+    resample=resample_pos_embed,
     **resize,
 ) -> torch.Tensor:
-    """`resample_pos_embed(table, old_grid, new_grid, **resize)`, cached per grid in `cache`
-    while the table is not being trained.
+    """`resample(table, old_grid, new_grid, **resize)` (`resample_pos_embed` unless given),
+    cached per grid in `cache` while the table is not being trained.
 
     The cache notices in-place updates (an optimizer step) through the table's version
     counter, and keeps only entries of the table as it is now. Under `torch.export` the
@@ -75,14 +76,14 @@ def resample_pos_embed_cached(
     if not is_symbolic(new_grid) and tuple(new_grid) == old_grid:
         return table
     if (torch.is_grad_enabled() and table.requires_grad) or torch.compiler.is_exporting():
-        return resample_pos_embed(table, old_grid, new_grid, **resize)
+        return resample(table, old_grid, new_grid, **resize)
     key = (tuple(new_grid), table.device, table.dtype, table.data_ptr(), table._version)
     cached = cache.get(key)
     if cached is None:
         for stale in [k for k in cache if k[3:] != key[3:]]:
             del cache[stale]
         with torch.no_grad():
-            cached = resample_pos_embed(table, old_grid, new_grid, **resize)
+            cached = resample(table, old_grid, new_grid, **resize)
         cache[key] = cached
     return cached
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from vlm_vit.layers.pos_resize_corners import resample_position_table
+from vlm_vit.layers.pos_resize_square_crop import SQUARE_CROP_MODES, square_crop_position_table
 
 SAMPLED_MODES = ("bicubic_grid_sample",)  # the pos_resize_modes computed here
 
@@ -71,8 +72,12 @@ def resize_position_table(
     antialias: bool = True,
 ) -> torch.Tensor:
     """`resample_position_table` for every `pos_resize_mode`: a mode of `SAMPLED_MODES` is
-    `sample_position_table` (antialias does not apply), the others as there."""
+    `sample_position_table` (antialias does not apply), one of `SQUARE_CROP_MODES`
+    `square_crop_position_table` (RADIO's), the others as there."""
     if mode in SAMPLED_MODES:
         return sample_position_table(table, old_grid, new_grid, num_prefix_tokens)
+    if mode in SQUARE_CROP_MODES:
+        return square_crop_position_table(table, old_grid, new_grid, num_prefix_tokens, mode,
+                                          antialias)
     return resample_position_table(table, old_grid, new_grid, num_prefix_tokens, mode,
                                    antialias)

@@ -1,5 +1,5 @@
 """Poolers of the class token or all patches: every patch token, the class token, the mean,
-and the class token through a linear map."""
+the class token through a linear map, and the summary tokens (the first prefix tokens)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from vlm_vit.config import check_bool
-from vlm_vit.poolers.base import no_weights_out_dim, register_pooler, split_tokens
+from vlm_vit.poolers.base import check_count, no_weights_out_dim, register_pooler, split_tokens
 
 
 @register_pooler("all")
@@ -92,3 +92,27 @@ class ClassTokenLinear(nn.Module):
 
     def num_output_tokens(self, grid, *, num_prefix_tokens: int = 0) -> None:
         return None
+
+
+@register_pooler("summary")
+class SummaryTokens(nn.Module):
+    """The first `count` prefix tokens, `[B, count, D]`: RADIO's summary tokens, one class
+    token per teacher it was distilled from (Ranzinger et al. 2024; timm keeps the first as
+    its class token and the others as registers), in their order."""
+
+    requires_class_token = True
+
+    def __init__(self, in_dim: int, out_dim: int | None = None, count: int = 1):
+        super().__init__()
+        self.in_dim = self.out_dim = no_weights_out_dim("summary", in_dim, out_dim)
+        self.count = check_count("count", count, 64)
+
+    def forward(self, tokens, *, num_prefix_tokens: int, grid: tuple[int, int]) -> torch.Tensor:
+        split_tokens(tokens, num_prefix_tokens, grid, self.in_dim)
+        if num_prefix_tokens < self.count:
+            raise ValueError(f"the 'summary' pooler reads {self.count} prefix tokens, but these "
+                             f"tokens have {num_prefix_tokens} (class and register tokens)")
+        return tokens[:, :self.count]  # [B, count, D]
+
+    def num_output_tokens(self, grid, *, num_prefix_tokens: int = 0) -> int:
+        return self.count
