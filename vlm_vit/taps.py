@@ -118,7 +118,7 @@ class TappedTower(nn.Module):
         clips) to the tower's output and every tap's, from one encoder run."""
         tower, encoder = self.tower, self.tower.encoder
         main = tower._layers
-        asked = [*(main or [encoder.config.depth]), *self.layers.values()]
+        asked = self.run_layers(main)
         with no_graph_if_frozen(encoder):
             out = encoder(list(pixel_values) if isinstance(pixel_values, (list, tuple))
                           else pixel_values, feature_layers=asked)
@@ -140,12 +140,25 @@ class TappedTower(nn.Module):
                 grids=out.grids, num_prefix_tokens=prefix), frames)
                 for name, tokens in selected.items()}
         else:
-            start = 0 if tower.keep_prefix else out.num_prefix_tokens
-            pooled = {name: poolers[name](tokens[:, start:], num_prefix_tokens=prefix,
-                                          grid=out.grid)
+            pooled = {name: self.pool_batch(name, tokens, out)
                       for name, tokens in selected.items()}
         main_tokens = pooled.pop(None)
         return TappedOutput(main_tokens, pooled)
+
+    def run_layers(self, main: list[int] | None) -> list[int]:
+        """The hidden-state indices one encoder run is asked for: `main` (None: the final
+        tokens, so the run goes to the last block), then every tap's layer, in tap order."""
+        return [*(main or [self.tower.encoder.config.depth]), *self.layers.values()]
+
+    def pool_batch(self, name: str | None, tokens: torch.Tensor, out: Any) -> torch.Tensor:
+        """Tap `name`'s pooler (None: the tower's) on `tokens`, the raw block output
+        `[B, T, D]` of the batch run `out` (an `EncoderOutput`), with the tower's prefix
+        handling: what `forward` gives for that tap."""
+        tower = self.tower
+        start = 0 if tower.keep_prefix else out.num_prefix_tokens
+        pooler = tower.pooler if name is None else self.taps[name]
+        return pooler(tokens[:, start:], num_prefix_tokens=tower.num_prefix_tokens,
+                      grid=out.grid)
 
     # -- saving ------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """`vlm-vit encode`: images to a safetensors file of tokens, or tar shards to one file each.
 
 Images and folders give one file, `-o out.safetensors`: `tokens` [N, T, D] (or one `layer_K`
-per --feature-layer) in file order, the file paths in the metadata `files`.
+per --layer) in file order, the file paths in the metadata `files`; a saved `TappedTower`'s
+taps each as `tap_NAME` (its pooler's output, from the same encoder run).
 
 Tar shards give one file per shard: see `vlm_vit.cli.encode_shards`.
 """
@@ -30,7 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "per shard)",
         description="Encode images (files or folders, searched recursively) and write their "
         "tokens to a safetensors file: `tokens` [images, tokens, width] after the final norm, "
-        "or one `layer_K` tensor per --feature-layer (raw block outputs, as hidden_states[K]). "
+        "or one `layer_K` tensor per --layer (raw block outputs, as hidden_states[K]), and "
+        "for a saved TappedTower one `tap_NAME` per tap. "
         "WebDataset tar shards (a brace pattern such as dir/{00000..00007}.tar, a glob, a "
         "folder of tars, a pipe: URL, or several) are encoded one output per shard: -o is a "
         "folder and gets OUT/<shard name>.safetensors, whose row i is the sample keys[i] "
@@ -44,9 +46,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("inputs", nargs="+", metavar="IMAGE_OR_DIR_OR_SHARDS")
     parser.add_argument("-o", "--out", required=True, type=Path,
                         help="output .safetensors; for tar shards, the output folder")
-    parser.add_argument("--feature-layer", type=int, action="append", dest="feature_layers",
-                        metavar="K",
-                        help="hidden-state index to write (repeatable; -2 for LLaVA)")
+    parser.add_argument("--layer", "--feature-layer", type=int, action="extend", nargs="+",
+                        dest="feature_layers", metavar="K",
+                        help="hidden-state indices to write, each as `layer_K` (several, or "
+                        "repeated; -2 for LLaVA, -4 for InternVL). A folder a TappedTower was "
+                        "saved to also gets each tap through its pooler as `tap_NAME`")
     parser.add_argument("--keep-prefix", action=argparse.BooleanOptionalAction, default=True,
                         help="keep the class and register tokens before the patch tokens "
                         "(the default; --no-keep-prefix writes the patch tokens only)")
@@ -154,6 +158,10 @@ def run(args: argparse.Namespace) -> int:
     files = find_images(args.inputs)
     encoder, processor, layers, names = prepare_encoder(args)
     if args.native_resolution:
+        if args.taps is not None:
+            raise ValueError(f"{args.model} is a tapped tower: its taps are written by an "
+                             "encode at one size; drop --native-resolution, or write its "
+                             "layers alone with --layer from the tower's encoder")
         return _run_native(args, files, encoder, processor, layers, names)
     cached = CachedEncode(args, cache, encoder, processor, layers, names)
     collected: dict[str, list[torch.Tensor]] = {name: [] for name in names}
@@ -206,8 +214,14 @@ class CachedEncode:
         self.read: dict[Path, bytes] = {}  # the batch's missed files, read once
         if cache is None:
             return
+        from vlm_vit.io.encode_cache import weights_digest
+
+        taps = {name: [layer, args.taps.taps[name].pooler_spec,
+                       weights_digest(args.taps.taps[name])]
+                for name, layer in args.taps.layers.items()} if args.taps is not None else None
         self.context = self.cache.context(encoder, processor, layers=layers, names=names,
-                                          keep_prefix=args.keep_prefix, dtype=args.dtype)
+                                          keep_prefix=args.keep_prefix, dtype=args.dtype,
+                                          taps=taps)
 
     def lookup(self, paths: list[Path]) -> dict[Path, tuple[dict, tuple[int, int]]]:
         """The images of `paths` the cache holds: path -> (outputs by name, grid)."""
