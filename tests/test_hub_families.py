@@ -21,6 +21,7 @@ from vlm_vit.testing import perturbed
 from .convert import test_hf_aimv2 as hf_aimv2
 from .convert import test_hf_dinov3 as hf_dinov3
 from .convert import test_hf_internvl as hf_internvl
+from .convert import test_hf_perception_lm as hf_perception_lm
 from .convert import test_timm_aimv2 as timm_aimv2
 from .convert import test_timm_dinov3 as timm_dinov3
 from .convert import test_timm_naflex as timm_naflex
@@ -138,6 +139,8 @@ FAMILIES = {"hf_dinov2": ("facebook/dinov2-tiny", save_dinov2),
                            lambda f: timm_aimv2.save_aimv2(f)[0]),
             "timm_dinov3": ("timm/vit_small_patch16_dinov3.tiny",
                             lambda f: timm_dinov3.save_dinov3(f, "vit_small_patch16_dinov3")[0]),
+            "hf_perception_lm": ("facebook/Perception-LM-tiny",
+                                 lambda f: hf_perception_lm.save_perception_lm(f)[0]),
             "timm_naflex": ("timm/naflexvit_base_patch16_radio_v3.tiny",
                             lambda f: timm_naflex.save_radio(f, "v3_base")[0])}
 

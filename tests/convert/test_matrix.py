@@ -236,6 +236,15 @@ def pe_timm(folder):
     return save_pe(folder, "vit_pe_core_tiny_patch16_384", embed_dim=128, num_heads=2)[0]
 
 
+def perception_lm(folder):
+    """A tiny `PerceptionLMForConditionalGeneration` (its tower a timm PE in a
+    `TimmWrapperModel`), saved by transformers."""
+    from .test_hf_perception_lm import VISION, save_perception_lm
+
+    args = {**VISION["model_args"], "embed_dim": 128, "num_heads": 2}
+    return save_perception_lm(folder / "plm", vision={**VISION, "model_args": args})[0]
+
+
 def radio_timm(folder):
     """A tiny `naflexvit_base_patch16_radio_v3`-shaped timm NaFlexVit (a table resized to the
     square of the longer side with its corners aligned, 7 registers, LayerScale), saved as
@@ -285,7 +294,10 @@ SOURCES = {"native": written_by_us("native"), "hf_clip (ours)": written_by_us("h
            # issue 45: Perception Encoder (a table beside RoPE counted from 1, a MAP head)
            "timm pe": pe_timm,
            # issue 45: RADIO (a linear patch embedding, RADIO's square-crop table resize)
-           "timm radio": radio_timm}
+           "timm radio": radio_timm,
+           # issue 45: PerceptionLM's tower (timm's PE in transformers' TimmWrapperModel)
+           "hf PerceptionLM": perception_lm}
+PE = ("timm pe", "hf PerceptionLM")
 DINOV3 = ("hf DINOv3ViTModel", "timm dinov3")
 AIMV2 = ("hf Aimv2VisionModel", "timm aimv2")
 GLM4V = "hf GLM-4V vision"
@@ -325,7 +337,7 @@ CANNOT.update({("hf Siglip2VisionModel", target): CANNOT["hf SiglipVisionModel",
                for target in ("open_clip", "hf_clip")})
 # AIMv2 (RMSNorm, SwiGLU, no class token, no pre-norm) fits neither timm's ViT nor CLIP's.
 # PE (a table beside 2D RoPE, pre-norm, no patch bias) fits neither timm's ViT nor CLIP's.
-CANNOT.update({("timm pe", target): "rope_theta=10000.0"
+CANNOT.update({(source, target): "rope_theta=10000.0" for source in PE
                for target in ("timm", "open_clip", "hf_clip")})
 CANNOT.update({(source, target): reason for source in AIMV2
                for target, reason in (("timm", "norm='rmsnorm'"), ("open_clip", "pre_norm=False"),
@@ -341,7 +353,7 @@ WRITTEN_BACK = {"hf_dinov2": ("google npz", "hf Dinov2Model", "hf ViTMAEModel", 
                 "hf_qwen2_5_vl": (QWEN[1],), "hf_qwen3_vl": (QWEN[2],), "hf_glm4v": (GLM4V,),
                 "timm_eva": ("timm eva02",),
                 "hf_aimv2": AIMV2, "timm_aimv2": AIMV2,
-                "hf_dinov3": DINOV3, "timm_dinov3": DINOV3, "timm_pe": ("timm pe",),
+                "hf_dinov3": DINOV3, "timm_dinov3": DINOV3, "timm_pe": PE,
                 # timm's DINOv2 with registers: no class position, bicubic with antialias
                 "timm_naflex": ("timm radio", "timm dinov2 registers"),
                 # paper-style towers: LayerScale of one, bicubic resize without antialias
@@ -350,11 +362,12 @@ WRITTEN_BACK = {"hf_dinov2": ("google npz", "hf Dinov2Model", "hf ViTMAEModel", 
 REASONS = {
     "hf_dinov2": {**dict.fromkeys(CLIP_SHAPED, "pre_norm=True"),
                   "google npz hybrid": "hybrid_layers", "timm eva02": "final_norm=False",
-                  **dict.fromkeys(DINOV3, "pos_embed='none'"), "timm pe": "pre_norm=True",
+                  **dict.fromkeys(DINOV3, "pos_embed='none'"),
+                  **dict.fromkeys(PE, "pre_norm=True"),
                   "default": "class_token=False"},
     "hf_pixtral": {**dict.fromkeys((*QWEN, GLM4V), "pre_norm=False"),
                    "timm eva02": "class_token=True",
-                   **dict.fromkeys((*DINOV3, "timm pe"), "class_token=True"),
+                   **dict.fromkeys((*DINOV3, *PE), "class_token=True"),
                    "default": "rope_theta=None"},
     "hf_qwen2_vl": {QWEN[1]: "norm='rmsnorm'", QWEN[2]: "pos_embed='learned'",
                     GLM4V: "patch_norm=True", "default": "temporal_patch_size=None"},
@@ -373,12 +386,13 @@ REASONS = {
                  "google npz hybrid": "hybrid_layers",
                  **dict.fromkeys(QWEN[::2], "temporal_patch_size=2"),
                  **dict.fromkeys(DINOV3, "rope_positions='centered'"),
-                 "timm pe": "rope_positions='one_based'",
+                 **dict.fromkeys(PE, "rope_positions='one_based'"),
                  "default": "norm='rmsnorm'"},  # Pixtral, Qwen2.5-VL, AIMv2
     "hf_aimv2": {GLM4V: "temporal_patch_size=2", "default": "patch_norm=False"},
     "timm_aimv2": {GLM4V: "temporal_patch_size=2", "default": "patch_norm=False"},
-    "hf_dinov3": {"timm pe": "rope_positions='one_based'", "default": "rope_positions='index'"},
-    "timm_dinov3": {"timm pe": "rope_positions='one_based'",
+    "hf_dinov3": {**dict.fromkeys(PE, "rope_positions='one_based'"),
+                  "default": "rope_positions='index'"},
+    "timm_dinov3": {**dict.fromkeys(PE, "rope_positions='one_based'"),
                     "default": "rope_positions='index'"},
     "timm_pe": {"hf PixtralVisionModel": "norm='rmsnorm'",
                 **dict.fromkeys((*QWEN, GLM4V), "temporal_patch_size=2"),

@@ -12,6 +12,7 @@ from vlm_vit.convert import (  # noqa: F401  (importing registers the formats)
     hf_dinov3,
     hf_glm4v,
     hf_internvl,
+    hf_perception_lm,
     hf_pixtral,
     hf_qwen2_5_vl,
     hf_qwen2_vl,
