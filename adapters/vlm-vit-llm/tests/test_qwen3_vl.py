@@ -143,6 +143,23 @@ def test_packed_loss_and_every_gradient_equal_records_alone(qwen3):
     assert_every_path_equals_records_alone(mm, batch, {"tower", "llm", "deepstack"})
 
 
+@pytest.mark.parametrize("setup", ["stage1", "lora"])
+def test_the_deepstack_mergers_train_with_the_projector(qwen3, setup):
+    """Stage 1 and LoRA train the merger fully, and Qwen3-VL's DeepStack mergers with it:
+    each gets a gradient from a loss over image prompts; the encoder's base weights do not."""
+    mm = MultimodalLM.from_pretrained(qwen3[0]).train()
+    if setup == "stage1":
+        mm.train_projector_only()
+    else:
+        mm.add_lora(r=4)
+    mergers = dict(mm.deepstack.mergers.named_parameters())
+    assert mergers and all(parameter.requires_grad for parameter in mergers.values())
+    mm.run(_ours(mm)).logits.square().mean().backward()
+    for name, parameter in mergers.items():
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
+    assert all(parameter.grad is None for parameter in mm.tower.encoder.parameters())
+
+
 def _strict(folder):
     model, info = transformers.Qwen3VLForConditionalGeneration.from_pretrained(
         folder, output_loading_info=True)
@@ -216,3 +233,25 @@ def test_llm_train_packing_merge_and_export_round_trip(qwen3, tmp_path, capsys, 
     folder, hf, processor, _ = qwen3
     test_qwen_vl_write.test_a_qwen_folder_continues_in_stage_2_on_llava_records_then_writes_back(
         (FAMILY, folder, hf, processor), tmp_path, capsys)
+
+
+def test_stage_1_with_the_feature_cache_is_refused_by_name(qwen3, tmp_path, capsys):
+    """The stage-1 cache holds the tower's layer, not the DeepStack taps: one line, no run."""
+    import json
+
+    from PIL import Image
+
+    from vlm_vit.cli import main
+
+    (tmp_path / "images").mkdir()
+    Image.new("RGB", (40, 40), "red").save(tmp_path / "images" / "0.png")
+    records = [{"id": "0", "image": "0.png", "conversations": [
+        {"from": "human", "value": "<image>\nwhat is it"}, {"from": "gpt", "value": "red"}]}]
+    (tmp_path / "data.json").write_text(json.dumps(records))
+    assert main(["llm", "train", str(qwen3[0]), "--stage", "1", "--data-format", "llava",
+                 "--data", str(tmp_path / "data.json"), "--image-folder",
+                 str(tmp_path / "images"), "--steps", "1", "--num-workers", "0", "--quiet",
+                 "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "s1")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "--cache holds the tower's feature layer, not the DeepStack taps" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "s1").exists()

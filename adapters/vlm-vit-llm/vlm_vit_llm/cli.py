@@ -255,6 +255,9 @@ def _train(args: argparse.Namespace) -> int:
     dataset, collate, objective_class = _data(args, mm, records, shards, packing)
     if args.stage == 1:
         mm.train_projector_only()
+        if cache is not None and getattr(mm, "deepstack", None) is not None:
+            raise ValueError("--cache holds the tower's feature layer, not the DeepStack taps "
+                             f"{args.model} also reads (Qwen3-VL): train without --cache")
         if cache is not None:
             from vlm_vit.io.feature_cache import cache_tower_features
 
