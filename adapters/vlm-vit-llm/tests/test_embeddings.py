@@ -1,5 +1,6 @@
 """Post-projector embeddings in vLLM's precomputed-input layout (issue 46): for LLaVA-1.5,
-LLaVA-NeXT (images of several sizes) and Qwen2.5-VL folders transformers wrote, each image's
+LLaVA-NeXT (images of several sizes), Qwen2.5-VL and Qwen3-VL (its DeepStack features beside
+each token, as vLLM's Qwen3-VL splits them) folders transformers wrote, each image's
 placeholder count is the processor's, and transformers' language model fed our embeddings as
 `inputs_embeds` at the placeholder positions gives the full model's logits (a real consumer
 of the file, not our own forward)."""
@@ -94,6 +95,37 @@ def test_qwen2_5_vl_embeddings_and_grids_serve_its_language_model(tmp_path):
                                            image_grid_thw=encoded["image_grid_thw"],
                                            attention_mask=encoded["attention_mask"])
     assert_serves(hf, encoded, served["image_embeds"], image_token_id, position_ids=positions)
+
+
+def test_qwen3_vl_embeddings_carry_deepstack_as_vllm_splits_them(tmp_path):
+    """Each token is `[merger | DeepStack level 0 | level 1]` (vLLM's `visual_dim` then
+    `multiscale_dim`); transformers' language model fed the first part at the placeholders
+    and the others as its DeepStack inputs gives the full model's logits."""
+    hf, processor = qwen_folder(tmp_path, "qwen3_vl")
+    ours = MultimodalLM.from_pretrained(tmp_path)
+    pictures_ = pictures()
+    embedded = image_embeddings(ours, pictures_)
+    served = embedded.vllm_input()
+    hidden = hf.config.text_config.hidden_size
+    levels = len(hf.config.vision_config.deepstack_visual_indexes)
+    assert (embedded.layout, embedded.metadata) == ("qwen_vl", {"deepstack_levels": "2"})
+    assert served["image_embeds"].shape[-1] == (1 + levels) * hidden
+    prompt = f"{IMAGE}what {IMAGE} and {IMAGE}"
+    encoded = processor(text=[prompt], images=pictures_, return_tensors="pt")
+    assert torch.equal(served["image_grid_thw"], encoded["image_grid_thw"])
+    image_token_id = hf.config.image_token_id
+    placed = encoded["input_ids"] == image_token_id
+    main, *deepstack = served["image_embeds"].split(hidden, dim=-1)
+    positions, _ = hf.model.get_rope_index(encoded["input_ids"], encoded["mm_token_type_ids"],
+                                           image_grid_thw=encoded["image_grid_thw"],
+                                           attention_mask=encoded["attention_mask"])
+    assert_serves(hf, encoded, main, image_token_id, position_ids=positions,
+                  visual_pos_masks=placed, deepstack_visual_embeds=deepstack)
+    with torch.no_grad():  # the DeepStack part is what the model adds, not zeros
+        without = language_model_logits(hf, encoded, main, image_token_id,
+                                        position_ids=positions)
+        full = hf(**encoded).logits
+    assert (without - full).abs().max() > 100 * LOGITS_ATOL
 
 
 def test_a_file_round_trips_and_a_foreign_file_is_refused(tmp_path, tokenizer):

@@ -216,13 +216,6 @@ def test_deepstack_must_be_on_exactly_a_qwen3_vl_model_to_be_written(qwen3, tmp_
     assert not (tmp_path / "back").exists()
 
 
-def test_serving_embeddings_are_refused_by_name(qwen3):
-    from vlm_vit_llm.embeddings import image_embeddings
-
-    with pytest.raises(ValueError, match=r"Qwen3-VL's images feed its LLM's first layers too"):
-        image_embeddings(qwen3[3], pictures()[:1])
-
-
 @pytest.mark.filterwarnings("ignore:The tied weights mapping")
 def test_llm_train_packing_merge_and_export_round_trip(qwen3, tmp_path, capsys, monkeypatch):
     """Qwen2-VL's CLI round trip on Qwen3-VL: `llm train --stage 2 --packing`, `llm merge`,

@@ -17,7 +17,10 @@ Layouts, by the model's kind (vLLM's documented embedding inputs; facts from its
   (height, width), the list vLLM takes for images of different sizes.
 - `qwen_vl` (Qwen2-VL, Qwen2.5-VL): `image_embeds` `[all images' tokens, hidden]`, end to end,
   and `image_grid_thw` `[images, 3]`: each image's temporal, height and width patches (before
-  the merge), as `{"image_embeds": ..., "image_grid_thw": ...}`.
+  the merge), as `{"image_embeds": ..., "image_grid_thw": ...}`. Qwen3-VL's tokens carry
+  their DeepStack features too: `[all images' tokens, (1 + levels) * hidden]`, each token's
+  merger output then its DeepStack mergers' in layer order, which vLLM's Qwen3-VL splits
+  (`visual_dim`, `multiscale_dim`) and adds after its first decoder layers.
 
 Each image's placeholder count (`placeholder_tokens`) is what the model's processor inserts
 for it. The file's metadata names the layout, the transformers class and those counts.
@@ -32,6 +35,7 @@ from typing import Any
 
 import torch
 
+from vlm_vit.io.encode_cache import weights_digest
 from vlm_vit.io.files import atomic_write
 from vlm_vit_llm.batch_types import TiledImage
 from vlm_vit_llm.mrope import multimodal_rope, token_grid
@@ -84,12 +88,8 @@ def image_embeddings(mm: Any, images: list[Any], cache: Any = None) -> ImageEmbe
             in it otherwise (the tower then runs on the others only).
 
     Raises:
-        ValueError: for no images, more than `MAX_IMAGES`, an image `prepare` refuses, or a
-            model with DeepStack (Qwen3-VL: its taps are not in any layout written yet).
+        ValueError: for no images, more than `MAX_IMAGES`, or an image `prepare` refuses.
     """
-    if getattr(mm, "deepstack", None) is not None:
-        raise ValueError("Qwen3-VL's images feed its LLM's first layers too (DeepStack); "
-                         "their embeddings are not written yet")
     if not images:
         raise ValueError("no images to embed")
     if len(images) > MAX_IMAGES:
@@ -113,21 +113,36 @@ def image_embeddings(mm: Any, images: list[Any], cache: Any = None) -> ImageEmbe
     else:
         tensors = {"image_embeds": torch.stack(features)}
         layout = "fixed"
-    return ImageEmbeddings(layout, tensors, counts, model_class)
+    metadata = {} if getattr(mm, "deepstack", None) is None else \
+        {"deepstack_levels": str(len(mm.deepstack.mergers))}
+    return ImageEmbeddings(layout, tensors, counts, model_class, metadata)
+
+
+def _compute(mm: Any, pixels: list[Any]) -> list[torch.Tensor]:
+    """Each image's post-projector tokens from one tower call; with DeepStack (Qwen3-VL)
+    each token's merger output followed by its DeepStack mergers', in layer order."""
+    deepstack = getattr(mm, "deepstack", None)
+    if deepstack is None:
+        return mm.image_features(pixels)
+    features, taps = deepstack.image_features(mm, pixels)
+    return [torch.cat([tokens, *(layer[index] for layer in taps)], dim=-1)
+            for index, tokens in enumerate(features)]
 
 
 def _features(mm: Any, images: list[Any], pixels: list[Any], cache: Any) -> list[torch.Tensor]:
     """Each image's tokens on the CPU in float32: from `cache` (files only) or the tower."""
     files = [Path(image) if isinstance(image, (str, Path)) else None for image in images]
+    deepstack = getattr(mm, "deepstack", None)
     context = None if cache is None else cache.context(
-        mm.tower, mm.processor, outputs="post-projector tokens")
+        mm.tower, mm.processor, outputs="post-projector tokens",
+        deepstack=None if deepstack is None else weights_digest(deepstack))
     features: list[torch.Tensor | None] = [None] * len(images)
     for index, file in enumerate(files):
         if context is not None and file is not None:
             hit = cache.get(context, file.read_bytes())
             features[index] = None if hit is None else hit["tokens"]
     missing = [index for index, tokens in enumerate(features) if tokens is None]
-    computed = mm.image_features([pixels[index] for index in missing]) if missing else []
+    computed = _compute(mm, [pixels[index] for index in missing]) if missing else []
     for index, tokens in zip(missing, computed, strict=True):
         features[index] = tokens.float().cpu()
         if context is not None and files[index] is not None:
