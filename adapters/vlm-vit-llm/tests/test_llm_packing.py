@@ -110,6 +110,12 @@ def test_packed_loss_and_every_gradient_equal_records_alone(tokenizer, model, st
         mm, batch, {"tower", "llm"} if with_images else {"llm"})
 
 
+# The tower's position table gets the sum of every patch's gradient over every image, which
+# packed rows add in another order: with transformers 5.25 one entry is 2.5e-5 of the
+# largest apart on the position-ids and block-mask paths; every other tensor within 2e-5.
+SUMMED_OVER_PATCHES = {"tower.encoder.pos_embed": 3e-5}
+
+
 def assert_every_path_equals_records_alone(mm, batch: ConversationBatch, trained: set[str]):
     """Under both reductions, on each CPU attention path, the packed loss and every gradient
     against the records run alone (`reference`); `trained`: the parts that get gradients."""
@@ -126,7 +132,8 @@ def assert_every_path_equals_records_alone(mm, batch: ConversationBatch, trained
             got = gradients(mm)
             assert got.keys() == expected_gradients.keys()
             for name, gradient in expected_gradients.items():
-                assert_close(got[name], gradient, f"{reduction} {path} {name}")
+                assert_close(got[name], gradient, f"{reduction} {path} {name}",
+                             tolerance=SUMMED_OVER_PATCHES.get(name, 2e-5))
 
 
 def test_padded_batches_take_the_same_loss(tokenizer):
