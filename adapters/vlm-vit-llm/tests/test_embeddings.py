@@ -158,6 +158,12 @@ def test_the_command_writes_the_file_and_refuses_a_missing_image(tmp_path, token
     read = load_embeddings(out)
     assert json.loads(json.dumps(read.placeholder_tokens)) == read.placeholder_tokens
     assert read.tensors["image_embeds"].shape[0] == 2
+    top = tmp_path / "top.safetensors"  # `vlm-vit embed`, the spelling, is the same
+    assert main(["embed", str(tmp_path / "theirs"), str(tmp_path / "0.png"),
+                 str(tmp_path / "1.png"), "--out", str(top)]) == 0
+    assert torch.equal(load_embeddings(top).tensors["image_embeds"],
+                       read.tensors["image_embeds"])
+    capsys.readouterr()
     assert main(["llm", "embed", str(tmp_path / "theirs"), str(tmp_path / "missing.png"),
                  "--out", str(tmp_path / "other.safetensors")]) == 1
     err = capsys.readouterr().err.strip().splitlines()

@@ -58,6 +58,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="where the merged model goes (not MODEL, nor a folder holding it)")
     merge.set_defaults(run=run_merge)
 
+    _add_embed(commands)
+
+    export = commands.add_parser("export", help="write the Hugging Face LLaVA layout "
+                                 "(LLaVA-NeXT or OneVision for a tiled tower; a Qwen2-VL or "
+                                 "Qwen2.5-VL model as its own class), LoRA merged")
+    export.add_argument("model", type=Path, metavar="MODEL_DIR_OR_NAME")
+    export.add_argument("--out", required=True, type=Path, metavar="DIR")
+    export.set_defaults(run=run_export)
+
+
+def add_embed_parser(subparsers: argparse._SubParsersAction) -> None:
+    """The entry point of the top-level `vlm-vit embed`, the same command as `llm embed`."""
+    _add_embed(subparsers)
+
+
+def _add_embed(commands: argparse._SubParsersAction) -> None:
+    """`embed` (under `llm`, and at the top level)."""
     embed = commands.add_parser("embed", help="images' projected tokens in vLLM's "
                                 "precomputed-input layout, to one safetensors file")
     embed.add_argument("model", type=Path, metavar="MODEL_DIR_OR_NAME")
@@ -66,13 +83,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     embed.add_argument("--cache", type=Path, metavar="DIR", help="reuse and store each "
                        "image's tokens here (vlm_vit.io.encode_cache: never stale)")
     embed.set_defaults(run=run_embed)
-
-    export = commands.add_parser("export", help="write the Hugging Face LLaVA layout "
-                                 "(LLaVA-NeXT or OneVision for a tiled tower; a Qwen2-VL or "
-                                 "Qwen2.5-VL model as its own class), LoRA merged")
-    export.add_argument("model", type=Path, metavar="MODEL_DIR_OR_NAME")
-    export.add_argument("--out", required=True, type=Path, metavar="DIR")
-    export.set_defaults(run=run_export)
 
 
 def _add_train(commands: argparse._SubParsersAction) -> None:
