@@ -59,6 +59,7 @@ from vlm_vit.convert.timm import (
     write_timm_directory,
 )
 from vlm_vit.convert.timm_pe import mlp_ratio
+from vlm_vit.convert.timm_pe_registrations import _architecture
 from vlm_vit.io.native import MODEL_TYPE
 from vlm_vit.layers.pos_resize_square_crop import SQUARE_CROP_MODES
 from vlm_vit.processor import ImageProcessor
@@ -132,12 +133,6 @@ KEY_MAP = {
     **{f"blocks.{{}}.{scale}.gamma": f"blocks.{{}}.{scale}.gamma" for scale in ("ls1", "ls2")},
 }
 SPECIAL = ("embeds.proj.weight", "embeds.pos_embed")  # reshaped, not renamed
-
-
-def _architecture(config: dict[str, Any]) -> str:
-    """timm's registration name, without a pretrained tag (`...radio_v3.c_radio`)."""
-    name = config.get("architecture")
-    return name.partition(".")[0] if isinstance(name, str) else ""
 
 
 def naflex_settings(config: dict[str, Any], source: object) -> dict[str, Any]:
