@@ -22,6 +22,9 @@ from vlm_vit_llm.qwen_vl_writer import export_qwen_vl
 
 FAMILY = "qwen3_vl"
 IMAGES = [slice(0, 1), slice(1, 3), slice(0, 0)]  # PROMPTS' images: one, two, none
+# The video processor's pixel bounds (over all frames) that keep 48 x 48 frames as they are,
+# as our processor, whose bounds are per frame, does.
+VIDEO_SIZE = {"shortest_edge": 16 * 16, "longest_edge": 1 << 20}
 
 
 @pytest.fixture(scope="module")
@@ -125,12 +128,39 @@ def test_greedy_generation_and_every_decoding_step_are_transformers(qwen3):
                          do_sample=False) == expected
 
 
-def test_a_clip_is_refused_by_name(qwen3):
+@pytest.mark.parametrize(("frames", "fps"), [(4, 2.0), (3, None)])
+def test_a_clip_gives_transformers_timestamps_ids_positions_and_logits(qwen3, frames, fps):
+    """A clip: transformers' video processor and its timestamped prompt against ours on the
+    chat template's wrapped placeholder, beside an image (odd frame counts fill the last
+    temporal patch with the last frame; no fps is transformers' 24)."""
+    from PIL import Image
+    from test_qwen_vl_read import photos
+
     folder, hf, processor, ours = qwen3
-    frames = torch.zeros(2, 3, 32, 32)
-    with pytest.raises(ValueError, match="Qwen3-VL separates a clip's frames with timestamp "
-                                         "text"):
-        ours.prepare([f"{IMAGE}what happens"], [[Video(frames)]])
+    clip = [Image.fromarray(array) for array in photos(frames, size=48)]
+    prompt = f"{IMAGE}and <|vision_start|><|video_pad|><|vision_end|>what happens"
+    metadata = {"total_num_frames": frames, "frames_indices": list(range(frames)),
+                **({} if fps is None else {"fps": fps})}
+    encoded = processor(text=[prompt], images=pictures()[:1], videos=[clip],
+                        video_metadata=[metadata], do_sample_frames=False, return_tensors="pt",
+                        videos_kwargs={"size": VIDEO_SIZE, "cap_pixels_per_frame": False})
+    batch = ours.prepare([prompt], [[pictures()[0], Video(clip, fps)]])
+    assert torch.equal(batch.input_ids, encoded["input_ids"])  # the timestamps as text
+    theirs_ids, _ = hf.model.get_rope_index(
+        encoded["input_ids"], encoded["mm_token_type_ids"],
+        image_grid_thw=encoded["image_grid_thw"], video_grid_thw=encoded["video_grid_thw"],
+        attention_mask=encoded["attention_mask"])
+    assert torch.equal(batch.position_ids, theirs_ids)
+    with torch.no_grad():
+        theirs, mine = hf(**encoded).logits, ours.run(batch).logits
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=LOGITS_ATOL)
+
+
+def test_a_clip_in_a_prompt_of_token_ids_is_refused_by_name(qwen3):
+    folder, hf, processor, ours = qwen3
+    ids = ours.tokenizer("<|vision_start|><|video_pad|><|vision_end|>what")["input_ids"]
+    with pytest.raises(ValueError, match="prompt 0 holds a clip but is given as token ids"):
+        ours.prepare([ids], [[Video(torch.zeros(2, 3, 32, 32))]])
 
 
 def test_packed_loss_and_every_gradient_equal_records_alone(qwen3):

@@ -63,18 +63,24 @@ class DeepStack(nn.Module):
         DeepStack layer, each image's tap tokens `[M_i, D]`, from one packed encoder run.
 
         Raises:
-            ValueError: for a clip (Qwen3-VL writes a timestamp before each of its frames,
-                which the bridge does not), or pixels that are not `[C, H, W]`.
+            ValueError: for a clip of more than one temporal patch (Qwen3-VL writes a
+                timestamp before each: `vlm_vit_llm.timestamps` gives them one by one), or
+                pixels that are not `[C, H, W]`.
         """
         if not pixels:
             return [], [[] for _ in self.mergers]
-        if any(isinstance(image, Video) for image in pixels):
-            raise ValueError("Qwen3-VL separates a clip's frames with timestamp text, which "
-                             "vlm-vit-llm does not write: give the frames as images")
-        if any(not isinstance(image, torch.Tensor) or image.ndim != 3 for image in pixels):
-            raise ValueError("image pixels must be [C, H, W] each")
+        temporal = mm.tower.encoder.config.temporal_patch_size or 1
+        if any(isinstance(image, Video) and len(image.frames) > temporal for image in pixels):
+            raise ValueError("Qwen3-VL writes a timestamp before each temporal patch of a clip: "
+                             "give the clip in a prompt written as text, which prepare "
+                             "timestamps (vlm_vit_llm.timestamps)")
+        images = [image.frames if isinstance(image, Video) else image for image in pixels]
+        if any(not isinstance(image, torch.Tensor) or image.ndim not in (3, 4)
+               or (image.ndim == 4) != isinstance(pixels[index], Video)
+               for index, image in enumerate(images)):
+            raise ValueError("image pixels must be [C, H, W] each, a clip's [T, C, H, W]")
         parameter = next(mm.tower.parameters())
-        images = [image.to(device=parameter.device, dtype=parameter.dtype) for image in pixels]
+        images = [image.to(device=parameter.device, dtype=parameter.dtype) for image in images]
         out = TappedTower(mm.tower, self.taps())(images)
         return list(out.tokens), [list(out.taps[name]) for name in self.mergers]
 

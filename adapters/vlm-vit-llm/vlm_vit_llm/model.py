@@ -49,6 +49,7 @@ from vlm_vit_llm.placeholders import add_image_token, existing_token_id
 from vlm_vit_llm.qwen_vl_writer import base_writer
 from vlm_vit_llm.readers import READERS, transformers_reader
 from vlm_vit_llm.saving import CONFIG_NAME, LAYOUT, ModelParts, read_folder, write_folder
+from vlm_vit_llm.timestamps import timestamped_clips
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +208,7 @@ class MultimodalLM(nn.Module):
                 context.
         """
         images = checked_arguments(texts, images, targets, token_labels, padding_side)
+        texts, images = timestamped_clips(self, texts, images)  # Qwen3-VL's clips
         prompt_ids = [self._prompt_ids(text, prompt) for prompt, text in enumerate(texts)]
         pixels, counts, owners = self._pixels_per_image(texts, images, prompt_ids)
         if self.deepstack is None:
