@@ -278,3 +278,33 @@ def test_stage_1_with_the_feature_cache_is_refused_by_name(qwen3, tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert "--cache holds the tower's feature layer, not the DeepStack taps" in err
     assert len(err.splitlines()) == 1 and not (tmp_path / "s1").exists()
+
+
+def test_a_clip_in_a_training_record_is_timestamped_as_in_a_text_prompt(qwen3):
+    """The records' path (rendered, tokenised, then expanded) writes a clip's timestamps and
+    temporal patches as the text-prompt path, which equals transformers' processor above;
+    the record's loss is the text prompt's."""
+    from PIL import Image
+    from test_qwen_vl_read import photos
+
+    from vlm_vit_llm.chat import render_conversation
+    from vlm_vit_llm.conversation_batch import load_pixels
+    from vlm_vit_llm.conversations import ConversationCollate, ConversationItem
+    from vlm_vit_llm.records import Turn
+
+    folder, hf, processor, ours = qwen3
+    clip = [Image.fromarray(array) for array in photos(4, size=48)]
+    turns = [Turn("user", f"{IMAGE}what happens"), Turn("assistant", "a red square")]
+    collate = ConversationCollate(ours, max_length=512)
+    item = ConversationItem("r", turns, [load_pixels(ours.processor, Video(clip, 2.0))])
+    ids, labels, pixels = collate.encode(item)
+    assert len(pixels) == 2 and all(len(piece.frames) == 2 for piece in pixels)
+    record = ours.prepare([ids], [pixels], token_labels=[labels])
+    text, _ = render_conversation(ours.tokenizer, turns, collate.template)
+    prompt = ours.prepare([text], [[Video(clip, 2.0)]])
+    assert "<0.2 seconds>" in ours.tokenizer.decode(record.input_ids[0])
+    assert torch.equal(record.input_ids, prompt.input_ids)
+    assert torch.equal(record.position_ids, prompt.position_ids)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.run(record).logits, ours.run(prompt).logits,
+                                   rtol=0, atol=0)

@@ -45,7 +45,7 @@ def load_pixels(processor: ImageProcessor, image: Any) -> Pixels:
         shapes = {tuple(frame.shape) for frame in frames}
         if len(shapes) > 1:
             raise ValueError(f"the frames of a clip preprocess to different sizes {sorted(shapes)}")
-        return Video(torch.stack(frames))
+        return Video(torch.stack(frames), image.fps)
     if processor.tiling is None:
         return processor.preprocess_one(image)
     views, sizes = processor.tile([image])
@@ -227,7 +227,7 @@ def _moved(image: Pixels, device: torch.device | str, non_blocking: bool) -> Pix
     if isinstance(image, TiledImage):
         return replace(image, views=image.views.to(device, non_blocking=non_blocking))
     if isinstance(image, Video):
-        return Video(image.frames.to(device, non_blocking=non_blocking))
+        return replace(image, frames=image.frames.to(device, non_blocking=non_blocking))
     return image.to(device, non_blocking=non_blocking)
 
 

@@ -27,6 +27,7 @@ from vlm_vit_llm.conversation_batch import (
 )
 from vlm_vit_llm.model import MultimodalLM
 from vlm_vit_llm.records import BadRecord, ConversationRecords, Turn
+from vlm_vit_llm.timestamps import clip_settings, takes_timestamps, timestamped_turns
 
 
 class ConversationItem(NamedTuple):
@@ -165,16 +166,21 @@ class ConversationCollate:
         self.image_tokens, self.least_image_tokens = (self.count_tokens.fixed,
                                                       self.count_tokens.least)
         self.max_length = _max_length(mm, max_length)
+        self.clips = clip_settings(mm) if takes_timestamps(mm) else None  # Qwen3-VL's
 
     def encode(self, item: ConversationItem) -> tuple[list[int], list[int], list[Pixels]]:
-        """Ids, labels and pixels of one record after truncation.
+        """Ids, labels and pixels of one record after truncation (Qwen3-VL's clips as
+        timestamped temporal patches, `vlm_vit_llm.timestamps`).
 
         Raises:
             ValueError: naming the record when it cannot be used (see the class docstring).
         """
-        counts = [self.count_tokens(pixels) for pixels in item.pixels]
-        ids, labels = self._truncated(item.turns, counts)
-        return ids, labels, item.pixels[:ids.count(self.image_token_id)]
+        turns, pixels = item.turns, item.pixels
+        if self.clips is not None:
+            turns, pixels = timestamped_turns(turns, pixels, self.clips)
+        counts = [self.count_tokens(one) for one in pixels]
+        ids, labels = self._truncated(turns, counts)
+        return ids, labels, pixels[:ids.count(self.image_token_id)]
 
     def _truncated(self, all_turns: Sequence[Turn], counts: list[int]
                    ) -> tuple[list[int], list[int]]:

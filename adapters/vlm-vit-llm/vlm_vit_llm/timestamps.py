@@ -32,6 +32,12 @@ MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")  # the LLMs whose clips carry timesta
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 
 
+class TemporalPatch(Video):
+    """One temporal patch of a clip whose timestamp is already in the prompt (what
+    `split_clip` gives): `timestamped_clips` leaves it, and a prompt of token ids may hold
+    it."""
+
+
 def takes_timestamps(mm: Any) -> bool:
     """Whether `mm`'s language model writes a timestamp before each temporal patch."""
     config = getattr(split_peft(mm.llm)[0], "config", None)
@@ -64,7 +70,7 @@ def split_clip(video: Video, temporal: int) -> list[Video]:
             else frames
     else:
         frames = list(frames) + [frames[-1]] * fill
-    return [Video(frames[start:start + temporal], video.fps)
+    return [TemporalPatch(frames[start:start + temporal], video.fps)
             for start in range(0, len(frames), temporal)]
 
 
@@ -78,41 +84,78 @@ def timestamped_clips(mm: Any, texts: Sequence[Any], images: list[list[Any]]
         ValueError: for a clip in a prompt given as token ids (its timestamps are text: give
             the prompt as a string).
     """
-    if not takes_timestamps(mm) or not any(isinstance(image, Video)
-                                           for per_prompt in images for image in per_prompt):
+    if not takes_timestamps(mm) or not any(_untimed(image) for per_prompt in images
+                                           for image in per_prompt):
         return list(texts), images
-    temporal = mm.tower.encoder.config.temporal_patch_size or 1
-    tokens = [token for token in (mm.image_token, mm.video_token) if token]
-    pattern = re.compile("|".join(map(re.escape, tokens)))
+    temporal, pattern = clip_settings(mm)
     new_texts, new_images = [], []
     for prompt, (text, per_prompt) in enumerate(zip(texts, images, strict=True)):
-        if not any(isinstance(image, Video) for image in per_prompt):
-            new_texts.append(text)
-            new_images.append(per_prompt)
-            continue
-        if not isinstance(text, str):
+        if any(map(_untimed, per_prompt)) and not isinstance(text, str):
             raise ValueError(f"prompt {prompt} holds a clip but is given as token ids: "
                              "Qwen3-VL writes each frame's time as text before it; give the "
                              "prompt as a string")
-        pieces, kept, cursor, matched = [], [], 0, 0
-        for found in pattern.finditer(text):
-            if matched == len(per_prompt):
-                break  # more placeholders than images: `prepare` names the mismatch
-            image = per_prompt[matched]
-            matched += 1
-            if not isinstance(image, Video):
-                kept.append(image)
-                continue
-            start, end = found.span()
-            if text.endswith(VISION_START, 0, start) and text.startswith(VISION_END, end):
-                start, end = start - len(VISION_START), end + len(VISION_END)
-            pieces.append(text[cursor:start])
-            times = patch_times(len(image.frames), image.fps, temporal)
-            pieces.extend(f"<{time:.1f} seconds>{VISION_START}{found.group()}{VISION_END}"
-                          for time in times)
-            kept.extend(split_clip(image, temporal))
-            cursor = end
-        pieces.append(text[cursor:])
-        new_texts.append("".join(pieces))
-        new_images.append(kept + list(per_prompt[matched:]))
+        if isinstance(text, str):
+            text, kept, matched = timestamp_text(text, per_prompt, pattern, temporal)
+            per_prompt = kept + list(per_prompt[matched:])
+        new_texts.append(text)
+        new_images.append(per_prompt)
     return new_texts, new_images
+
+
+def timestamped_turns(turns: Sequence[Any], images: Sequence[Any],
+                      settings: tuple[int, re.Pattern]) -> tuple[list[Any], list[Any]]:
+    """`timestamped_clips` for a conversation: its user turns' placeholders take `images`
+    in order (`Turn`s, as `vlm_vit_llm.chat` renders them); `settings` are
+    `clip_settings(mm)`."""
+    if not any(map(_untimed, images)):
+        return list(turns), list(images)
+    temporal, pattern = settings
+    new_turns, kept, taken = [], [], 0
+    for turn in turns:
+        if turn.role != "user":
+            new_turns.append(turn)
+            continue
+        text, pieces, matched = timestamp_text(turn.text, images[taken:], pattern, temporal)
+        new_turns.append(turn._replace(text=text))
+        kept.extend(pieces)
+        taken += matched
+    return new_turns, kept + list(images[taken:])
+
+
+def clip_settings(mm: Any) -> tuple[int, re.Pattern]:
+    """The tower's frames per temporal patch, and the pattern of the placeholders."""
+    tokens = [token for token in (mm.image_token, mm.video_token) if token]
+    return (mm.tower.encoder.config.temporal_patch_size or 1,
+            re.compile("|".join(map(re.escape, tokens))))
+
+
+def timestamp_text(text: str, images: Sequence[Any], pattern: re.Pattern, temporal: int
+                   ) -> tuple[str, list[Any], int]:
+    """`text` with each placeholder (`pattern`) that takes a clip of `images` (in order)
+    written as its timestamped temporal patches; the images with each clip split into them;
+    and how many of `images` the text's placeholders took."""
+    pieces, kept, cursor, matched = [], [], 0, 0
+    for found in pattern.finditer(text):
+        if matched == len(images):
+            break  # more placeholders than images: `prepare` names the mismatch
+        image = images[matched]
+        matched += 1
+        if not _untimed(image):
+            kept.append(image)
+            continue
+        start, end = found.span()
+        if text.endswith(VISION_START, 0, start) and text.startswith(VISION_END, end):
+            start, end = start - len(VISION_START), end + len(VISION_END)
+        pieces.append(text[cursor:start])
+        times = patch_times(len(image.frames), image.fps, temporal)
+        pieces.extend(f"<{time:.1f} seconds>{VISION_START}{found.group()}{VISION_END}"
+                      for time in times)
+        kept.extend(split_clip(image, temporal))
+        cursor = end
+    pieces.append(text[cursor:])
+    return "".join(pieces), kept, matched
+
+
+def _untimed(image: Any) -> bool:
+    """Whether `image` is a clip whose timestamps are still to be written."""
+    return isinstance(image, Video) and not isinstance(image, TemporalPatch)
