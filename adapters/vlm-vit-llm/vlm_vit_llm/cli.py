@@ -15,6 +15,7 @@ from vlm_vit.commands import (
     add_strategy_arguments,
     precision_name,
 )
+from vlm_vit_llm.embed_cli import add_embed_parser
 from vlm_vit_llm.model_args import existing as _existing
 from vlm_vit_llm.model_args import flagged as _flagged
 from vlm_vit_llm.model_args import load_multimodal
@@ -58,7 +59,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="where the merged model goes (not MODEL, nor a folder holding it)")
     merge.set_defaults(run=run_merge)
 
-    _add_embed(commands)
+    add_embed_parser(commands)
 
     export = commands.add_parser("export", help="write the Hugging Face LLaVA layout "
                                  "(LLaVA-NeXT or OneVision for a tiled tower; a Qwen2-VL or "
@@ -66,23 +67,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("model", type=Path, metavar="MODEL_DIR_OR_NAME")
     export.add_argument("--out", required=True, type=Path, metavar="DIR")
     export.set_defaults(run=run_export)
-
-
-def add_embed_parser(subparsers: argparse._SubParsersAction) -> None:
-    """The entry point of the top-level `vlm-vit embed`, the same command as `llm embed`."""
-    _add_embed(subparsers)
-
-
-def _add_embed(commands: argparse._SubParsersAction) -> None:
-    """`embed` (under `llm`, and at the top level)."""
-    embed = commands.add_parser("embed", help="images' projected tokens in vLLM's "
-                                "precomputed-input layout, to one safetensors file")
-    embed.add_argument("model", type=Path, metavar="MODEL_DIR_OR_NAME")
-    embed.add_argument("images", type=Path, nargs="+", metavar="IMAGE")
-    embed.add_argument("--out", required=True, type=Path, metavar="FILE")
-    embed.add_argument("--cache", type=Path, metavar="DIR", help="reuse and store each "
-                       "image's tokens here (vlm_vit.io.encode_cache: never stale)")
-    embed.set_defaults(run=run_embed)
 
 
 def _add_train(commands: argparse._SubParsersAction) -> None:
@@ -483,15 +467,6 @@ def run_merge(args: argparse.Namespace) -> int:
         raise ValueError(f"MODEL {model} has no LoRA adapter: nothing to merge")
     merged = merge_adapters(load_multimodal(model, "MODEL"))
     print(f"wrote {merged.save_pretrained(args.out)} (LoRA merged: a plain model)")
-    return 0
-
-
-def run_embed(args: argparse.Namespace) -> int:
-    from vlm_vit_llm.embeddings import write_embeddings
-
-    images = [_existing(path, "IMAGE") for path in args.images]  # before the model loads
-    print(write_embeddings(load_multimodal(args.model, "MODEL").eval(), images, args.out,
-                           args.cache))
     return 0
 
 

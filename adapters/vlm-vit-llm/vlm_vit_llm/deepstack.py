@@ -143,3 +143,11 @@ def fed(deepstack: DeepStack | None, batch: Any):
     if deepstack is None or batch.deepstack_features is None or not batch.image_mask.any():
         return nullcontext()
     return deepstack.feeding(batch.image_mask, batch.deepstack_features)
+
+
+def train_projectors(mm: Any) -> None:
+    """`mm`'s projector trains fully, and its DeepStack mergers (Qwen3-VL's other
+    projectors) where it has some: stage 1 and LoRA's set-up."""
+    mm.tower.pooler.requires_grad_(True)
+    if mm.deepstack is not None:
+        mm.deepstack.mergers.requires_grad_(True)

@@ -29,7 +29,7 @@ from torch import nn
 
 from vlm_vit import ImageProcessor, VisionTower
 from vlm_vit_llm.batch_types import MultimodalBatch, TiledImage, Video
-from vlm_vit_llm.deepstack import DeepStack, fed
+from vlm_vit_llm.deepstack import DeepStack, fed, train_projectors
 from vlm_vit_llm.mrope import (
     batch_positions,
     context_length,
@@ -383,24 +383,16 @@ class MultimodalLM(nn.Module):
     # -- training set-ups --------------------------------------------------------------------
 
     def train_projector_only(self) -> MultimodalLM:
-        """LLaVA stage 1: only the projector trains (Qwen3-VL's: its merger and its DeepStack
-        mergers); the encoder runs without a graph."""
+        """LLaVA stage 1: only the projectors train; the encoder runs without a graph."""
         self.requires_grad_(False)
-        self._train_projectors()
+        train_projectors(self)
         return self
-
-    def _train_projectors(self) -> None:
-        """The projector, and DeepStack's mergers where there are some, train fully."""
-        self.tower.pooler.requires_grad_(True)
-        if self.deepstack is not None:
-            self.deepstack.mergers.requires_grad_(True)
 
     def add_lora(self, *, r: int = 16, alpha: float = 32, dropout: float = 0.0,
                  llm_targets: Sequence[str] = DEFAULT_LLM_LORA_TARGETS,
                  encoder_targets: str | Sequence[str] | None = None) -> MultimodalLM:
         """LLaVA stage 2 (with LoRA): LoRA on the LLM (and optionally the encoder, through
-        `vlm_vit.adapt.lora.apply_lora`); the projector (and DeepStack's mergers) trains fully,
-        everything else is frozen.
+        `vlm_vit.adapt.lora.apply_lora`); the projectors train fully, the rest is frozen.
 
         Args:
             r, alpha, dropout: the LoRA settings, for both.
@@ -432,7 +424,7 @@ class MultimodalLM(nn.Module):
                 found = unused.search(name)
                 if found and ".lora_" in name and int(found[1]) >= self.tower.blocks_used:
                     parameter.requires_grad_(False)
-        self._train_projectors()
+        train_projectors(self)
         return self
 
     # -- saving ------------------------------------------------------------------------------
