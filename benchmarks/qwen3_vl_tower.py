@@ -3,7 +3,7 @@ weights and pixels: the merger's tokens and the DeepStack taps of a batch of ima
 native resolution, in one packed call each (issue 45).
 
     python benchmarks/qwen3_vl_tower.py                      # Qwen3-VL-8B's tower, 27 blocks
-    python benchmarks/qwen3_vl_tower.py --depth 6 --sides 448 448 336 672
+    python benchmarks/qwen3_vl_tower.py --depth 6 --sides 448 448 320 640
 
 transformers' model is built at random initialisation (perturbed), saved by
 `save_pretrained`, and read by `load_tower` and `deepstack_taps` (a `TappedTower`): the path
@@ -56,8 +56,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depth", type=int, default=None, help="default: Qwen3-VL-8B's 27")
     parser.add_argument("--width", type=int, default=None, help="default: 1152 (16 heads)")
-    parser.add_argument("--sides", type=int, nargs="+", default=[448, 448, 336, 672],
-                        metavar="SIDE", help="image sides (pairs: height width)")
+    parser.add_argument("--sides", type=int, nargs="+", default=[448, 448, 320, 640],
+                        metavar="SIDE", help="image sides (pairs: height width), multiples "
+                        "of the patch times the merge (32 for Qwen3-VL)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--attention", default="sdpa", help="transformers' attn_implementation")
@@ -68,6 +69,10 @@ def main() -> None:
     flush_denormals(args.keep_denormals)
     if len(args.sides) % 2:
         parser.error("--sides takes pairs: height width")
+    window = QWEN3_VL_8B["patch_size"] * QWEN3_VL_8B["spatial_merge_size"]
+    if any(side <= 0 or side % window for side in args.sides):
+        parser.error(f"--sides must be positive multiples of {window} (the patch times the "
+                     f"merge), got {args.sides}")
 
     settings = dict(QWEN3_VL_8B)
     if args.depth:
@@ -114,6 +119,10 @@ def main() -> None:
         "tokens": int(patches.shape[0]), "attention": args.attention,
         "max_abs_difference": difference, "seconds": seconds,
         "speed_ratio_vlm_vit_over_transformers": seconds["transformers"] / seconds["vlm-vit"],
+        "variant": f"depth {settings['depth']} x width {settings['hidden_size']}",
+        "settings_note": f"{len(images)} images, {patches.shape[0]} patches, transformers "
+                         f"{args.attention}, max diff {difference:.1e}",
+        "device": "cpu", "dtype": "float32",
     }
     print(f"Qwen3-VL tower, depth {settings['depth']}, width {settings['hidden_size']}, "
           f"{len(images)} images ({patches.shape[0]} patches), transformers {args.attention}, "
