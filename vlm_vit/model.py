@@ -136,8 +136,8 @@ class VisionEncoder(NativeFormat, nn.Module):
                                                 device=self.blocks[0].attn.qkv.weight.device)
         resize = dict(num_prefix_tokens=int(self.config.class_token),
                       mode=self.config.pos_resize_mode, antialias=self.config.pos_resize_antialias)
-        if self.config.pos_resize_mode in ("bilinear_corners", "bicubic_grid_sample"):
-            # Qwen3-VL's and GLM-4V's, not cached (GLM-4V samples its own grid too)
+        if self.config.pos_resize_mode == "bicubic_grid_sample":
+            # GLM-4V's, not cached: it samples its own grid too
             return resize_position_table(self.pos_embed, self.config.grid, grid, **resize)
         return resample_pos_embed_cached(self.pos_embed, self.config.grid, grid, self._pos_cache,
                                          resample=resize_position_table, **resize)

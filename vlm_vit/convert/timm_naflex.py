@@ -96,26 +96,26 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
            "mlp_ratio": ratio, "reg_tokens": registers, "init_values": scale,
            "pos_embed_align_corners": corners}
     for name, (width, depth, heads, ratio, registers, scale, corners) in _RADIO.items()}
-# Settings our block cannot hold: (setting, the value we can, why), refused by name.
+# Settings our block cannot hold: (setting, the values we can, why), refused by name.
 UNSUPPORTED = (
-    ("pos_embed", "learned", "factorized, RoPE or no positions"),
-    ("pos_embed_use_grid_sample", False, "positions sampled by grid_sample"),
-    ("rope_type", "", "RoPE"),
-    ("qk_norm", False, "q/k norms"),
-    ("scale_mlp_norm", False, "a norm inside the MLP"),
-    ("scale_attn_inner_norm", False, "a norm inside attention"),
-    ("num_kv_heads", None, "grouped-query attention"),
-    ("proj_bias", True, "attention and MLP projections without a bias"),
-    ("input_norm_layer", None, "a norm of the raw patches"),
-    ("embed_norm_layer", None, "a norm of the patch embeddings"),
-    ("norm_layer", None, "another norm layer"),
-    ("act_layer", None, "another activation"),
-    ("block_fn", None, "another block"),
-    ("mlp_layer", None, "another MLP"),
-    ("attn_layer", None, "another attention"),
-    ("attn_type", "standard", "Eva's or RoPE attention"),
-    ("pool_include_prefix", False, "pooling over the prefix tokens too"),
-    ("enable_patch_interpolator", False, "resized patch embeddings (FlexiViT)"),
+    ("pos_embed", ("learned",), "factorized, RoPE or no positions"),
+    ("pos_embed_use_grid_sample", (False,), "positions sampled by grid_sample"),
+    ("rope_type", ("",), "RoPE"),
+    ("qk_norm", (False,), "q/k norms"),
+    ("scale_mlp_norm", (False,), "a norm inside the MLP"),
+    ("scale_attn_inner_norm", (False,), "a norm inside attention"),
+    ("num_kv_heads", (None,), "grouped-query attention"),
+    ("proj_bias", (True,), "attention and MLP projections without a bias"),
+    ("input_norm_layer", (None,), "a norm of the raw patches"),
+    ("embed_norm_layer", (None,), "a norm of the patch embeddings"),
+    ("norm_layer", (None, "layernorm"), "another norm layer"),
+    ("act_layer", (None, "gelu"), "another activation"),
+    ("block_fn", (None,), "another block"),
+    ("mlp_layer", (None,), "another MLP"),
+    ("attn_layer", (None,), "another attention"),
+    ("attn_type", ("standard",), "Eva's or RoPE attention"),
+    ("pool_include_prefix", (False,), "pooling over the prefix tokens too"),
+    ("enable_patch_interpolator", (False,), "resized patch embeddings (FlexiViT)"),
 )
 POOLS = {"token": "cls", "avg": "mean", "": "all", "none": "all"}
 # (interp mode, align corners, square of the longer side) -> our pos_resize_mode
@@ -164,9 +164,7 @@ def refuse_unsupported(settings: dict[str, Any], tensors: dict[str, torch.Tensor
         ValueError: naming `source`, the setting and what it is.
     """
     for setting, ours, what in UNSUPPORTED:
-        if settings[setting] != ours and not (setting == "norm_layer" and
-                                              settings[setting] == "layernorm") \
-                and not (setting == "act_layer" and settings[setting] == "gelu"):
+        if settings[setting] not in ours:
             raise ValueError(f"{source}: timm NaFlexVit with {setting}={settings[setting]!r} "
                              f"({what}) is not representable in vlm-vit's block")
     pool = settings["global_pool"]

@@ -202,10 +202,9 @@ class MultimodalLM(nn.Module):
 
         Raises:
             ValueError: naming the argument and the shape it needs: for no prompts, a
-                sequence without a token, a token id outside the LLM's vocabulary, images
-                not given as one list per prompt, a prompt whose placeholders do not match
-                its images, mismatched list lengths, or a sequence longer than the LLM's
-                context.
+                sequence without a token, a token id outside the LLM's vocabulary, images not
+                given as one list per prompt, a prompt whose placeholders do not match its
+                images, mismatched list lengths, or a sequence longer than the LLM's context.
         """
         images = checked_arguments(texts, images, targets, token_labels, padding_side)
         texts, images = timestamped_clips(self, texts, images)  # Qwen3-VL's clips
