@@ -137,6 +137,18 @@ def test_the_config_names_radios_mechanisms_and_its_processor(tmp_path):
     assert load_encoder(large).config.pos_resize_mode == "bilinear_square_crop"
 
 
+def test_no_pooling_gives_every_token_as_timm_does(tmp_path):
+    """`global_pool=""`: timm's head returns every token, the prefix included."""
+    folder, model = save_radio(tmp_path, "v3_large", global_pool="")
+    tower = load_tower(folder).eval()
+    x = torch.randn(2, 3, 64, 40, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        expected = model.forward_head(model.forward_features(x), pre_logits=True)
+        got = tower(x)
+    assert got.shape == expected.shape == (2, 8 + 8 * 5, 32)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
 def test_the_summary_pooler_gives_radios_summary_tokens(tmp_path):
     folder, model = save_radio(tmp_path, "v3_base")
     encoder = load_encoder(folder).eval()

@@ -268,7 +268,9 @@ class TimmNaflexFormat:
                 pos_resize_antialias=bool(settings["pos_embed_antialias"]))
         except ConfigError as error:
             raise error.located(source, TIMM_FIELDS.get(error.field)) from None
-        pooler = NativePooler(POOLS[settings["global_pool"]], width, None, {}, {})
+        name = POOLS[settings["global_pool"]]  # no pooling: every token, the prefix's too
+        pooler = NativePooler(name, width, None, {"keep_prefix": True} if name == "all" else {},
+                              {})
         return Converted(config=config, state=state, pooler=pooler,
                          processor=_processor(checkpoint.config, config, source), rules=rules,
                          source=checkpoint.path, config_file=CONFIG_FILE)
