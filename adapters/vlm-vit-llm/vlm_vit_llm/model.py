@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import re
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -43,7 +42,7 @@ from vlm_vit_llm.mrope import (
 from vlm_vit_llm.multimodal_batch import build_batch, checked_arguments, expand, token_ids
 from vlm_vit_llm.packing import PATHS, check_packed_attention, choose_packed_attention, run_packed
 from vlm_vit_llm.parallel import idle_image_features
-from vlm_vit_llm.peft_helpers import quiet_peft, split_peft
+from vlm_vit_llm.peft_helpers import add_llm_and_encoder_lora, split_peft
 from vlm_vit_llm.pixels import Pixels, as_pixels, token_count
 from vlm_vit_llm.placeholders import add_image_token, existing_token_id
 from vlm_vit_llm.qwen_vl_writer import base_writer
@@ -402,28 +401,9 @@ class MultimodalLM(nn.Module):
         Raises:
             ValueError: when LoRA is already on, or a target matches nothing.
         """
-        from vlm_vit.adapt.lora import apply_lora, import_peft
-
-        peft = import_peft("LoRA on the LLM")  # bitsandbytes' kernel warnings held back
-        if isinstance(self.llm, peft.PeftModel) or isinstance(self.tower.encoder, peft.PeftModel):
-            raise ValueError("LoRA is already on this model; merge it or load it without")
-        self.requires_grad_(False)
-        config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, bias="none",
-                                 target_modules=list(llm_targets), task_type="CAUSAL_LM")
-        with quiet_peft():
-            self.llm = peft.get_peft_model(self.llm, config)
-        self._packed_attention = None  # checked again, on the wrapped LLM
-        if encoder_targets is not None:
-            self.tower.encoder = apply_lora(self.tower.encoder, r=r, alpha=alpha,
-                                            dropout=dropout, targets=encoder_targets)
-            # Blocks past the tower's feature layer never run: their LoRA would get no
-            # gradient (and DDP would wait for one), so it stays frozen at its no-op start.
-            unused = re.compile(r"\.blocks\.(\d+)\.")
-            for name, parameter in self.tower.encoder.named_parameters():
-                found = unused.search(name)
-                if found and ".lora_" in name and int(found[1]) >= self.tower.blocks_used:
-                    parameter.requires_grad_(False)
-        train_projectors(self)
+        add_llm_and_encoder_lora(self, r=r, alpha=alpha, dropout=dropout,
+                                 llm_targets=llm_targets,
+                                 encoder_targets=encoder_targets)
         return self
 
     # -- saving ------------------------------------------------------------------------------

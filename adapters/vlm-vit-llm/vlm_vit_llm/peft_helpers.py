@@ -1,17 +1,20 @@
-"""peft's models as the bridge handles them: a module's base without its LoRA, its state
-without the LoRA tensors, LoRA folded into the weights, and peft's wrapping without the
-warning transformers 5 makes it print.
+"""peft's models as the bridge handles them: LoRA put on a `MultimodalLM`, a module's base
+without its LoRA, its state without the LoRA tensors, LoRA folded into the weights, and peft's
+wrapping without the warning transformers 5 makes it print.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from vlm_vit_llm.deepstack import train_projectors
 
 
 def split_peft(module: nn.Module) -> tuple[nn.Module, Any]:
@@ -25,6 +28,35 @@ def split_peft(module: nn.Module) -> tuple[nn.Module, Any]:
     if base is not None and hasattr(module, "peft_config"):
         return base(), module
     return module, None
+
+
+def add_llm_and_encoder_lora(mm: Any, *, r: int, alpha: float, dropout: float,
+                             llm_targets: Sequence[str],
+                             encoder_targets: str | Sequence[str] | None) -> None:
+    """`MultimodalLM.add_lora` (see there): LoRA on `mm`'s LLM and optionally its encoder,
+    the projectors trained fully, the rest frozen."""
+    from vlm_vit.adapt.lora import apply_lora, import_peft
+
+    peft = import_peft("LoRA on the LLM")  # bitsandbytes' kernel warnings held back
+    if isinstance(mm.llm, peft.PeftModel) or isinstance(mm.tower.encoder, peft.PeftModel):
+        raise ValueError("LoRA is already on this model; merge it or load it without")
+    mm.requires_grad_(False)
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, bias="none",
+                             target_modules=list(llm_targets), task_type="CAUSAL_LM")
+    with quiet_peft():
+        mm.llm = peft.get_peft_model(mm.llm, config)
+    mm._packed_attention = None  # checked again, on the wrapped LLM
+    if encoder_targets is not None:
+        mm.tower.encoder = apply_lora(mm.tower.encoder, r=r, alpha=alpha,
+                                      dropout=dropout, targets=encoder_targets)
+        # Blocks past the tower's feature layer never run: their LoRA would get no
+        # gradient (and DDP would wait for one), so it stays frozen at its no-op start.
+        unused = re.compile(r"\.blocks\.(\d+)\.")
+        for name, parameter in mm.tower.encoder.named_parameters():
+            found = unused.search(name)
+            if found and ".lora_" in name and int(found[1]) >= mm.tower.blocks_used:
+                parameter.requires_grad_(False)
+    train_projectors(mm)
 
 
 def base_state(module: nn.Module) -> dict[str, torch.Tensor]:
