@@ -180,11 +180,11 @@ def decodes(monkeypatch):
     count = []
     real = conversations.load_pixels
 
-    def counted(processor, image):
+    def counted(processor, image, video=None):
         count.append(image)
         if len(count) > 256:  # records.MAX_IMAGES
             pytest.fail("decoded more than 256 images")
-        return real(processor, image)
+        return real(processor, image, video)
 
     monkeypatch.setattr(conversations, "load_pixels", counted)
     return count

@@ -22,9 +22,6 @@ from vlm_vit_llm.qwen_vl_writer import export_qwen_vl
 
 FAMILY = "qwen3_vl"
 IMAGES = [slice(0, 1), slice(1, 3), slice(0, 0)]  # PROMPTS' images: one, two, none
-# The video processor's pixel bounds (over all frames) that keep 48 x 48 frames as they are,
-# as our processor, whose bounds are per frame, does.
-VIDEO_SIZE = {"shortest_edge": 16 * 16, "longest_edge": 1 << 20}
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +139,8 @@ def test_a_clip_gives_transformers_timestamps_ids_positions_and_logits(qwen3, fr
     metadata = {"total_num_frames": frames, "frames_indices": list(range(frames)),
                 **({} if fps is None else {"fps": fps})}
     encoded = processor(text=[prompt], images=pictures()[:1], videos=[clip],
-                        video_metadata=[metadata], do_sample_frames=False, return_tensors="pt",
-                        videos_kwargs={"size": VIDEO_SIZE, "cap_pixels_per_frame": False})
+                        video_metadata=[metadata], do_sample_frames=False, return_tensors="pt")
+    assert encoded["video_grid_thw"][0].tolist() == [2, 4, 4]  # 48 x 48 frames made 32 x 32
     batch = ours.prepare([prompt], [[pictures()[0], Video(clip, fps)]])
     assert torch.equal(batch.input_ids, encoded["input_ids"])  # the timestamps as text
     theirs_ids, _ = hf.model.get_rope_index(
@@ -296,7 +293,8 @@ def test_a_clip_in_a_training_record_is_timestamped_as_in_a_text_prompt(qwen3):
     clip = [Image.fromarray(array) for array in photos(4, size=48)]
     turns = [Turn("user", f"{IMAGE}what happens"), Turn("assistant", "a red square")]
     collate = ConversationCollate(ours, max_length=512)
-    item = ConversationItem("r", turns, [load_pixels(ours.processor, Video(clip, 2.0))])
+    item = ConversationItem("r", turns, [load_pixels(ours.processor, Video(clip, 2.0),
+                                                     ours.video_processor)])
     ids, labels, pixels = collate.encode(item)
     assert len(pixels) == 2 and all(len(piece.frames) == 2 for piece in pixels)
     record = ours.prepare([ids], [pixels], token_labels=[labels])

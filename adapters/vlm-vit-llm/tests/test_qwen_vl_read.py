@@ -35,6 +35,11 @@ VISION = {  # tiny towers: patch 8, 2x2 merge, 2 frames a temporal patch
 TEXT = {"qwen2_vl": {}, "qwen2_5_vl": {}, "qwen3_vl": dict(head_dim=16)}
 VIDEO_PROCESSORS = {"qwen3_vl": "Qwen3VLVideoProcessor"}
 MEAN_STD = {"qwen3_vl": dict(image_mean=[0.5] * 3, image_std=[0.5] * 3)}  # Qwen3-VL's own
+# The video processors' own bounds, not the image processor's (Qwen2-VL's the same). Qwen3-VL's
+# reads only `size`, its bounds over the clip's frames: 5000 pixels, which shrink the tests'
+# 4 (or 3) frames of 48 x 48 to 32 x 32.
+VIDEO_SIZES = {"qwen2_5_vl": dict(max_pixels=56 * 56),
+               "qwen3_vl": dict(size={"shortest_edge": 16 * 16, "longest_edge": 5000})}
 
 
 def qwen_tokenizer():
@@ -82,7 +87,8 @@ def qwen_folder(folder, family: str, tie: tuple[bool, bool] = (False, False)):
     video = getattr(transformers, VIDEO_PROCESSORS.get(family, "Qwen2VLVideoProcessor"))
     getattr(transformers, CLASS_NAMES[family] + "Processor")(
         image_processor=transformers.Qwen2VLImageProcessorPil(**sizes, **MEAN_STD.get(family, {})),
-        tokenizer=tokenizer, video_processor=video(**sizes)).save_pretrained(folder)
+        tokenizer=tokenizer, video_processor=video(**{**sizes, **VIDEO_SIZES.get(family, {})})
+    ).save_pretrained(folder)
     processor = transformers.AutoProcessor.from_pretrained(folder)
     processor.image_processor = transformers.AutoImageProcessor.from_pretrained(folder,
                                                                                backend="pil")

@@ -398,7 +398,8 @@ def _data(args: argparse.Namespace, mm, records, shards: bool, packing: PackingO
         dataset = train.ConversationDataset(records, mm.processor,
                                             image_tokens=collate.image_tokens,
                                             max_length=collate.max_length,
-                                            least_image_tokens=collate.least_image_tokens)
+                                            least_image_tokens=collate.least_image_tokens,
+                                            video_processor=mm.video_processor)
         if records.skipped.count > before:
             named = records.skipped.named[before:]
             print(f"skipped {records.skipped.count - before} record(s) of {args.data} whose "

@@ -26,13 +26,16 @@ from vlm_vit_llm.model import MultimodalLM
 from vlm_vit_llm.mrope import context_length, token_side
 from vlm_vit_llm.packing import LOSS_REDUCTIONS, loss_terms, loss_units, pack_rows, split_rows
 from vlm_vit_llm.pixels import Pixels
+from vlm_vit_llm.video_processor import VideoProcessor
 
 
-def load_pixels(processor: ImageProcessor, image: Any) -> Pixels:
+def load_pixels(processor: ImageProcessor, image: Any,
+                video: VideoProcessor | None = None) -> Pixels:
     """One image preprocessed as `MultimodalLM` takes it: `[3, H, W]` pixels
     (`preprocess_one`), or with the processor's tiling a `TiledImage` (`tile`: the views and
     the original size, which sets the image's token count). A `Video` (a `Record`'s clip)
-    becomes a `Video` of its frames' pixels `[T, 3, H, W]`, each frame preprocessed alone.
+    becomes a `Video` of its frames' pixels `[T, 3, H, W]`: sized together by `video` (the
+    model's `video_processor`), else each frame preprocessed alone.
 
     Raises:
         ValueError: as `preprocess_one` (ImageLoadError, ImageTooLargeError); for a clip with
@@ -41,6 +44,8 @@ def load_pixels(processor: ImageProcessor, image: Any) -> Pixels:
     if isinstance(image, Video):
         if processor.tiling is not None:
             raise ValueError("a tiled (AnyRes) tower takes images, not video frames")
+        if video is not None:
+            return Video(video(image.frames, processor), image.fps)
         frames = [processor.preprocess_one(frame) for frame in image.frames]
         shapes = {tuple(frame.shape) for frame in frames}
         if len(shapes) > 1:

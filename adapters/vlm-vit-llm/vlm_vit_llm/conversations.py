@@ -28,6 +28,7 @@ from vlm_vit_llm.conversation_batch import (
 from vlm_vit_llm.model import MultimodalLM
 from vlm_vit_llm.records import BadRecord, ConversationRecords, Turn
 from vlm_vit_llm.timestamps import clip_settings, takes_timestamps, timestamped_turns
+from vlm_vit_llm.video_processor import VideoProcessor
 
 
 class ConversationItem(NamedTuple):
@@ -59,6 +60,8 @@ class ConversationDataset(torch.utils.data.Dataset):
         least_image_tokens: the fewest tokens an image can take, for that check, when the
             count varies by image size (a tiled tower: `ConversationCollate.least_image_tokens`;
             the collate checks each record's exact count). None: `image_tokens`, exact.
+        video_processor: what sizes a video record's frames together (the model's
+            `video_processor`); None: each frame as an image.
 
     Attributes:
         lengths: `[N]` estimated tokens per record (text characters / 4 plus image tokens),
@@ -68,8 +71,10 @@ class ConversationDataset(torch.utils.data.Dataset):
 
     def __init__(self, records: ConversationRecords, processor: ImageProcessor,
                  image_tokens: int = 0, max_length: int | None = None, *,
-                 least_image_tokens: int | None = None):
+                 least_image_tokens: int | None = None,
+                 video_processor: VideoProcessor | None = None):
         self.records, self.processor = records, processor
+        self.video_processor = video_processor
         self.root = records.path
         self.max_length = max_length
         self.least_image_tokens = image_tokens if least_image_tokens is None \
@@ -99,7 +104,7 @@ class ConversationDataset(torch.utils.data.Dataset):
         pixels = []
         for path in record.images:
             try:
-                pixels.append(load_pixels(self.processor, path))
+                pixels.append(load_pixels(self.processor, path, self.video_processor))
             except (ValueError, OSError) as error:  # ImageLoadError, ImageTooLargeError, I/O
                 return UndecodableImage(f"{record.where} image {path}", str(error))
         return ConversationItem(record.where, record.turns, pixels)

@@ -94,7 +94,7 @@ def image_embeddings(mm: Any, images: list[Any], cache: Any = None) -> ImageEmbe
         raise ValueError("no images to embed")
     if len(images) > MAX_IMAGES:
         raise ValueError(f"{len(images)} images in one call; at most {MAX_IMAGES}: split them")
-    pixels = [as_pixels(image, mm.tower, mm.processor, index)
+    pixels = [as_pixels(image, mm.tower, mm.processor, index, mm.video_processor)
               for index, image in enumerate(images)]
     features = _features(mm, images, pixels, cache)
     counts = [int(tokens.shape[0]) for tokens in features]

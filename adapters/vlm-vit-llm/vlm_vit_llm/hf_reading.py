@@ -84,6 +84,22 @@ def image_processor_settings(directory: Path) -> tuple[dict[str, Any], Path]:
                      "was trained on are unknown")
 
 
+def video_processor_settings(directory: Path) -> tuple[dict[str, Any], Path] | None:
+    """The video processor's settings as transformers reads them, and their file:
+    `processor_config.json`'s nested `video_processor`, else `video_preprocessor_config.json`,
+    else the image processor's `preprocessor_config.json` (transformers' fallback); None when
+    the folder holds none of them."""
+    nested = directory / "processor_config.json"
+    if nested.is_file():
+        settings = read_json(nested).get("video_processor")
+        if isinstance(settings, dict):
+            return settings, nested
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        if (directory / name).is_file():
+            return read_json(directory / name), directory / name
+    return None
+
+
 def tensor_shapes(directory: Path) -> dict[str, list[int]]:
     """Every tensor's name and shape in the folder's safetensors, from their headers (no
     tensor is read): `model.safetensors`, or the shards `model.safetensors.index.json` names

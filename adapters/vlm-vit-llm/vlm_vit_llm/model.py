@@ -49,6 +49,7 @@ from vlm_vit_llm.qwen_vl_writer import base_writer
 from vlm_vit_llm.readers import READERS, transformers_reader
 from vlm_vit_llm.saving import CONFIG_NAME, LAYOUT, ModelParts, read_folder, write_folder
 from vlm_vit_llm.timestamps import timestamped_clips
+from vlm_vit_llm.video_processor import VideoProcessor, checked_video_processor
 
 logger = logging.getLogger(__name__)
 
@@ -75,15 +76,19 @@ class MultimodalLM(nn.Module):
             the encoder's image size with `crop_rounding="floor"`, as LLaVA's transformers
             processor crops (logged); for a tiled tower, its own processor, else CLIP
             normalisation with its tiling.
+        video_processor: sizes a clip's frames together (Qwen-VL's video processors,
+            `vlm_vit_llm.video_processor`); None: each frame as `processor` makes an image.
 
     Raises:
         ValueError: when the tower returns a vector instead of tokens, or tokens of another
-            width than the LLM's, or the processor tiles otherwise than the tower.
+            width than the LLM's, the processor tiles otherwise than the tower, or the
+            video processor's temporal patch is not the tower's.
     """
 
     def __init__(self, tower: VisionTower, llm: nn.Module, tokenizer: Any,
                  image_token: str = "<image>", processor: ImageProcessor | None = None,
-                 video_token: str | None = None, deepstack: DeepStack | None = None):
+                 video_token: str | None = None, deepstack: DeepStack | None = None,
+                 video_processor: VideoProcessor | None = None):
         super().__init__()
         if tower.num_image_tokens() is None:
             raise ValueError(f"the tower's {type(tower.pooler).__name__} pooler returns one "
@@ -111,6 +116,7 @@ class MultimodalLM(nn.Module):
             raise ValueError(f"the processor tiles by {processor.tiling} but the tower by "
                              f"{tiling}; give both the same tiling")
         self.processor = processor
+        self.video_processor = checked_video_processor(video_processor, tower)
         self.image_token_id = add_image_token(tokenizer, llm, image_token)
         self.video_token, self.video_token_id = video_token, None if video_token is None else \
             existing_token_id(tokenizer, video_token, "video token")
@@ -288,7 +294,8 @@ class MultimodalLM(nn.Module):
                 if kind == self.video_token_id and not isinstance(image, Video):
                     raise ValueError(f"prompt {prompt}: a {self.video_token!r} placeholder "
                                      f"takes a clip, Video(frames), not {type(image).__name__}")
-                pixels.append(as_pixels(image, self.tower, self.processor, prompt))
+                pixels.append(as_pixels(image, self.tower, self.processor, prompt,
+                                        self.video_processor))
                 counts.append(token_count(self.tower, pixels[-1]))
                 owners.append(prompt)
         return pixels, counts, owners
@@ -426,7 +433,7 @@ class MultimodalLM(nn.Module):
         """
         parts = ModelParts(self.tower, self.llm, self.tokenizer, self.processor,
                            self.image_token, video_token=self.video_token,
-                           deepstack=self.deepstack)
+                           deepstack=self.deepstack, video_processor=self.video_processor)
         return write_folder(parts, directory, base_writer=base_writer(self.llm))
 
     @classmethod
@@ -457,7 +464,7 @@ class MultimodalLM(nn.Module):
                         base_readers=READERS)
         mm = cls(parts.tower, parts.llm, parts.tokenizer, image_token=parts.image_token,
                  processor=parts.processor, video_token=parts.video_token,
-                 deepstack=parts.deepstack)
+                 deepstack=parts.deepstack, video_processor=parts.video_processor)
         # transformers' LLaVA folders load for inference, as transformers loads them.
         return mm if parts.layout == LAYOUT else mm.eval()
 

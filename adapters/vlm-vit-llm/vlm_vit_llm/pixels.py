@@ -11,11 +11,13 @@ import torch
 
 from vlm_vit import ImageProcessor, VisionTower
 from vlm_vit_llm.batch_types import TiledImage, Video
+from vlm_vit_llm.video_processor import VideoProcessor
 
 Pixels = torch.Tensor | TiledImage | Video  # `[C, H, W]`, tiled views, or a clip's `[T, C, H, W]`
 
 
-def as_pixels(image: Any, tower: VisionTower, processor: ImageProcessor, prompt: int) -> Pixels:
+def as_pixels(image: Any, tower: VisionTower, processor: ImageProcessor, prompt: int,
+              video: VideoProcessor | None = None) -> Pixels:
     """An image as the tower takes it: `[C, H, W]`, a `TiledImage` for a tiled tower, or for
     a `Video` a `Video` of its pixels `[T, C, H, W]`.
 
@@ -23,13 +25,15 @@ def as_pixels(image: Any, tower: VisionTower, processor: ImageProcessor, prompt:
         image: a PIL image, a file, an array, a pixel tensor, a `TiledImage` or a `Video`.
         tower, processor: the tower and the processor that turns files into its pixels.
         prompt: the prompt's index, for the errors.
+        video: what sizes a clip's frames together (Qwen-VL's video processors); None:
+            each frame as `processor` makes an image.
 
     Raises:
         ValueError: naming the prompt, for pixels of the wrong shape, a list or tuple (not an
             image), or a `Video` on a tower without temporal patches.
     """
     if isinstance(image, Video):
-        return Video(_clip(image.frames, tower, processor, prompt), image.fps)
+        return Video(_clip(image.frames, tower, processor, prompt, video), image.fps)
     if isinstance(image, (list, tuple)):
         raise ValueError(f"prompt {prompt}: a {type(image).__name__} of {len(image)} is not "
                          "an image: give each image in the prompt's list, or a clip as "
@@ -50,9 +54,10 @@ def as_pixels(image: Any, tower: VisionTower, processor: ImageProcessor, prompt:
     return processor.preprocess_one(image)
 
 
-def _clip(frames: Any, tower: VisionTower, processor: ImageProcessor,
-          prompt: int) -> torch.Tensor:
-    """A `Video`'s frames as pixels `[T, C, H, W]`, each frame as `as_pixels` makes it."""
+def _clip(frames: Any, tower: VisionTower, processor: ImageProcessor, prompt: int,
+          video: VideoProcessor | None) -> torch.Tensor:
+    """A `Video`'s frames as pixels `[T, C, H, W]`: by `video`, else each frame as
+    `as_pixels` makes it; pixels given as a tensor as they are."""
     count = len(frames)
     if tower.encoder.config.temporal_patch_size is None or tower.tiling is not None:
         raise ValueError(f"prompt {prompt}: a clip of {count} frames needs a tower with "
@@ -60,7 +65,11 @@ def _clip(frames: Any, tower: VisionTower, processor: ImageProcessor,
     if not isinstance(frames, torch.Tensor):
         if count == 0:
             raise ValueError(f"prompt {prompt}: a Video without frames")
-        frames = torch.stack([as_pixels(frame, tower, processor, prompt) for frame in frames])
+        if video is not None:
+            frames = video(frames, processor, f"prompt {prompt}: clip")
+        else:
+            frames = torch.stack([as_pixels(frame, tower, processor, prompt)
+                                  for frame in frames])
     channels = tower.encoder.config.in_channels
     if frames.ndim != 4 or frames.shape[1] != channels or count == 0:
         raise ValueError(f"prompt {prompt}: a Video's pixels must be [T, C, H, W] with T >= 1 "

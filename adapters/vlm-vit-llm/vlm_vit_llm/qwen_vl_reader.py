@@ -10,7 +10,9 @@ tie are transformers' exactly; the bridge gives it the 3D positions `get_rope_in
 (`vlm_vit_llm.mrope`). The config, the tokenizer's image token, the image processor and the
 head are checked before any weight is read.
 
-Not yet: Qwen3-VL's videos (its frames separated by timestamp text; refused by name).
+A clip's frames are sized by the folder's own video processor (`vlm_vit_llm.video_processor`,
+read as transformers reads it: its bounds, per frame for Qwen2-VL and Qwen2.5-VL and over the
+clip's frames for Qwen3-VL), not the image processor's.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from vlm_vit_llm.hf_reading import (
     checked_image_token,
     image_processor_settings,
     tensor_shapes,
+    video_processor_settings,
 )
 from vlm_vit_llm.saving import ModelParts
+from vlm_vit_llm.video_processor import VideoProcessor
 
 MODEL_TYPES = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}
 IMAGE_TOKEN = "<|image_pad|>"
@@ -73,6 +77,7 @@ def read_qwen_vl(directory: str | Path, *, dtype: torch.dtype | None = None) -> 
     image_token = checked_image_token(tokenizer, directory, config.image_token_id, source,
                                       default=IMAGE_TOKEN)
     processor = _our_processor(directory, config.vision_config)
+    video = _our_video_processor(directory, config)
     shapes = tensor_shapes(directory)
     if not config.tie_word_embeddings and not any(name in shapes for name in HEAD_NAMES):
         raise ValueError(f"{source}: tie_word_embeddings is off but the weights hold no "
@@ -97,7 +102,8 @@ def read_qwen_vl(directory: str | Path, *, dtype: torch.dtype | None = None) -> 
         DeepStack(taps, model.model.language_model).to(model.dtype).eval()
     return ModelParts(tower.to(model.dtype).eval(), model.eval(), tokenizer, processor,
                       image_token, layout=config.model_type, video_token=_video_token(
-                          tokenizer, config.video_token_id), deepstack=deepstack)
+                          tokenizer, config.video_token_id), deepstack=deepstack,
+                      video_processor=video)
 
 
 def _check_widths(config: Any, source: str) -> None:
@@ -122,11 +128,27 @@ def _video_token(tokenizer: Any, video_token_id: Any) -> str | None:
     return tokenizer.convert_ids_to_tokens(video_token_id)
 
 
-def _our_processor(directory: Path, vision: Any) -> ImageProcessor:
-    """Qwen's image processor as ours: native resolution, sides multiples of patch x merge,
-    its pixel bounds (`size` shortest_edge / longest_edge, or min_pixels / max_pixels), its
-    mean, std and resampling filter."""
-    settings, path = image_processor_settings(directory)
+def _our_video_processor(directory: Path, config: Any) -> VideoProcessor | None:
+    """Qwen's video processor as ours (`VideoProcessor.from_transformers`), or None for a
+    folder without one (each frame is then sized as an image)."""
+    found = video_processor_settings(directory)
+    if found is None:
+        return None
+    settings, path = found
+    vision = config.vision_config
+    _check_sizes(settings, vision, path)
+    rule = "qwen3_vl" if config.model_type == "qwen3_vl" else "qwen2_vl"
+    return VideoProcessor.from_transformers(
+        settings, rule, multiple=vision.patch_size * vision.spatial_merge_size,
+        temporal=vision.temporal_patch_size, source=path)
+
+
+def _check_sizes(settings: dict[str, Any], vision: Any, path: Path) -> None:
+    """A processor's patch, merge and temporal patch sizes must be the tower's.
+
+    Raises:
+        ValueError: naming the file, the setting and both values.
+    """
     for name, tower_value in (("patch_size", vision.patch_size),
                               ("merge_size", vision.spatial_merge_size),
                               ("temporal_patch_size", vision.temporal_patch_size)):
@@ -134,6 +156,14 @@ def _our_processor(directory: Path, vision: Any) -> ImageProcessor:
         if value != tower_value:
             raise ValueError(f"{path}: {name} {bounded(value)}, but the vision tower's is "
                              f"{tower_value}")
+
+
+def _our_processor(directory: Path, vision: Any) -> ImageProcessor:
+    """Qwen's image processor as ours: native resolution, sides multiples of patch x merge,
+    its pixel bounds (`size` shortest_edge / longest_edge, or min_pixels / max_pixels), its
+    mean, std and resampling filter."""
+    settings, path = image_processor_settings(directory)
+    _check_sizes(settings, vision, path)
     size = settings.get("size") if isinstance(settings.get("size"), dict) else {}
     low = settings.get("min_pixels", size.get("shortest_edge"))
     high = settings.get("max_pixels", size.get("longest_edge"))

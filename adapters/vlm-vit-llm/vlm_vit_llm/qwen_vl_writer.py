@@ -38,6 +38,7 @@ FAMILIES = {"qwen2_vl": (HfQwen2VLVisionFormat(), "Qwen2VL"),
             "qwen3_vl": (HfQwen3VLVisionFormat(), "Qwen3VL")}
 # transformers' video processor class, by family (Qwen3-VL samples and stamps frames itself).
 VIDEO_PROCESSORS = {"qwen3_vl": "Qwen3VLVideoProcessor"}
+VIDEO_RULES = {"qwen3_vl": "qwen3_vl"}  # how it sizes clips (`VideoProcessor.rule`); else qwen2_vl
 VISUAL_PREFIX = "model.visual."
 # Fields of the tower's config.json that are bookkeeping, not shape.
 UNCOMPARED = ("architectures", "model_type", "dtype", "initializer_range")
@@ -119,20 +120,28 @@ def _checked_config(llm: Any, vision: dict[str, Any]) -> Any:
 
 
 def _processor(parts: ModelParts, vision: dict[str, Any], model_type: str):
-    """transformers' processor for the folder: an image and a video processor with our
-    processor's bounds, mean and std, and the tokenizer with its own chat template."""
+    """transformers' processor for the folder: an image processor with our processor's
+    bounds, mean and std; a video processor with our video processor's settings (without
+    one, the image processor's); and the tokenizer with its own chat template."""
     import transformers
 
     settings = qwen_preprocessor(parts.processor, vision)
     settings.pop("image_processor_type")
-    sizes = {key: settings[key] for key in ("min_pixels", "max_pixels", "patch_size",
-                                            "merge_size", "temporal_patch_size")}
+    sizes = {key: settings[key] for key in ("patch_size", "merge_size", "temporal_patch_size")}
+    video_settings = {"size": {"shortest_edge": settings["min_pixels"],
+                               "longest_edge": settings["max_pixels"]},
+                      "image_mean": settings["image_mean"], "image_std": settings["image_std"]}
+    if parts.video_processor is not None:
+        rule = VIDEO_RULES.get(model_type, "qwen2_vl")
+        if parts.video_processor.rule != rule:
+            raise ValueError(f"the video processor sizes clips by the {parts.video_processor.rule}"
+                             f" rule, but {model_type}'s video processor by the {rule} rule")
+        video_settings = parts.video_processor.to_transformers()
     tokenizer = copy.deepcopy(parts.tokenizer)  # the caller's is left alone
     video = getattr(transformers, VIDEO_PROCESSORS.get(model_type, "Qwen2VLVideoProcessor"))
     return getattr(transformers, FAMILIES[model_type][1] + "Processor")(
         image_processor=transformers.Qwen2VLImageProcessor(**settings), tokenizer=tokenizer,
-        video_processor=video(**sizes, image_mean=settings["image_mean"],
-                              image_std=settings["image_std"]),
+        video_processor=video(**{**video_settings, **sizes}),
         chat_template=tokenizer.chat_template)
 
 
@@ -168,7 +177,7 @@ def export_qwen_vl(mm: Any, directory: str | Path) -> Path:
             hold, a tower the config does not describe); nothing is written then.
     """
     parts = ModelParts(mm.tower, mm.llm, mm.tokenizer, mm.processor, mm.image_token,
-                       deepstack=mm.deepstack)
+                       deepstack=mm.deepstack, video_processor=mm.video_processor)
     family(split_peft(mm.llm)[0])  # before the folder is touched
     with atomic_directory(directory, replaces=EXPORT_FILES) as temp:
         write_into(parts, temp, merge=True)

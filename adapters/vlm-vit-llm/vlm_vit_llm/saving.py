@@ -27,6 +27,7 @@ from vlm_vit.io.files import MODEL_FILES, atomic_directory, atomic_write, read_j
 from vlm_vit.io.integrity import MANIFEST_NAME, read_manifest, verify_files, write_manifest
 from vlm_vit_llm.mrope import multimodal_rope
 from vlm_vit_llm.peft_helpers import base_state, quiet_peft, split_peft
+from vlm_vit_llm.video_processor import VideoProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class ModelParts:
             (`vlm_vit_llm.llava_next.MODEL_TYPES`).
         video_token: a clip's own placeholder string, or None (Qwen-VL's `<|video_pad|>`).
         deepstack: Qwen3-VL's DeepStack mergers (`vlm_vit_llm.deepstack.DeepStack`), or None.
+        video_processor: what sizes a clip's frames (`vlm_vit_llm.video_processor`), or None.
     """
 
     tower: VisionTower
@@ -71,6 +73,7 @@ class ModelParts:
     layout: str = LAYOUT
     video_token: str | None = None
     deepstack: nn.Module | None = None
+    video_processor: VideoProcessor | None = None
 
 
 def write_folder(parts: ModelParts, directory: str | Path, *,
@@ -124,6 +127,8 @@ def write_folder(parts: ModelParts, directory: str | Path, *,
                   "vision_adapter": encoder_adapter is not None}
         if parts.video_token is not None:
             config["video_token"] = parts.video_token
+        if parts.video_processor is not None and base_writer is None:  # else in llm/
+            config["video_processor"] = parts.video_processor.to_dict()
         if base_writer is not None:
             config["llm_layout"] = llm_base.config.model_type
         with atomic_write(temp / CONFIG_NAME, "w") as handle:
@@ -176,11 +181,13 @@ def read_folder(directory: Path, *, trainable: bool, dtype: torch.dtype | None,
     for name in HASHED_DIRS:  # all of them, before the LLM is read
         if (directory / name).is_dir():
             _verify_folder(directory / name, verify)
-    deepstack = None
+    deepstack, video = None, config.get("video_processor")
+    if video is not None:
+        video = VideoProcessor.from_dict(video, f"{directory / CONFIG_NAME}: video_processor")
     if layout is not None:
         base = base_readers[layout](directory / LLM_DIR, dtype=dtype)
         tower, processor, llm, tokenizer = base.tower, base.processor, base.llm, base.tokenizer
-        deepstack = base.deepstack
+        deepstack, video = base.deepstack, base.video_processor
     else:
         tower = VisionTower.from_pretrained(directory / TOWER_DIR, verify=verify)
         processor = ImageProcessor.from_pretrained(directory / TOWER_DIR)
@@ -198,7 +205,8 @@ def read_folder(directory: Path, *, trainable: bool, dtype: torch.dtype | None,
         tower.encoder = load_adapter(tower.encoder, directory / VISION_ADAPTER_DIR,
                                      trainable=trainable)
     return ModelParts(tower, llm, tokenizer, processor, config["image_token"],
-                      video_token=config.get("video_token"), deepstack=deepstack)
+                      video_token=config.get("video_token"), deepstack=deepstack,
+                      video_processor=video)
 
 
 def _hashed_files(folder: Path) -> list[str]:

@@ -27,6 +27,7 @@ import torch
 from vlm_vit_llm.batch_types import Video
 from vlm_vit_llm.mrope import DEFAULT_FPS
 from vlm_vit_llm.peft_helpers import split_peft
+from vlm_vit_llm.pixels import as_pixels
 
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")  # the LLMs whose clips carry timestamps
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
@@ -95,6 +96,9 @@ def timestamped_clips(mm: Any, texts: Sequence[Any], images: list[list[Any]]
                              "Qwen3-VL writes each frame's time as text before it; give the "
                              "prompt as a string")
         if isinstance(text, str):
+            # A clip's frames are sized together (its video processor) before it is split.
+            per_prompt = [as_pixels(image, mm.tower, mm.processor, prompt, mm.video_processor)
+                          if _untimed(image) else image for image in per_prompt]
             text, kept, matched = timestamp_text(text, per_prompt, pattern, temporal)
             per_prompt = kept + list(per_prompt[matched:])
         new_texts.append(text)

@@ -1,0 +1,244 @@
+"""A clip's frames sized and preprocessed as Qwen-VL's video processors do it (issue 44): our
+`VideoProcessor` against transformers' `Qwen2VLVideoProcessor` and `Qwen3VLVideoProcessor`
+on real frames that grow, shrink, hit the per-frame cap or are thin; the settings read as
+transformers reads a folder; clips through `MultimodalLM` sized by the folder's own video
+processor, with transformers' logits; written back and saved; what cannot be read or sized
+is refused by name."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import photos
+from PIL import Image
+
+from vlm_vit import ImageProcessor
+from vlm_vit_llm import MultimodalLM, Video
+from vlm_vit_llm.hf_reading import video_processor_settings
+from vlm_vit_llm.video_processor import VideoProcessor
+
+transformers = pytest.importorskip("transformers")
+
+CLASSES = {"qwen2_vl": ("Qwen2VLVideoProcessor", 14), "qwen3_vl": ("Qwen3VLVideoProcessor", 16)}
+# (frames, height, width, transformers' settings): the class defaults (frames grow), small
+# bounds (they shrink), an odd frame count (Qwen3-VL's bound counts 4 of 5 frames: 96 x 96,
+# not 64 x 64), the per-frame cap (the bound that binds), a thin strip, bilinear resampling.
+CASES = [(4, 90, 60, {}),
+         (3, 300, 500, {"size": {"shortest_edge": 3136, "longest_edge": 28 * 28 * 64}}),
+         (5, 100, 100, {"size": {"shortest_edge": 3136, "longest_edge": 40000}}),
+         (4, 480, 640, {"size": {"shortest_edge": 3136, "longest_edge": 786432},
+                        "cap_pixels_per_frame": True, "max_video_tokens": 40}),
+         (2, 20, 700, {}),
+         (6, 64, 64, {"resample": 2})]
+LOGITS_ATOL = 1e-4  # as test_qwen_vl_read
+
+
+def clip_of(frames: int, height: int, width: int) -> list[Image.Image]:
+    return [Image.fromarray(array).resize((width, height)) for array in photos(frames, size=64)]
+
+
+def read_back(theirs, rule: str, patch: int, folder: Path) -> VideoProcessor:
+    """Ours, read from the folder transformers' processor saved itself to."""
+    theirs.save_pretrained(folder)
+    settings, path = video_processor_settings(folder)
+    return VideoProcessor.from_transformers(settings, rule, multiple=patch * 2, temporal=2,
+                                            source=path)
+
+
+def frames_of(patches: torch.Tensor, grid: list[int], patch: int) -> torch.Tensor:
+    """transformers' flattened patches `[t * h * w, 3 * 2 * p * p]` as frames `[T, 3, H, W]`
+    (its `patchify` undone: temporal patches of 2, 2 x 2 merge)."""
+    steps, rows, cols = grid
+    x = patches.view(steps, rows // 2, cols // 2, 2, 2, 3, 2, patch, patch)
+    return x.permute(0, 6, 5, 1, 3, 7, 2, 4, 8).reshape(steps * 2, 3, rows * patch,
+                                                         cols * patch)
+
+
+@pytest.mark.parametrize("rule", sorted(CLASSES))
+@pytest.mark.parametrize(("frames", "height", "width", "settings"), CASES,
+                         ids=["grow", "shrink", "odd", "cap", "thin", "bilinear"])
+def test_the_pixels_are_transformers_video_processor_s(tmp_path, rule, frames, height, width,
+                                                       settings):
+    name, patch = CLASSES[rule]
+    theirs = getattr(transformers, name)(**settings)
+    ours = read_back(theirs, rule, patch, tmp_path)
+    clip = clip_of(frames, height, width)
+    cap = {} if "cap_pixels_per_frame" in settings else {"cap_pixels_per_frame": False}
+    encoded = theirs(videos=[clip], do_sample_frames=False, return_tensors="pt", **cap)
+    grid = encoded["video_grid_thw"][0].tolist()
+    expected = frames_of(encoded["pixel_values_videos"], grid, patch)
+    mine = ours(clip, ImageProcessor())
+    assert ours.size(frames, height, width) == tuple(mine.shape[2:])
+    assert (height, width) != tuple(mine.shape[2:])  # every case resizes
+    padded = torch.cat([mine, mine[-1:].expand(-frames % 2, -1, -1, -1)])  # theirs is
+    torch.testing.assert_close(padded, expected, rtol=0, atol=0)  # measured: bit-identical
+
+
+@pytest.mark.parametrize("where", ["nested", "alone", "image_fallback"])
+def test_the_settings_are_read_from_where_transformers_reads_them(tmp_path, where):
+    """`processor_config.json`'s nested `video_processor` first, then
+    `video_preprocessor_config.json`, then the image processor's file; Qwen2-VL's older
+    `min_pixels` / `max_pixels` win over `size`."""
+    settings = {"min_pixels": 5000, "max_pixels": 90000, "image_mean": [0.1, 0.2, 0.3],
+                "image_std": [0.4, 0.5, 0.6], "cap_pixels_per_frame": True,
+                "max_video_tokens": 99, "size": {"shortest_edge": 1, "longest_edge": 2}}
+    decoy = {"size": {"shortest_edge": 7, "longest_edge": 8}}
+    files = {"nested": {"processor_config.json": {"video_processor": settings},
+                        "video_preprocessor_config.json": decoy},
+             "alone": {"video_preprocessor_config.json": settings,
+                       "preprocessor_config.json": decoy},
+             "image_fallback": {"preprocessor_config.json": settings}}[where]
+    for file, content in files.items():
+        (tmp_path / file).write_text(json.dumps(content))
+    theirs = transformers.Qwen2VLVideoProcessor.from_pretrained(tmp_path)
+    found, path = video_processor_settings(tmp_path)
+    ours = VideoProcessor.from_transformers(found, "qwen2_vl", multiple=28, temporal=2,
+                                            source=path)
+    assert (ours.min_pixels, ours.max_pixels) == (theirs.size["shortest_edge"],
+                                                  theirs.size["longest_edge"]) == (5000, 90000)
+    assert list(ours.mean) == list(theirs.image_mean) and list(ours.std) == list(theirs.image_std)
+    assert (ours.cap_pixels_per_frame, ours.max_video_tokens) == (
+        theirs.cap_pixels_per_frame, theirs.max_video_tokens) == (True, 99)
+
+
+@pytest.mark.parametrize("rule", sorted(CLASSES))
+def test_what_a_file_leaves_out_is_transformers_class_default(tmp_path, rule):
+    """A file with only the older pixel keys: Qwen2-VL's class reads them, Qwen3-VL's
+    ignores them; everything else is the class's default, ours as transformers'."""
+    (tmp_path / "video_preprocessor_config.json").write_text(
+        json.dumps({"min_pixels": 5000, "max_pixels": 6000}))
+    name, patch = CLASSES[rule]
+    theirs = getattr(transformers, name).from_pretrained(tmp_path)
+    found, path = video_processor_settings(tmp_path)
+    ours = VideoProcessor.from_transformers(found, rule, multiple=2 * patch, temporal=2,
+                                            source=path)
+    assert (ours.min_pixels, ours.max_pixels) == (theirs.size["shortest_edge"],
+                                                  theirs.size["longest_edge"])
+    assert ((ours.min_pixels, ours.max_pixels) == (5000, 6000)) == (rule == "qwen2_vl")
+    assert list(ours.mean) == list(theirs.image_mean)
+    assert list(ours.std) == list(theirs.image_std)
+    assert ours.max_video_tokens == theirs.max_video_tokens
+    assert ours.resample == "bicubic" and theirs.resample == 3
+    assert ours.cap_pixels_per_frame is False and theirs.cap_pixels_per_frame is None
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"do_normalize": False}, "do_normalize False"),
+    ({"rescale_factor": 1.0}, "rescale_factor 1.0 is not 1/255"),
+    ({"resample": 0}, "resample 0 is not bilinear"),
+    ({"size": {"shortest_edge": 10, "longest_edge": 5}}, "min_pixels 10 is more than max_pixels 5"),
+])
+def test_settings_vlm_vit_cannot_follow_are_refused_by_name(change, message):
+    with pytest.raises(ValueError, match=f"video_preprocessor_config.json: {message}"):
+        VideoProcessor.from_transformers(change, "qwen3_vl", multiple=32, temporal=2,
+                                         source="video_preprocessor_config.json")
+
+
+def test_clips_that_cannot_be_sized_are_refused_by_name():
+    ours = VideoProcessor("qwen3_vl", 32, 2, 256, 1 << 20, (0.5,) * 3, (0.5,) * 3)
+    frames = clip_of(2, 40, 40)
+    with pytest.raises(ValueError, match="clip: a clip of 1 frame.* fewer than a temporal "
+                                         "patch .2 frames."):
+        ours(frames[:1], ImageProcessor())
+    with pytest.raises(ValueError, match=r"clip: the frames of a clip must share one size, "
+                                         r"got 2 sizes \[\(40, 40\), \(40, 48\)\]"):
+        ours([frames[0], frames[1].resize((48, 40))], ImageProcessor())
+    with pytest.raises(ValueError, match="clip: a clip without frames"):
+        ours([], ImageProcessor())
+    with pytest.raises(ValueError, match="aspect ratio 250, more than 200"):
+        ours.size(2, 4, 1000)
+
+
+# -- through MultimodalLM --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def qwen(request, tmp_path_factory):
+    from test_qwen_vl_read import qwen_folder
+
+    folder = tmp_path_factory.mktemp(request.param)
+    hf, processor = qwen_folder(folder, request.param)
+    return request.param, folder, hf, processor, MultimodalLM.from_pretrained(folder)
+
+
+def test_a_clip_of_frames_to_resize_gives_transformers_pixels_and_logits(qwen):
+    """Frames of 44 x 60 are resized by the folder's video processor (Qwen2.5-VL: per frame
+    to 48 x 64; Qwen3-VL: over the clip's 4 frames to 16 x 32, where 2 would give 32 x 48)
+    with its filter: transformers' pixels exactly, where the image processor's resize
+    (PIL's) is not."""
+    from vlm_vit_llm.pixels import as_pixels
+
+    family, folder, hf, processor, ours = qwen
+    clip = clip_of(4, 44, 60)
+    prompt = "<|vision_start|><|video_pad|><|vision_end|>what happens"
+    metadata = {"fps": 2.0, "total_num_frames": 4, "frames_indices": [0, 1, 2, 3]}
+    encoded = processor(text=[prompt], videos=[clip], video_metadata=[metadata],
+                        do_sample_frames=False, return_tensors="pt")
+    grid = encoded["video_grid_thw"][0].tolist()
+    assert grid == [2] + {"qwen2_5_vl": [6, 8], "qwen3_vl": [2, 4]}[family]
+    expected = frames_of(encoded["pixel_values_videos"], grid, 8)
+    pixels = as_pixels(Video(clip, 2.0), ours.tower, ours.processor, 0, ours.video_processor)
+    torch.testing.assert_close(pixels.frames, expected, rtol=0, atol=0)
+    as_images = torch.stack([ours.processor.preprocess_one(frame) for frame in clip])
+    assert as_images.shape != expected.shape or not torch.equal(as_images, expected)
+    batch = ours.prepare([prompt], [[Video(clip, 2.0)]])
+    assert torch.equal(batch.input_ids, encoded["input_ids"])
+    with torch.no_grad():
+        theirs, mine = hf(**encoded).logits, ours.run(batch).logits
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=LOGITS_ATOL)
+
+
+def test_the_video_processor_is_written_back_and_saved(qwen, tmp_path):
+    """`llm export` writes it as transformers' video processor, which transformers reads with
+    our settings; `save_pretrained` keeps it too."""
+    from vlm_vit_llm.qwen_vl_writer import export_qwen_vl
+
+    family, folder, hf, processor, ours = qwen
+    export_qwen_vl(ours, tmp_path / "export")
+    theirs = transformers.AutoProcessor.from_pretrained(tmp_path / "export").video_processor
+    assert theirs.size["shortest_edge"] == ours.video_processor.min_pixels
+    assert theirs.size["longest_edge"] == ours.video_processor.max_pixels
+    assert MultimodalLM.from_pretrained(tmp_path / "export").video_processor == \
+        ours.video_processor
+    ours.save_pretrained(tmp_path / "saved")
+    assert MultimodalLM.from_pretrained(tmp_path / "saved").video_processor == \
+        ours.video_processor
+
+
+def test_a_folder_whose_video_processor_cannot_be_read_is_one_line(qwen, tmp_path):
+    family, folder, hf, processor, ours = qwen
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    nested = json.loads((copy / "processor_config.json").read_text())
+    nested["video_processor"]["do_normalize"] = False
+    (copy / "processor_config.json").write_text(json.dumps(nested))
+    with pytest.raises(ValueError, match=r"processor_config.json: do_normalize False: "
+                                         r"vlm-vit reads Qwen's video processor"):
+        MultimodalLM.from_pretrained(copy)
+
+
+def test_our_own_layout_keeps_a_video_processor(tmp_path, tokenizer):
+    """A non-Qwen LLM with a temporal tower saves its video processor in
+    `multimodal_config.json`; the temporal patch must be the tower's."""
+    from test_llm_video import video_mm
+
+    from vlm_vit_llm.saving import CONFIG_NAME
+
+    plain = video_mm(tmp_path, tokenizer)
+    video = VideoProcessor("qwen2_vl", 8, 2, 64, 64 * 64, (0.5,) * 3, (0.5,) * 3)
+    mm = MultimodalLM(plain.tower, plain.llm, plain.tokenizer, processor=plain.processor,
+                      video_processor=video)
+    clip = clip_of(3, 20, 28)
+    assert mm.prepare(["<image> what"], [[Video(clip)]]).input_ids.shape[1] > 10
+    mm.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / CONFIG_NAME).read_text())["video_processor"][
+        "rule"] == "qwen2_vl"
+    assert MultimodalLM.from_pretrained(tmp_path / "saved").video_processor == video
+    with pytest.raises(ValueError, match="the video processor's temporal patch is 3 frames, "
+                                         "but the tower's temporal_patch_size is 2"):
+        MultimodalLM(plain.tower, plain.llm, plain.tokenizer, processor=plain.processor,
+                     video_processor=VideoProcessor("qwen2_vl", 8, 3, 64, 4096, (0.5,) * 3,
+                                                    (0.5,) * 3))
+
