@@ -242,3 +242,69 @@ def test_our_own_layout_keeps_a_video_processor(tmp_path, tokenizer):
                      video_processor=VideoProcessor("qwen2_vl", 8, 3, 64, 4096, (0.5,) * 3,
                                                     (0.5,) * 3))
 
+
+
+@pytest.mark.filterwarnings("ignore:The tied weights mapping")
+def test_llm_train_sizes_a_video_record_by_the_folder_s_video_processor(qwen, tmp_path,
+                                                                        capsys, monkeypatch):
+    """`llm train THEIR_FOLDER --stage 2 --packing` on a record with a clip (its frames'
+    files) and one with an image: the clip goes through the folder's video processor."""
+    from vlm_vit.cli import main
+
+    family, folder, hf, processor, ours = qwen
+    seen = []
+    real = VideoProcessor.__call__
+
+    def spied(self, frames, decoder, name="clip"):
+        pixels = real(self, frames, decoder, name)
+        seen.append((self, tuple(pixels.shape)))
+        return pixels
+
+    monkeypatch.setattr(VideoProcessor, "__call__", spied)
+    (tmp_path / "images").mkdir()
+    for index, frame in enumerate(clip_of(4, 44, 60)):
+        frame.save(tmp_path / "images" / f"{index}.png")
+    records = [{"id": "clip", "video": [f"{index}.png" for index in range(4)],
+                "conversations": [{"from": "human", "value": "<image>\nwhat happens"},
+                                  {"from": "gpt", "value": "a red square moves"}]},
+               {"id": "photo", "image": "0.png",
+                "conversations": [{"from": "human", "value": "<image>\nwhat is it"},
+                                  {"from": "gpt", "value": "a red square"}]}]
+    (tmp_path / "data.json").write_text(json.dumps(records))
+    assert main(["llm", "train", str(folder), "--stage", "2", "--lora-r", "4", "--packing",
+                 "--data-format", "llava", "--data", str(tmp_path / "data.json"),
+                 "--image-folder", str(tmp_path / "images"), "--steps", "1",
+                 "--batch-size", "2", "--num-workers", "0", "--device", "cpu", "--quiet",
+                 "--out", str(tmp_path / "s2")]) == 0
+    assert "trained stage 2 for 1 steps" in capsys.readouterr().out
+    side = {"qwen2_5_vl": (48, 64), "qwen3_vl": (16, 32)}[family]
+    assert seen and all(video == ours.video_processor and shape == (4, 3, *side)
+                        for video, shape in seen)
+
+
+def test_llm_embed_sizes_a_clip_by_the_video_processor(qwen):
+    """`image_embeddings` (what `llm embed` writes) of a clip: transformers' grid and its
+    video features (the merger's). Qwen3-VL's clip of several temporal patches needs its
+    timestamps, so it is refused by name there."""
+    from vlm_vit_llm.embeddings import image_embeddings
+
+    family, folder, hf, processor, ours = qwen
+    clip = clip_of(4, 44, 60)
+    if family == "qwen3_vl":
+        with pytest.raises(ValueError, match="Qwen3-VL writes a timestamp before each "
+                                             "temporal patch"):
+            image_embeddings(ours, [Video(clip, 2.0)])
+        return
+    encoded = processor(text=["<|vision_start|><|video_pad|><|vision_end|>"], videos=[clip],
+                        video_metadata=[{"fps": 2.0, "total_num_frames": 4,
+                                         "frames_indices": [0, 1, 2, 3]}],
+                        do_sample_frames=False, return_tensors="pt")
+    embedded = image_embeddings(ours, [Video(clip, 2.0)])
+    assert torch.equal(embedded.tensors["image_grid_thw"], encoded["video_grid_thw"])
+    with torch.no_grad():
+        theirs = hf.model.get_video_features(encoded["pixel_values_videos"],
+                                             encoded["video_grid_thw"])
+    merged = torch.cat(list(theirs.pooler_output))
+    width = merged.shape[-1]
+    torch.testing.assert_close(embedded.tensors["image_embeds"][:, :width], merged,
+                               rtol=0, atol=1e-5)
