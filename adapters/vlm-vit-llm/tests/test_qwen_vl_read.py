@@ -38,7 +38,7 @@ MEAN_STD = {"qwen3_vl": dict(image_mean=[0.5] * 3, image_std=[0.5] * 3)}  # Qwen
 # The video processors' own bounds, not the image processor's (Qwen2-VL's the same). Qwen3-VL's
 # reads only `size`, its bounds over the clip's frames: 5000 pixels, which shrink the tests'
 # 4 (or 3) frames of 48 x 48 to 32 x 32.
-VIDEO_SIZES = {"qwen2_5_vl": dict(max_pixels=56 * 56),
+VIDEO_SIZES = {"qwen2_5_vl": dict(max_pixels=56 * 56, fps=2.0),  # fps: what sampling keeps
                "qwen3_vl": dict(size={"shortest_edge": 16 * 16, "longest_edge": 5000})}
 
 

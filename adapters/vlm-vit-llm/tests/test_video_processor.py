@@ -190,6 +190,56 @@ def test_a_clip_of_frames_to_resize_gives_transformers_pixels_and_logits(qwen):
     torch.testing.assert_close(mine, theirs, rtol=0, atol=LOGITS_ATOL)
 
 
+def test_a_sampled_video_gives_transformers_ids_positions_and_logits(qwen):
+    """30 frames at 10 fps, sampled by `VideoProcessor.sample` as transformers' processor
+    samples them (do_sample_frames): Qwen3-VL keeps 6 evenly from first to last and writes
+    their times; Qwen2.5-VL keeps 6 at 2 fps and spaces its positions by that rate."""
+    import numpy as np
+
+    family, folder, hf, processor, ours = qwen
+    base = photos(1, size=48)[0]
+    video = [Image.fromarray(np.roll(base, 3 * step, axis=1)) for step in range(30)]
+    prompt = "<|vision_start|><|video_pad|><|vision_end|>what happens"
+    encoded = processor(text=[prompt], videos=[video], do_sample_frames=True,
+                        video_metadata=[{"fps": 10.0, "total_num_frames": 30}],
+                        return_tensors="pt")
+    sampled = ours.video_processor.sample(Video(video, 10.0))
+    assert len(sampled.frames) == 6 and encoded["video_grid_thw"][0, 0] == 3
+    expected = {"qwen2_5_vl": (None, 2.0), "qwen3_vl": ((0, 6, 12, 17, 23, 29), 10.0)}
+    assert (sampled.indices, sampled.fps) == expected[family]
+    batch = ours.prepare([prompt], [[sampled]])
+    assert torch.equal(batch.input_ids, encoded["input_ids"])  # Qwen3-VL: the times as text
+    extra = {key: encoded[key] for key in ("second_per_grid_ts",) if key in encoded}
+    theirs_ids, _ = hf.model.get_rope_index(
+        encoded["input_ids"], encoded["mm_token_type_ids"],
+        video_grid_thw=encoded["video_grid_thw"], attention_mask=encoded["attention_mask"],
+        **extra)
+    assert torch.equal(batch.position_ids, theirs_ids)
+    with torch.no_grad():
+        theirs, mine = hf(**encoded).logits, ours.run(batch).logits
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=LOGITS_ATOL)
+
+
+def test_sampling_what_cannot_be_sampled_is_refused_by_name(qwen):
+    family, folder, hf, processor, ours = qwen
+    with pytest.raises(ValueError, match="sample takes a whole video's frames, got none"):
+        ours.video_processor.sample(Video([], 10.0))
+    frames = clip_of(4, 32, 32)
+    with pytest.raises(ValueError, match="got frames already sampled"):
+        ours.video_processor.sample(Video(frames, 10.0, (0, 1, 2, 3)))
+    message = {"qwen3_vl": r"needs one frame index \(an int >= 0\) per frame, got "
+                           r"\[0, 1, -2, 3\]",
+               "qwen2_5_vl": "Qwen2.5-VL spaces a clip's temporal patches by its frames' "
+                             "rate, not their indices"}[family]
+    with pytest.raises(ValueError, match=message):
+        ours.prepare(["<|vision_start|><|video_pad|><|vision_end|>"],
+                     [[Video(frames, 10.0, (0, 1, -2, 3))]])
+    if family == "qwen2_5_vl":  # Qwen3-VL keeps its one frame, which sizing refuses
+        with pytest.raises(ValueError, match=r"a video of 1 frame\(s\) at 10 fps keeps no "
+                                             r"temporal patch of 2 frames at 2 a second"):
+            ours.video_processor.sample(Video(frames[:1], 10.0))
+
+
 def test_the_video_processor_is_written_back_and_saved(qwen, tmp_path):
     """`llm export` writes it as transformers' video processor, which transformers reads with
     our settings; `save_pretrained` keeps it too."""

@@ -78,7 +78,11 @@ class Video:
         fps: the frames' rate, for a model whose positions follow time (Qwen2.5-VL's M-RoPE
             spaces a clip's temporal patches by `tokens_per_second * temporal_patch / fps`);
             None: transformers' default for frames without metadata, 24.
+        indices: each frame's index in the video it was sampled from, whose rate `fps` is
+            then (`VideoProcessor.sample`): Qwen3-VL writes each temporal patch's time from
+            them. None: frame i is the video's frame i.
     """
 
     frames: Sequence[Any] | torch.Tensor
     fps: float | None = None
+    indices: tuple[int, ...] | None = None

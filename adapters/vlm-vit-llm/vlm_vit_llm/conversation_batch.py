@@ -45,12 +45,12 @@ def load_pixels(processor: ImageProcessor, image: Any,
         if processor.tiling is not None:
             raise ValueError("a tiled (AnyRes) tower takes images, not video frames")
         if video is not None:
-            return Video(video(image.frames, processor), image.fps)
+            return replace(image, frames=video(image.frames, processor))
         frames = [processor.preprocess_one(frame) for frame in image.frames]
         shapes = {tuple(frame.shape) for frame in frames}
         if len(shapes) > 1:
             raise ValueError(f"the frames of a clip preprocess to different sizes {sorted(shapes)}")
-        return Video(torch.stack(frames), image.fps)
+        return replace(image, frames=torch.stack(frames))
     if processor.tiling is None:
         return processor.preprocess_one(image)
     views, sizes = processor.tile([image])

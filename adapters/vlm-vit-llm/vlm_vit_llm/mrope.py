@@ -212,6 +212,10 @@ def time_step(config, tower, pixels) -> float:
     fps = pixels.fps or DEFAULT_FPS
     if not fps > 0:
         raise ValueError(f"a Video's fps must be a positive number, got {fps!r}")
+    if getattr(pixels, "indices", None) is not None:
+        raise ValueError("Qwen2.5-VL spaces a clip's temporal patches by its frames' rate, "
+                         "not their indices: give the sampled frames' own rate as fps "
+                         "(VideoProcessor.sample of this model does)")
     return per_second * (tower.encoder.config.temporal_patch_size or 1) / fps
 
 

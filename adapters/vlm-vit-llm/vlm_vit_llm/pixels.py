@@ -5,6 +5,7 @@ alone.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ def as_pixels(image: Any, tower: VisionTower, processor: ImageProcessor, prompt:
             image), or a `Video` on a tower without temporal patches.
     """
     if isinstance(image, Video):
-        return Video(_clip(image.frames, tower, processor, prompt, video), image.fps)
+        return replace(image, frames=_clip(image.frames, tower, processor, prompt, video))
     if isinstance(image, (list, tuple)):
         raise ValueError(f"prompt {prompt}: a {type(image).__name__} of {len(image)} is not "
                          "an image: give each image in the prompt's list, or a clip as "

@@ -7,8 +7,9 @@ shows as text (Bai et al. 2025, Qwen3-VL's "text-based time alignment"), as tran
 
 The chat template's wrapper around a clip's placeholder is collapsed (each frame brings its
 own); a placeholder without one is replaced alone. The time of a temporal patch is the mean of
-its first and last frame's, frame i at `i / fps` (the last frame repeated to fill the last
-patch, as the video processor pads it); `fps` is the `Video`'s, else transformers' 24.
+its first and last frame's, frame i at `i / fps`, or at `indices[i] / fps` for frames sampled
+from a video (`Video.indices`, `VideoProcessor.sample`) (the last frame repeated to fill the
+last patch, as the video processor pads it); `fps` is the `Video`'s, else transformers' 24.
 
 `timestamped_clips` rewrites string prompts so, and gives each temporal patch as a clip of
 its own (`Video` of `temporal_patch_size` frames): the tower encodes a clip's temporal
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from vlm_vit.config import is_int
 from vlm_vit_llm.batch_types import Video
 from vlm_vit_llm.mrope import DEFAULT_FPS
 from vlm_vit_llm.peft_helpers import split_peft
@@ -45,24 +47,32 @@ def takes_timestamps(mm: Any) -> bool:
     return getattr(config, "model_type", None) in MODEL_TYPES
 
 
-def patch_times(frames: int, fps: float | None, temporal: int) -> list[float]:
-    """Each temporal patch's time in seconds: the mean of its first and last frame's.
+def patch_times(frames: int, fps: float | None, temporal: int,
+                indices: Sequence[int] | None = None) -> list[float]:
+    """Each temporal patch's time in seconds: the mean of its first and last frame's, frame
+    i at `indices[i] / fps` (default: `i / fps`).
 
     Raises:
-        ValueError: for no frames or an fps that is not a positive number.
+        ValueError: for no frames, an fps that is not a positive number, or indices that are
+            not one non-negative int per frame.
     """
     fps = DEFAULT_FPS if fps is None else fps
     if frames < 1 or not (isinstance(fps, (int, float)) and fps > 0):
         raise ValueError(f"a clip needs frames and a positive fps, got {frames} frame(s) at "
                          f"fps {fps!r}")
-    indices = list(range(frames)) + [frames - 1] * (-frames % temporal)
+    if indices is None:
+        indices = range(frames)
+    elif len(indices) != frames or not all(is_int(i) and i >= 0 for i in indices):
+        raise ValueError(f"a clip of {frames} frame(s) needs one frame index (an int >= 0) "
+                         f"per frame, got {list(indices)[:8]!r:.80}")
+    indices = list(indices) + [indices[-1]] * (-frames % temporal)
     return [(indices[start] + indices[start + temporal - 1]) / 2 / fps
             for start in range(0, len(indices), temporal)]
 
 
 def split_clip(video: Video, temporal: int) -> list[Video]:
     """The clip's temporal patches, each a `Video` of `temporal` frames (the last frame
-    repeated to fill the last one), at the clip's fps."""
+    repeated to fill the last one), at the clip's fps, with their frames' indices."""
     frames = video.frames
     count = len(frames)
     fill = -count % temporal
@@ -71,7 +81,10 @@ def split_clip(video: Video, temporal: int) -> list[Video]:
             else frames
     else:
         frames = list(frames) + [frames[-1]] * fill
-    return [TemporalPatch(frames[start:start + temporal], video.fps)
+    indices = None if video.indices is None else \
+        tuple(video.indices) + (video.indices[-1],) * fill
+    return [TemporalPatch(frames[start:start + temporal], video.fps,
+                          None if indices is None else indices[start:start + temporal])
             for start in range(0, len(frames), temporal)]
 
 
@@ -151,7 +164,7 @@ def timestamp_text(text: str, images: Sequence[Any], pattern: re.Pattern, tempor
         if text.endswith(VISION_START, 0, start) and text.startswith(VISION_END, end):
             start, end = start - len(VISION_START), end + len(VISION_END)
         pieces.append(text[cursor:start])
-        times = patch_times(len(image.frames), image.fps, temporal)
+        times = patch_times(len(image.frames), image.fps, temporal, image.indices)
         pieces.extend(f"<{time:.1f} seconds>{VISION_START}{found.group()}{VISION_END}"
                       for time in times)
         kept.extend(split_clip(image, temporal))

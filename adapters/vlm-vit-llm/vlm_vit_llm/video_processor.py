@@ -12,7 +12,10 @@ image processor would size each frame alone:
 - each frame is resized by torch's antialiased filter on its 8-bit pixels, the kernel
   torchvision runs on the CPU, then scaled and normalised by the video processor's mean and std.
 
-The frames are the caller's: none is sampled here (transformers' `do_sample_frames=False`).
+A `Video`'s frames are taken as they are (transformers' `do_sample_frames=False`);
+`VideoProcessor.sample` picks frames from a whole decoded video as the video processor's
+`sample_frames` does (Qwen3-VL: 2 a second by default, their indices kept for its timestamps;
+Qwen2-VL: at the settings' `fps`, the clip's rate then the sampled one).
 `VideoProcessor.from_transformers` reads the settings as transformers reads them, and
 `to_transformers` gives them back for a folder transformers reads.
 """
@@ -30,6 +33,8 @@ import torch.nn.functional as F
 
 from vlm_vit import ImageProcessor
 from vlm_vit.config import is_int
+from vlm_vit_llm.batch_types import Video
+from vlm_vit_llm.mrope import DEFAULT_FPS
 
 # How the clip's size is bounded: "qwen2_vl" per frame, "qwen3_vl" over the clip's frames.
 RULES = ("qwen2_vl", "qwen3_vl")
@@ -38,6 +43,7 @@ RULES = ("qwen2_vl", "qwen3_vl")
 DEFAULT_BOUNDS = {"qwen2_vl": (128 * 28 * 28, 28 * 28 * 768),
                   "qwen3_vl": (128 * 32 * 32, 32 * 32 * 768)}
 DEFAULT_VIDEO_TOKENS = {"qwen2_vl": 128000, "qwen3_vl": 768}
+DEFAULT_SAMPLE_FPS = {"qwen2_vl": None, "qwen3_vl": 2}  # frames a second `sample` keeps
 DEFAULT_MEAN_STD = {"qwen2_vl": ((0.48145466, 0.4578275, 0.40821073),
                                  (0.26862954, 0.26130258, 0.27577711)),
                     "qwen3_vl": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}
@@ -61,6 +67,8 @@ class VideoProcessor:
         cap_pixels_per_frame: each frame also bounded by its share of `max_video_tokens`.
         max_video_tokens: that budget, in tokens (Qwen2-VL: for the whole clip, 90% of it
             spent; Qwen3-VL: per frame).
+        sample_fps: the frames a second `sample` keeps (transformers' `fps`); None: all.
+        min_frames, max_frames: the fewest and most frames `sample` keeps.
     """
 
     rule: str
@@ -73,11 +81,15 @@ class VideoProcessor:
     resample: str = "bicubic"
     cap_pixels_per_frame: bool = False
     max_video_tokens: int = 128000
+    sample_fps: float | None = None
+    min_frames: int = 4
+    max_frames: int = 768
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise ValueError(f"rule {self.rule!r} is not one of {RULES}")
-        for name in ("multiple", "temporal", "min_pixels", "max_pixels", "max_video_tokens"):
+        for name in ("multiple", "temporal", "min_pixels", "max_pixels", "max_video_tokens",
+                     "min_frames", "max_frames"):
             value = getattr(self, name)
             if not (is_int(value) and value > 0):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -95,6 +107,9 @@ class VideoProcessor:
         if self.resample not in RESAMPLE.values():
             raise ValueError(f"resample {self.resample!r} is not one of "
                              f"{sorted(RESAMPLE.values())}")
+        fps = self.sample_fps
+        if fps is not None and not (isinstance(fps, (int, float)) and 0 < fps < math.inf):
+            raise ValueError(f"sample_fps must be a positive number or null, got {fps!r}")
         if not isinstance(self.cap_pixels_per_frame, bool):
             raise ValueError(f"cap_pixels_per_frame must be true or false, got "
                              f"{self.cap_pixels_per_frame!r}")
@@ -166,6 +181,38 @@ class VideoProcessor:
         std = torch.tensor(self.std).view(3, 1, 1) * scale
         return (pixels.to(torch.float32) - mean) / std
 
+    def sample(self, video: Video) -> Video:
+        """The frames transformers' video processor samples from `video`, a whole decoded
+        video at its rate `video.fps` (None: transformers' 24), as its `sample_frames` picks
+        them: Qwen3-VL `sample_fps` a second (at least `min_frames`, at most `max_frames` and
+        the video's), evenly from the first frame to the last, their indices kept
+        (`Video.indices`: its timestamps); Qwen2-VL as many, rounded down to temporal
+        patches, evenly from the first, at the rate they then have (its positions follow it).
+
+        Raises:
+            ValueError: for a video without frames, one already sampled (its indices set),
+                or (Qwen2-VL) one too short to keep a temporal patch.
+        """
+        total, rate = len(video.frames), video.fps or DEFAULT_FPS
+        if total == 0 or video.indices is not None:
+            raise ValueError("sample takes a whole video's frames, got "
+                             + ("none" if total == 0 else "frames already sampled (indices)"))
+        if self.sample_fps is None:
+            return video
+        wanted = total / rate * self.sample_fps
+        if self.rule == "qwen3_vl":
+            count = min(max(int(wanted), self.min_frames), self.max_frames, total)
+            picked = np.linspace(0, total - 1, count).round().astype(int).tolist()
+            return Video(_pick(video.frames, picked), rate, tuple(picked))
+        most = math.floor(min(self.max_frames, total) / self.temporal) * self.temporal
+        count = math.floor(min(max(wanted, self.min_frames), most, total)
+                           / self.temporal) * self.temporal
+        if count == 0:
+            raise ValueError(f"a video of {total} frame(s) at {rate:g} fps keeps no temporal "
+                             f"patch of {self.temporal} frames at {self.sample_fps:g} a second")
+        picked = torch.arange(0, total, total / count).int().tolist()
+        return Video(_pick(video.frames, picked), len(picked) / total * rate)
+
     def to_dict(self) -> dict[str, Any]:
         """The fields, as `from_dict` reads them (JSON-ready)."""
         return {key: list(value) if isinstance(value, tuple) else value
@@ -214,6 +261,9 @@ class VideoProcessor:
         resample = RESAMPLE.get(settings.get("resample", 3))
         mean, std = DEFAULT_MEAN_STD[rule]
         cap = settings.get("cap_pixels_per_frame")
+        sampling = {"sample_fps": settings.get("fps", DEFAULT_SAMPLE_FPS[rule]),
+                    "min_frames": settings.get("min_frames", 4),
+                    "max_frames": settings.get("max_frames", 768)}
         try:
             if resample is None:
                 raise ValueError(f"resample {settings.get('resample')!r:.40} is not bilinear "
@@ -222,7 +272,8 @@ class VideoProcessor:
                        tuple(settings.get("image_mean") or mean),
                        tuple(settings.get("image_std") or std), resample,
                        False if cap is None else cap,
-                       settings.get("max_video_tokens") or DEFAULT_VIDEO_TOKENS[rule])
+                       settings.get("max_video_tokens") or DEFAULT_VIDEO_TOKENS[rule],
+                       **sampling)
         except (TypeError, ValueError) as error:
             raise ValueError(f"{source}: {str(error)[:200]}") from None
 
@@ -234,7 +285,8 @@ class VideoProcessor:
                 "resample": {name: number for number, name in RESAMPLE.items()}[self.resample],
                 "cap_pixels_per_frame": self.cap_pixels_per_frame,
                 "max_video_tokens": self.max_video_tokens,
-                "temporal_patch_size": self.temporal}
+                "temporal_patch_size": self.temporal, "fps": self.sample_fps,
+                "min_frames": self.min_frames, "max_frames": self.max_frames}
 
 
 def checked_video_processor(video: VideoProcessor | None, tower: Any
@@ -275,6 +327,13 @@ def _bounded(height: int, width: int, frames: int, rounded: int, factor: int, lo
         raise ValueError(f"frames of height {height} and width {width} round to no "
                          f"multiple of {factor}")
     return h_bar, w_bar
+
+
+def _pick(frames: Sequence[Any] | torch.Tensor, picked: list[int]) -> Any:
+    """The frames at `picked`, as a tensor for a tensor, else a list."""
+    if isinstance(frames, torch.Tensor):
+        return frames[picked]
+    return [frames[index] for index in picked]
 
 
 def _as_tensor(image: Any) -> torch.Tensor:
