@@ -158,13 +158,22 @@ def test_a_clip_is_refused_where_it_cannot_go(tmp_path, tokenizer, chat_tokenize
          "conversations": [human("<image>"), gpt("x")]},
         {"id": "missing", "video": ["v/0.png", "v/9.png"],
          "conversations": [human("<image>"), gpt("x")]},
+        {"id": "rate", "video": ["v/0.png"], "fps": 0, "conversations": [human("<image>"),
+                                                                      gpt("x")]},
+        {"id": "rate of an image", "image": "v/0.png", "fps": 2,
+         "conversations": [human("<image>"), gpt("x")]},
         RECORDS[0],
     ]
     records = ConversationRecords(write_records(tmp_path / "bad.jsonl", bad), folder)
     assert len(records) == 1
     reasons = dict(records.skipped.by_reason)
     assert reasons == {"malformed video field": 2, "image and video": 1,
-                       "image outside the image folder": 1, "missing image": 1}
+                       "image outside the image folder": 1, "missing image": 1,
+                       "malformed fps": 2}
+    assert records[0].images[0].fps is None
+    timed = ConversationRecords(write_records(tmp_path / "timed.jsonl",
+                                              [{**RECORDS[0], "fps": 2.5}]), folder)
+    assert timed[0].images[0].fps == 2.5
     item = ConversationDataset(records, plain.processor)[0]  # decodes; the collate refuses
     batch = ConversationCollate(plain, max_length=256)([item])
     assert [u.reason for u in batch.undecodable] == [

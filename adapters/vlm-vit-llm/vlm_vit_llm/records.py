@@ -13,7 +13,9 @@ array of records, or JSON lines with one record per line:
 `image` is one path, a list of paths (in placeholder order) or absent (a text-only record).
 Instead of `image`, `video` is one clip given as its frames, a list of image paths in time
 order (LLaVA-Video's records, their video decoded to frames beforehand); its one `<image>`
-stands for the whole clip, for a tower with temporal patches. Paths are relative to the
+stands for the whole clip, for a tower with temporal patches. Beside it, `fps` (a positive
+number) is the frames' rate, which Qwen2.5-VL's positions and Qwen3-VL's timestamps follow
+(without it, transformers' 24). Paths are relative to the
 image folder, and one that resolves outside it (`..`, an absolute path, a symbolic link out)
 is a bad record. Each `<image>` in a human turn stands for the next image. Roles are
 `human`/`user`, `gpt`/`assistant` and `system`; turns may also be spelled
@@ -180,9 +182,23 @@ def parse_record(raw: Any, where: str, image_folder: Path, image_token: str = "<
         for name in files:
             if not (image_folder / name).is_file():
                 raise bad(f"no image {image_folder / name}", "missing image")
+    fps = _video_fps(raw, bad)
     return Record(where, turns, [image_folder / item if isinstance(item, str)
-                                 else Video(tuple(image_folder / name for name in item))
+                                 else Video(tuple(image_folder / name for name in item), fps)
                                  for item in names])
+
+
+def _video_fps(raw: dict, bad: Callable[[str, str], BadRecord]) -> float | None:
+    """A video record's `fps`, or None when it gives none."""
+    fps = raw.get("fps")
+    if fps is None:
+        return None
+    if raw.get("video") is None:
+        raise bad("'fps' is a video's frame rate: the record holds no 'video'", "malformed fps")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps < 1e6:
+        raise bad(f"'fps' must be a positive number (frames a second), got {fps!r:.40}",
+                  "malformed fps")
+    return float(fps)
 
 
 def _visual_names(raw: dict, bad: Callable[[str, str], BadRecord]) -> list[str | tuple]:
