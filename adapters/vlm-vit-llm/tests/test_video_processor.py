@@ -15,9 +15,8 @@ from conftest import photos
 from PIL import Image
 
 from vlm_vit import ImageProcessor
-from vlm_vit_llm import MultimodalLM, Video
+from vlm_vit_llm import MultimodalLM, Video, VideoProcessor
 from vlm_vit_llm.hf_reading import video_processor_settings
-from vlm_vit_llm.video_processor import VideoProcessor
 
 transformers = pytest.importorskip("transformers")
 

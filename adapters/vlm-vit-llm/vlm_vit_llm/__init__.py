@@ -17,13 +17,15 @@ if TYPE_CHECKING:
     from vlm_vit_llm.batch_types import IGNORE_INDEX, MultimodalBatch, TiledImage, Video
     from vlm_vit_llm.llava import export_llava
     from vlm_vit_llm.model import MultimodalLM
+    from vlm_vit_llm.video_processor import VideoProcessor
 
 _PUBLIC = {"IGNORE_INDEX": "vlm_vit_llm.batch_types", "MultimodalBatch": "vlm_vit_llm.batch_types",
            "MultimodalLM": "vlm_vit_llm.model", "TiledImage": "vlm_vit_llm.batch_types",
-           "Video": "vlm_vit_llm.batch_types", "export_llava": "vlm_vit_llm.llava"}
+           "Video": "vlm_vit_llm.batch_types", "VideoProcessor": "vlm_vit_llm.video_processor",
+           "export_llava": "vlm_vit_llm.llava"}
 
 __all__ = ["IGNORE_INDEX", "MultimodalBatch", "MultimodalLM", "TiledImage", "Video",
-           "export_llava"]
+           "VideoProcessor", "export_llava"]
 __version__ = "0.1.0"
 assert sorted(__all__) == sorted(_PUBLIC)  # one list, checked at import
 
