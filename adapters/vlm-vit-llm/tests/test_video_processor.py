@@ -357,3 +357,22 @@ def test_llm_embed_sizes_a_clip_by_the_video_processor(qwen):
     width = merged.shape[-1]
     torch.testing.assert_close(embedded.tensors["image_embeds"][:, :width], merged,
                                rtol=0, atol=1e-5)
+
+
+def test_a_qwen_folder_reads_by_its_hub_name_from_the_cache(qwen, tmp_path, monkeypatch):
+    """A Hub name of a cached Qwen-VL snapshot reads as the folder does: the same logits on
+    an image and a clip, the same video processor."""
+    from vlm_vit.testing import offline_hub_cache, put_in_hub_cache
+
+    family, folder, hf, processor, ours = qwen
+    cache = offline_hub_cache(tmp_path / "hf_home", monkeypatch)
+    put_in_hub_cache(cache, f"Qwen/tiny-{family}", folder)
+    named = MultimodalLM.from_pretrained(f"Qwen/tiny-{family}")
+    assert named.video_processor == ours.video_processor
+    prompt = ("<|vision_start|><|image_pad|><|vision_end|>and "
+              "<|vision_start|><|video_pad|><|vision_end|>what happens")
+    images = [[Image.fromarray(photos(1, size=40)[0]), Video(clip_of(4, 44, 60), 2.0)]]
+    with torch.no_grad():
+        torch.testing.assert_close(named.run(named.prepare([prompt], images)).logits,
+                                   ours.run(ours.prepare([prompt], images)).logits,
+                                   rtol=0, atol=0)
