@@ -102,6 +102,11 @@ BENCHMARKS = {
     "qwen3-vl tower": ("qwen3_vl_tower.py", [
         ("speed_ratio_vlm_vit_over_transformers",
          "Qwen3-VL tower (merger + DeepStack) vs transformers", ">= 1.0")]),
+    "video processor": ("video_processor.py", [
+        ("speed_ratio_qwen3_vl_vlm_vit_over_transformers",
+         "Qwen3-VL clip preprocessing vs transformers' video processor", ">= 1.0"),
+        ("speed_ratio_qwen2_vl_vlm_vit_over_transformers",
+         "Qwen2-VL clip preprocessing vs transformers' video processor", ">= 1.0")]),
     "stage-1 cache step": ("stage1_cache_step.py", [
         ("speed_ratio_cache_over_pixels", "stage-1 step, features from the cache vs pixels",
          "")]),
@@ -169,6 +174,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "stage-1 cache step": [],
         "encode towers 2026": [],
         "qwen3-vl tower": [],
+        "video processor": [],
         # 10 of vit-l/16's 24 blocks: DDP's two ranks then peak at ~7.7 GB together (all 24
         # would take ~14 GB); bytes per parameter do not depend on the depth.
         "fsdp memory": ["--depth", "10"],
@@ -197,6 +203,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "stage-1 cache step": ["--llm-layers", "2", "--repeats", "3"],
         "encode towers 2026": ["--depth", "6", "--repeats", "3"],
         "qwen3-vl tower": ["--depth", "6", "--repeats", "3"],
+        "video processor": ["--frames", "8", "--repeats", "3"],
         "fsdp memory": ["--quick"],
         "window attention": ["--depth", "4", "--repeats", "5"],
         "encode dinov2-l/14": ["--depth", "6", "--batch-size", "1", "--repeats", "3"],
@@ -240,6 +247,8 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                                "--repeats", "1", "--warmup", "0"],
         "qwen3-vl tower": ["--depth", "2", "--width", "144", "--sides", "64", "64", "32", "96",
                            "--repeats", "1", "--warmup", "0"],
+        "video processor": ["--frames", "2", "--side", "48", "64", "--repeats", "1",
+                            "--warmup", "0"],
         "fsdp memory": ["--tiny"],
         "window attention": ["--width", "64", "--depth", "2", "--heads", "2", "--mlp-width",
                              "96", "--height", "56", "--image-width", "112",

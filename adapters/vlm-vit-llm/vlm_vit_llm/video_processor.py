@@ -158,16 +158,13 @@ class VideoProcessor:
         """
         if len(frames) == 0:
             raise ValueError(f"{name}: a clip without frames")
-        decoded = [_as_tensor(decoder.load(frame, f"{name} frame {index}"))
+        decoded = [decoder.load(frame, f"{name} frame {index}")
                    for index, frame in enumerate(frames)]
-        if len({frame.dtype for frame in decoded}) > 1:  # float frames among 8-bit ones
-            decoded = [frame / 255.0 if frame.dtype == torch.uint8 else frame
-                       for frame in decoded]
-        sizes = sorted({tuple(frame.shape[1:]) for frame in decoded})
+        sizes = sorted({_size(frame) for frame in decoded})
         if len(sizes) > 1:
             raise ValueError(f"{name}: the frames of a clip must share one size, got "
                              f"{len(sizes)} sizes {sizes[:4]}")
-        pixels = torch.stack(decoded)  # [T, 3, H, W], uint8 (or float in [0, 1])
+        pixels = _stacked(decoded)  # [T, 3, H, W], uint8 (or float in [0, 1])
         height, width = sizes[0]
         try:
             target = self.size(len(decoded), height, width)
@@ -179,7 +176,9 @@ class VideoProcessor:
         scale = 255.0 if pixels.dtype == torch.uint8 else 1.0
         mean = torch.tensor(self.mean).view(3, 1, 1) * scale
         std = torch.tensor(self.std).view(3, 1, 1) * scale
-        return (pixels.to(torch.float32) - mean) / std
+        # one copy into float32 in `[T, 3, H, W]` order, then normalised in place
+        return pixels.to(torch.float32, memory_format=torch.contiguous_format).sub_(mean) \
+            .div_(std)
 
     def sample(self, video: Video) -> Video:
         """The frames transformers' video processor samples from `video`, a whole decoded
@@ -336,9 +335,21 @@ def _pick(frames: Sequence[Any] | torch.Tensor, picked: list[int]) -> Any:
     return [frames[index] for index in picked]
 
 
-def _as_tensor(image: Any) -> torch.Tensor:
-    """A decoded frame (an RGB PIL image, or a float `[3, H, W]` tensor) as a tensor
-    `[3, H, W]`: uint8 from PIL, as transformers converts it."""
-    if isinstance(image, torch.Tensor):
-        return image
-    return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
+def _size(frame: Any) -> tuple[int, int]:
+    """A decoded frame's (height, width): a PIL image's, or a `[3, H, W]` tensor's."""
+    if isinstance(frame, torch.Tensor):
+        return tuple(frame.shape[1:])
+    return frame.height, frame.width
+
+
+def _stacked(frames: list[Any]) -> torch.Tensor:
+    """Decoded frames of one size (RGB PIL images, or float `[3, H, W]` tensors in [0, 1]) as
+    `[T, 3, H, W]`: uint8 from PIL as transformers converts them, copied once in their own
+    pixel order (channels last; the resize reads that order fastest); float when any frame
+    is."""
+    if all(not isinstance(frame, torch.Tensor) for frame in frames):
+        array = np.stack([np.asarray(frame, dtype=np.uint8) for frame in frames])
+        return torch.from_numpy(array).permute(0, 3, 1, 2)
+    return torch.stack([frame if isinstance(frame, torch.Tensor) else
+                        torch.from_numpy(np.asarray(frame, dtype=np.float32) / 255.0)
+                        .permute(2, 0, 1) for frame in frames])
