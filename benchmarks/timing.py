@@ -131,6 +131,16 @@ def flush_denormals(keep: bool) -> None:
     torch.set_flush_denormal(not keep)
 
 
+def add_timing_arguments(parser, repeats: int = 5, warmup: int = 1) -> None:
+    """The timing options of the alternating benchmarks: `--repeats`, `--warmup`,
+    `--keep-denormals` (see `flush_denormals`) and `--json`."""
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--keep-denormals", action="store_true",
+                        help="do not flush denormal floats to zero (see timing.flush_denormals)")
+    parser.add_argument("--json", help="also write the results to this file")
+
+
 def add_model_arguments(parser, variant: str, image_size: int | None = None) -> None:
     """The options every benchmark shares: the model, its size, where and how it runs."""
     import torch

@@ -21,7 +21,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from timing import alternate, flush_denormals, write_json  # noqa: E402
+from timing import add_timing_arguments, alternate, flush_denormals, write_json  # noqa: E402
 
 # name -> timm architecture (its full size), the image side it was released at
 TOWERS = {
@@ -61,11 +61,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=None, help="default: each tower's")
     parser.add_argument("--width", type=int, default=None, help="default: each tower's")
     parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--keep-denormals", action="store_true",
-                        help="do not flush denormal floats to zero (see timing.flush_denormals)")
-    parser.add_argument("--json", help="also write the results to this file")
+    add_timing_arguments(parser)
     args = parser.parse_args()
     flush_denormals(args.keep_denormals)
 
