@@ -21,7 +21,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from timing import alternate, flush_denormals, write_json  # noqa: E402
+from timing import add_timing_arguments, alternate, flush_denormals, write_json  # noqa: E402
 
 FAMILIES = {"qwen3_vl": ("Qwen3VLVideoProcessor", 16), "qwen2_vl": ("Qwen2VLVideoProcessor", 14)}
 
@@ -56,11 +56,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=16, help="an even count")
     parser.add_argument("--side", type=int, nargs=2, default=[480, 640],
                         metavar=("HEIGHT", "WIDTH"))
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--keep-denormals", action="store_true",
-                        help="do not flush denormal floats to zero (see timing.flush_denormals)")
-    parser.add_argument("--json", help="also write the results to this file")
+    add_timing_arguments(parser)
     args = parser.parse_args()
     flush_denormals(args.keep_denormals)
     if args.frames < 2 or args.frames % 2:
