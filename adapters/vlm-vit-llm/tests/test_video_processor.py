@@ -376,3 +376,19 @@ def test_a_qwen_folder_reads_by_its_hub_name_from_the_cache(qwen, tmp_path, monk
         torch.testing.assert_close(named.run(named.prepare([prompt], images)).logits,
                                    ours.run(ours.prepare([prompt], images)).logits,
                                    rtol=0, atol=0)
+
+
+def test_a_video_processor_of_the_other_family_is_not_written(qwen, tmp_path, monkeypatch):
+    """transformers' class of the family sizes clips by its own rule: a video processor of
+    the other rule cannot be written as it, and nothing is."""
+    from dataclasses import replace
+
+    from vlm_vit_llm.qwen_vl_writer import export_qwen_vl
+
+    family, folder, hf, processor, ours = qwen
+    other = {"qwen2_5_vl": "qwen3_vl", "qwen3_vl": "qwen2_vl"}[family]
+    monkeypatch.setattr(ours, "video_processor", replace(ours.video_processor, rule=other))
+    with pytest.raises(ValueError, match=f"the video processor sizes clips by the {other} rule, "
+                                         f"but {family}'s video processor by the"):
+        export_qwen_vl(ours, tmp_path / "export")
+    assert not (tmp_path / "export").exists()
