@@ -197,3 +197,49 @@ def test_a_cached_embed_is_bit_identical_and_misses_for_another_tower(tmp_path, 
     changed = image_embeddings(ours, images, cache)
     assert (cache.hits, cache.misses) == (0, 3)
     assert not torch.equal(changed.tensors["image_embeds"], cold.tensors["image_embeds"])
+
+
+def test_qwen2_5_vl_clips_are_vllm_s_video_input_and_serve_its_language_model(tmp_path):
+    """A clip beside an image: the clip's tokens, grid and seconds per temporal patch go
+    apart (`multi_modal_data["video"]`), equal to transformers' processor's; placed at the
+    video tokens with `get_rope_index`'s positions (which follow the clip's time), they give
+    the full model's logits."""
+    from test_video_processor import clip_of
+
+    from vlm_vit_llm import Video
+
+    hf, processor = qwen_folder(tmp_path, "qwen2_5_vl")
+    ours = MultimodalLM.from_pretrained(tmp_path)
+    picture, clip = pictures()[0], clip_of(4, 44, 60)
+    embedded = image_embeddings(ours, [picture, Video(clip, 4.0)])
+    data = embedded.vllm_data()
+    assert set(data) == {"image", "video"} and embedded.metadata["videos"] == "[1]"
+    prompt = f"{IMAGE}and <|vision_start|><|video_pad|><|vision_end|>what happens"
+    encoded = processor(text=[prompt], images=[picture], videos=[clip], do_sample_frames=False,
+                        video_metadata=[{"fps": 4.0, "total_num_frames": 4}],
+                        return_tensors="pt")
+    assert torch.equal(data["image"]["image_grid_thw"], encoded["image_grid_thw"])
+    assert torch.equal(data["video"]["video_grid_thw"], encoded["video_grid_thw"])
+    torch.testing.assert_close(data["video"]["second_per_grid_ts"],
+                               torch.as_tensor(encoded["second_per_grid_ts"]).float())
+    assert embedded.placeholder_tokens == [
+        int((encoded["input_ids"] == token).sum())
+        for token in (hf.config.image_token_id, hf.config.video_token_id)]
+    positions, _ = hf.model.get_rope_index(
+        encoded["input_ids"], encoded["mm_token_type_ids"],
+        image_grid_thw=data["image"]["image_grid_thw"],
+        video_grid_thw=data["video"]["video_grid_thw"],
+        second_per_grid_ts=data["video"]["second_per_grid_ts"],
+        attention_mask=encoded["attention_mask"])
+    inputs = hf.get_input_embeddings()(encoded["input_ids"])
+    for token, embeds in ((hf.config.image_token_id, data["image"]["image_embeds"]),
+                          (hf.config.video_token_id, data["video"]["video_embeds"])):
+        inputs = inputs.masked_scatter((encoded["input_ids"] == token).unsqueeze(-1), embeds)
+    with torch.no_grad():
+        hidden = hf.model.language_model(inputs_embeds=inputs, position_ids=positions,
+                                         attention_mask=encoded["attention_mask"])
+        served, full = hf.lm_head(hidden.last_hidden_state), hf(**encoded).logits
+    torch.testing.assert_close(served, full, rtol=0, atol=LOGITS_ATOL)
+    path = save_embeddings(embedded, tmp_path / "embeds.safetensors")
+    assert set(load_embeddings(path).vllm_data()["video"]) == {
+        "video_embeds", "video_grid_thw", "second_per_grid_ts"}

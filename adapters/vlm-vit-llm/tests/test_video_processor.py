@@ -349,13 +349,13 @@ def test_llm_embed_sizes_a_clip_by_the_video_processor(qwen):
                                          "frames_indices": [0, 1, 2, 3]}],
                         do_sample_frames=False, return_tensors="pt")
     embedded = image_embeddings(ours, [Video(clip, 2.0)])
-    assert torch.equal(embedded.tensors["image_grid_thw"], encoded["video_grid_thw"])
+    assert torch.equal(embedded.tensors["video_grid_thw"], encoded["video_grid_thw"])
     with torch.no_grad():
         theirs = hf.model.get_video_features(encoded["pixel_values_videos"],
                                              encoded["video_grid_thw"])
     merged = torch.cat(list(theirs.pooler_output))
     width = merged.shape[-1]
-    torch.testing.assert_close(embedded.tensors["image_embeds"][:, :width], merged,
+    torch.testing.assert_close(embedded.tensors["video_embeds"][:, :width], merged,
                                rtol=0, atol=1e-5)
 
 

@@ -20,7 +20,11 @@ Layouts, by the model's kind (vLLM's documented embedding inputs; facts from its
   the merge), as `{"image_embeds": ..., "image_grid_thw": ...}`. Qwen3-VL's tokens carry
   their DeepStack features too: `[all images' tokens, (1 + levels) * hidden]`, each token's
   merger output then its DeepStack mergers' in layer order, which vLLM's Qwen3-VL splits
-  (`visual_dim`, `multiscale_dim`) and adds after its first decoder layers.
+  (`visual_dim`, `multiscale_dim`) and adds after its first decoder layers. Clips (`Video`)
+  go apart, as vLLM's video input (`multi_modal_data["video"]`): `video_embeds`,
+  `video_grid_thw` and, for a model whose positions follow time (Qwen2.5-VL),
+  `second_per_grid_ts` (each clip's seconds per temporal patch); the metadata's `videos`
+  lists which of the inputs were clips.
 
 Each image's placeholder count (`placeholder_tokens`) is what the model's processor inserts
 for it. The file's metadata names the layout, the transformers class and those counts.
@@ -37,12 +41,13 @@ import torch
 
 from vlm_vit.io.encode_cache import weights_digest
 from vlm_vit.io.files import atomic_write
-from vlm_vit_llm.batch_types import TiledImage
-from vlm_vit_llm.mrope import multimodal_rope, token_grid
+from vlm_vit_llm.batch_types import TiledImage, Video
+from vlm_vit_llm.mrope import multimodal_rope, time_step, token_grid
 from vlm_vit_llm.peft_helpers import split_peft
 from vlm_vit_llm.pixels import as_pixels
 
 LAYOUTS = ("fixed", "per_image", "qwen_vl")
+VIDEO_TENSORS = ("video_embeds", "video_grid_thw", "second_per_grid_ts")  # vLLM's video input
 MAX_IMAGES = 4096  # per call: the embeddings are held in memory together
 
 
@@ -65,14 +70,26 @@ class ImageEmbeddings:
 
     def vllm_input(self) -> Any:
         """What goes in `multi_modal_data["image"]`: the tensor (`fixed`), the list of
-        tensors (`per_image`), or the dict of `image_embeds` and `image_grid_thw` (Qwen)."""
+        tensors (`per_image`), or the dict of `image_embeds` and `image_grid_thw` (Qwen);
+        None when every input was a clip (`vllm_data`)."""
         if self.layout == "fixed":
             return self.tensors["image_embeds"]
         if self.layout == "per_image":
             return [self.tensors[f"image_embeds.{index}"]
                     for index in range(len(self.placeholder_tokens))]
+        if "image_embeds" not in self.tensors:
+            return None
         return {"image_embeds": self.tensors["image_embeds"],
                 "image_grid_thw": self.tensors["image_grid_thw"]}
+
+    def vllm_data(self) -> dict[str, Any]:
+        """vLLM's whole `multi_modal_data`: the images' input under "image" and the clips'
+        (`video_embeds`, `video_grid_thw`, `second_per_grid_ts` where the model has it)
+        under "video", each only when there is one."""
+        data = {} if self.vllm_input() is None else {"image": self.vllm_input()}
+        video = {name: tensor for name, tensor in self.tensors.items()
+                 if name in VIDEO_TENSORS}
+        return data | ({"video": video} if video else {})
 
 
 @torch.inference_mode()
@@ -100,11 +117,12 @@ def image_embeddings(mm: Any, images: list[Any], cache: Any = None) -> ImageEmbe
     counts = [int(tokens.shape[0]) for tokens in features]
     llm = split_peft(mm.llm)[0]
     model_class = _served_class(mm, llm)
+    metadata = {} if getattr(mm, "deepstack", None) is None else \
+        {"deepstack_levels": str(len(mm.deepstack.mergers))}
     if multimodal_rope(getattr(llm, "config", None)):
-        merge = getattr(mm.tower.pooler, "merge_size", 1)
-        grids = [token_grid(mm.tower, one) for one in pixels]
-        grid_thw = torch.tensor([[t, h * merge, w * merge] for t, h, w in grids])
-        tensors = {"image_embeds": torch.cat(features), "image_grid_thw": grid_thw}
+        tensors, clips = _qwen_tensors(mm, llm, pixels, features)
+        if clips:
+            metadata["videos"] = json.dumps(clips)
         layout = "qwen_vl"
     elif mm.tower.tiling is not None or len(set(counts)) > 1:
         tensors = {f"image_embeds.{index}": tokens for index, tokens in enumerate(features)}
@@ -113,9 +131,29 @@ def image_embeddings(mm: Any, images: list[Any], cache: Any = None) -> ImageEmbe
     else:
         tensors = {"image_embeds": torch.stack(features)}
         layout = "fixed"
-    metadata = {} if getattr(mm, "deepstack", None) is None else \
-        {"deepstack_levels": str(len(mm.deepstack.mergers))}
     return ImageEmbeddings(layout, tensors, counts, model_class, metadata)
+
+
+def _qwen_tensors(mm: Any, llm: Any, pixels: list[Any], features: list[torch.Tensor]
+                  ) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The `qwen_vl` layout's tensors: images' and clips' tokens and grids apart (a clip's
+    seconds per temporal patch too, where the model's positions follow time), and which
+    inputs were clips."""
+    merge = getattr(mm.tower.pooler, "merge_size", 1)
+    clips = [index for index, one in enumerate(pixels) if isinstance(one, Video)]
+    tensors = {}
+    for kind, rows in (("image", [i for i in range(len(pixels)) if i not in clips]),
+                       ("video", clips)):
+        if rows:
+            grids = [token_grid(mm.tower, pixels[row]) for row in rows]
+            tensors[f"{kind}_embeds"] = torch.cat([features[row] for row in rows])
+            tensors[f"{kind}_grid_thw"] = torch.tensor([[t, h * merge, w * merge]
+                                                        for t, h, w in grids])
+    per_second = getattr(getattr(llm.config, "vision_config", None), "tokens_per_second", None)
+    if clips and per_second is not None:  # Qwen2.5-VL: temporal patch / fps
+        tensors["second_per_grid_ts"] = torch.tensor(
+            [time_step(llm.config, mm.tower, pixels[row]) / per_second for row in clips])
+    return tensors, clips
 
 
 def _compute(mm: Any, pixels: list[Any]) -> list[torch.Tensor]:
