@@ -392,3 +392,42 @@ def test_a_video_processor_of_the_other_family_is_not_written(qwen, tmp_path, mo
                                          f"but {family}'s video processor by the"):
         export_qwen_vl(ours, tmp_path / "export")
     assert not (tmp_path / "export").exists()
+
+
+def test_the_embed_command_takes_clips_and_samples_them(qwen, tmp_path, capsys):
+    """`vlm-vit embed MODEL IMAGE --video FRAME... --fps R [--sample]`: the clip after the
+    image, as `image_embeddings` gives it (Qwen2.5-VL: vLLM's video input; Qwen3-VL refuses a
+    clip of several temporal patches, whose times are text); bad flags are one line."""
+    from vlm_vit.cli import main
+    from vlm_vit_llm.embeddings import image_embeddings, load_embeddings
+
+    family, folder, hf, processor, ours = qwen
+    frames = clip_of(6, 44, 60)
+    for index, frame in enumerate(frames):
+        frame.save(tmp_path / f"{index}.png")
+    Image.fromarray(photos(1, size=40)[0]).save(tmp_path / "photo.png")
+    paths = [str(tmp_path / f"{index}.png") for index in range(6)]
+    out = tmp_path / "embeds.safetensors"
+    code = main(["embed", str(folder), str(tmp_path / "photo.png"), "--video", *paths,
+                 "--fps", "3", "--sample", "--out", str(out)])
+    if family == "qwen3_vl":
+        assert code == 1 and "Qwen3-VL writes a timestamp" in capsys.readouterr().err
+        return
+    assert code == 0 and "1 image(s), 1 clip(s)" in capsys.readouterr().out
+    sampled = ours.video_processor.sample(Video(frames, 3.0))  # 4 of 6 frames at 2 a second
+    assert len(sampled.frames) == 4 and sampled.fps == 2.0
+    expected = image_embeddings(ours, [tmp_path / "photo.png", sampled])
+    read = load_embeddings(out)
+    assert read.metadata["videos"] == "[1]"
+    for name, tensor in expected.tensors.items():
+        torch.testing.assert_close(read.tensors[name], tensor, rtol=0, atol=0)
+    for arguments, message in [
+            ([], "give IMAGE files or --video FRAME"),
+            ([str(tmp_path / "photo.png"), "--fps", "2"], "--fps 2: a positive frame rate, "
+                                                          "for --video clips"),
+            (["--video", *paths, "--fps", "-1"], "--fps -1"),
+            (["--video", paths[0], str(tmp_path / "nope.png")], "nope.png does not exist")]:
+        assert main(["embed", str(folder), *arguments, "--out", str(tmp_path / "x")]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "x").exists()

@@ -235,7 +235,9 @@ def write_embeddings(mm: Any, images: list[Any], path: str | Path,
     embedded = image_embeddings(mm, images, cache)
     written = save_embeddings(embedded, path)
     cached = "" if cache is None else f"; cache: {cache.hits} hit(s), {cache.misses} miss(es)"
-    return (f"wrote {written}: {len(images)} image(s), layout {embedded.layout} for "
+    clips = len(json.loads(embedded.metadata.get("videos", "[]")))
+    inputs = f"{len(images) - clips} image(s)" + (f", {clips} clip(s)" if clips else "")
+    return (f"wrote {written}: {inputs}, layout {embedded.layout} for "
             f"{embedded.model_class}, placeholder tokens {embedded.placeholder_tokens}{cached}")
 
 
