@@ -135,7 +135,7 @@ def test_settings_vlm_vit_cannot_follow_are_refused_by_name(change, message):
                                          source="video_preprocessor_config.json")
 
 
-def test_clips_that_cannot_be_sized_are_refused_by_name():
+def test_clips_that_cannot_be_sized_are_refused_by_name(monkeypatch):
     ours = VideoProcessor("qwen3_vl", 32, 2, 256, 1 << 20, (0.5,) * 3, (0.5,) * 3)
     frames = clip_of(2, 40, 40)
     with pytest.raises(ValueError, match="clip: a clip of 1 frame.* fewer than a temporal "
@@ -146,6 +146,14 @@ def test_clips_that_cannot_be_sized_are_refused_by_name():
         ours([frames[0], frames[1].resize((48, 40))], ImageProcessor())
     with pytest.raises(ValueError, match="clip: a clip without frames"):
         ours([], ImageProcessor())
+    decoded = []
+    counting = ImageProcessor()
+    object.__setattr__(counting, "load", lambda frame, name: decoded.append(name) or frame)
+    monkeypatch.setattr("vlm_vit_llm.video_processor.MAX_CLIP_PIXELS", 2 * 40 * 40)
+    with pytest.raises(ValueError, match=r"clip: its first 3 frames hold 4800 decoded pixels, "
+                                         r"more than a clip may \(3200, MAX_CLIP_PIXELS\)"):
+        ours(clip_of(4, 40, 40), counting)
+    assert len(decoded) == 3  # the fourth frame is never decoded
     with pytest.raises(ValueError, match="aspect ratio 250, more than 200"):
         ours.size(2, 4, 1000)
 

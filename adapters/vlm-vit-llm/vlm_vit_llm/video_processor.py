@@ -49,6 +49,7 @@ DEFAULT_MEAN_STD = {"qwen2_vl": ((0.48145466, 0.4578275, 0.40821073),
                     "qwen3_vl": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}
 RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's numbers, as the configs hold them
 MAX_ASPECT = 200  # smart_resize's
+MAX_CLIP_PIXELS = 1 << 31  # decoded pixels of one clip's frames together: 6 GiB as RGB bytes
 
 
 @dataclass(frozen=True)
@@ -153,13 +154,20 @@ class VideoProcessor:
         orientation and background), sized, resized and normalised.
 
         Raises:
-            ValueError: naming `name`, for no frames, frames of different sizes, or a size
+            ValueError: naming `name`, for no frames, frames of different sizes, more than
+                `MAX_CLIP_PIXELS` decoded pixels (checked as each frame decodes), or a size
                 `size` refuses; the decoder's errors (ImageLoadError, ImageTooLargeError).
         """
         if len(frames) == 0:
             raise ValueError(f"{name}: a clip without frames")
-        decoded = [decoder.load(frame, f"{name} frame {index}")
-                   for index, frame in enumerate(frames)]
+        decoded, held = [], 0
+        for index, frame in enumerate(frames):
+            decoded.append(decoder.load(frame, f"{name} frame {index}"))
+            held += math.prod(_size(decoded[-1]))
+            if held > MAX_CLIP_PIXELS:  # before any more is decoded
+                raise ValueError(f"{name}: its first {index + 1} frames hold {held} decoded "
+                                 f"pixels, more than a clip may ({MAX_CLIP_PIXELS}, "
+                                 "MAX_CLIP_PIXELS): give fewer or smaller frames")
         sizes = sorted({_size(frame) for frame in decoded})
         if len(sizes) > 1:
             raise ValueError(f"{name}: the frames of a clip must share one size, got "
