@@ -7,9 +7,10 @@ shows as text (Bai et al. 2025, Qwen3-VL's "text-based time alignment"), as tran
 
 The chat template's wrapper around a clip's placeholder is collapsed (each frame brings its
 own); a placeholder without one is replaced alone. The time of a temporal patch is the mean of
-its first and last frame's, frame i at `i / fps`, or at `indices[i] / fps` for frames sampled
-from a video (`Video.indices`, `VideoProcessor.sample`) (the last frame repeated to fill the
-last patch, as the video processor pads it); `fps` is the `Video`'s, else transformers' 24.
+its first and last frame's (the last frame repeated to fill the last patch, as the video
+processor pads it). Frame i is at `i / fps`, or at `indices[i] / fps` for frames sampled from
+a video (`Video.indices`, `VideoProcessor.sample`); `fps` is the `Video`'s, else
+transformers' 24.
 
 `timestamped_clips` rewrites string prompts so, and gives each temporal patch as a clip of
 its own (`Video` of `temporal_patch_size` frames): the tower encodes a clip's temporal
