@@ -42,7 +42,7 @@ import torch
 from vlm_vit.io.encode_cache import weights_digest
 from vlm_vit.io.files import atomic_write
 from vlm_vit_llm.batch_types import TiledImage, Video
-from vlm_vit_llm.mrope import multimodal_rope, time_step, token_grid
+from vlm_vit_llm.mrope import clip_rate, multimodal_rope, token_grid
 from vlm_vit_llm.peft_helpers import split_peft
 from vlm_vit_llm.pixels import as_pixels
 
@@ -86,10 +86,10 @@ class ImageEmbeddings:
         """vLLM's whole `multi_modal_data`: the images' input under "image" and the clips'
         (`video_embeds`, `video_grid_thw`, `second_per_grid_ts` where the model has it)
         under "video", each only when there is one."""
-        data = {} if self.vllm_input() is None else {"image": self.vllm_input()}
+        images = self.vllm_input()
         video = {name: tensor for name, tensor in self.tensors.items()
                  if name in VIDEO_TENSORS}
-        return data | ({"video": video} if video else {})
+        return ({} if images is None else {"image": images}) | ({"video": video} if video else {})
 
 
 @torch.inference_mode()
@@ -149,10 +149,11 @@ def _qwen_tensors(mm: Any, llm: Any, pixels: list[Any], features: list[torch.Ten
             tensors[f"{kind}_embeds"] = torch.cat([features[row] for row in rows])
             tensors[f"{kind}_grid_thw"] = torch.tensor([[t, h * merge, w * merge]
                                                         for t, h, w in grids])
-    per_second = getattr(getattr(llm.config, "vision_config", None), "tokens_per_second", None)
-    if clips and per_second is not None:  # Qwen2.5-VL: temporal patch / fps
+    vision = getattr(llm.config, "vision_config", None)
+    if clips and getattr(vision, "tokens_per_second", None) is not None:  # Qwen2.5-VL
+        temporal = mm.tower.encoder.config.temporal_patch_size or 1
         tensors["second_per_grid_ts"] = torch.tensor(
-            [time_step(llm.config, mm.tower, pixels[row]) / per_second for row in clips])
+            [temporal / clip_rate(pixels[row]) for row in clips])
     return tensors, clips
 
 

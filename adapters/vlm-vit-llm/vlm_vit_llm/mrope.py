@@ -209,14 +209,24 @@ def time_step(config, tower, pixels) -> float:
     frames = getattr(pixels, "frames", None)
     if frames is None or per_second is None:
         return 1.0
-    fps = pixels.fps or DEFAULT_FPS
+    return per_second * (tower.encoder.config.temporal_patch_size or 1) / clip_rate(pixels)
+
+
+def clip_rate(video) -> float:
+    """The frame rate a clip's positions follow (Qwen2.5-VL): its fps, else transformers' 24.
+
+    Raises:
+        ValueError: for an fps that is not a positive number, or a clip given by its frames'
+            indices (their rate is not the clip's).
+    """
+    fps = video.fps or DEFAULT_FPS
     if not fps > 0:
         raise ValueError(f"a Video's fps must be a positive number, got {fps!r}")
-    if getattr(pixels, "indices", None) is not None:
+    if getattr(video, "indices", None) is not None:
         raise ValueError("Qwen2.5-VL spaces a clip's temporal patches by its frames' rate, "
                          "not their indices: give the sampled frames' own rate as fps "
                          "(VideoProcessor.sample of this model does)")
-    return per_second * (tower.encoder.config.temporal_patch_size or 1) / fps
+    return fps
 
 
 def image_spans(image_mask: torch.Tensor, attention_mask: torch.Tensor,

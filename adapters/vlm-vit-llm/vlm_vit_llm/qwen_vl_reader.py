@@ -36,7 +36,7 @@ from vlm_vit_llm.hf_reading import (
     video_processor_settings,
 )
 from vlm_vit_llm.saving import ModelParts
-from vlm_vit_llm.video_processor import VideoProcessor
+from vlm_vit_llm.video_processor import RULE_OF, VideoProcessor
 
 MODEL_TYPES = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}
 IMAGE_TOKEN = "<|image_pad|>"
@@ -137,9 +137,9 @@ def _our_video_processor(directory: Path, config: Any) -> VideoProcessor | None:
     settings, path = found
     vision = config.vision_config
     _check_sizes(settings, vision, path)
-    rule = "qwen3_vl" if config.model_type == "qwen3_vl" else "qwen2_vl"
     return VideoProcessor.from_transformers(
-        settings, rule, multiple=vision.patch_size * vision.spatial_merge_size,
+        settings, RULE_OF[config.model_type],
+        multiple=vision.patch_size * vision.spatial_merge_size,
         temporal=vision.temporal_patch_size, source=path)
 
 

@@ -29,6 +29,7 @@ from vlm_vit.io.files import atomic_directory
 from vlm_vit_llm.mrope import multimodal_rope
 from vlm_vit_llm.peft_helpers import base_state, merged_state, merged_tied_state, split_peft
 from vlm_vit_llm.saving import EXPORT_FILES, ModelParts
+from vlm_vit_llm.video_processor import RULE_OF
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,6 @@ FAMILIES = {"qwen2_vl": (HfQwen2VLVisionFormat(), "Qwen2VL"),
             "qwen3_vl": (HfQwen3VLVisionFormat(), "Qwen3VL")}
 # transformers' video processor class, by family (Qwen3-VL samples and stamps frames itself).
 VIDEO_PROCESSORS = {"qwen3_vl": "Qwen3VLVideoProcessor"}
-VIDEO_RULES = {"qwen3_vl": "qwen3_vl"}  # how it sizes clips (`VideoProcessor.rule`); else qwen2_vl
 VISUAL_PREFIX = "model.visual."
 # Fields of the tower's config.json that are bookkeeping, not shape.
 UNCOMPARED = ("architectures", "model_type", "dtype", "initializer_range")
@@ -132,7 +132,7 @@ def _processor(parts: ModelParts, vision: dict[str, Any], model_type: str):
                                "longest_edge": settings["max_pixels"]},
                       "image_mean": settings["image_mean"], "image_std": settings["image_std"]}
     if parts.video_processor is not None:
-        rule = VIDEO_RULES.get(model_type, "qwen2_vl")
+        rule = RULE_OF[model_type]
         if parts.video_processor.rule != rule:
             raise ValueError(f"the video processor sizes clips by the {parts.video_processor.rule}"
                              f" rule, but {model_type}'s video processor by the {rule} rule")

@@ -38,6 +38,7 @@ from vlm_vit_llm.mrope import DEFAULT_FPS
 
 # How the clip's size is bounded: "qwen2_vl" per frame, "qwen3_vl" over the clip's frames.
 RULES = ("qwen2_vl", "qwen3_vl")
+RULE_OF = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl"}  # by model
 # transformers' class defaults, per rule: the pixel bounds (`size`), the token budget of
 # `cap_pixels_per_frame` and the normalisation (`Qwen2VLVideoProcessor` keeps CLIP's).
 DEFAULT_BOUNDS = {"qwen2_vl": (128 * 28 * 28, 28 * 28 * 768),
